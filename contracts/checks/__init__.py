@@ -1,0 +1,8 @@
+"""Importing this package registers every check of the catalogue."""
+
+from . import aliases  # noqa: F401
+from . import config  # noqa: F401
+from . import lifecycle  # noqa: F401
+from . import plan  # noqa: F401
+from . import residency  # noqa: F401
+from . import split  # noqa: F401

@@ -1,0 +1,125 @@
+"""Watching a pipeline while it runs: observer hooks, copy-direction spying, residency probes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..registry import fail
+
+__all__ = [
+    "CopySpy",
+    "compare_outputs",
+    "observe",
+    "resident_fraction",
+    "tensors_of",
+]
+
+
+def tensors_of(module: nn.Module) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for t in list(module.parameters()) + [b for b in module.buffers() if b is not None]:
+        if id(t) not in seen and t.numel():
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def resident_fraction(platform: Any, module: nn.Module) -> float:
+    """Share of ``module``'s tensors whose storage is device storage (1.0: fully resident)."""
+    ts = tensors_of(module)
+    if not ts:
+        return 1.0
+    return sum(platform.is_resident(t) for t in ts) / len(ts)
+
+
+def is_resident(platform: Any, module: nn.Module) -> bool:
+    return all(platform.is_resident(t) for t in tensors_of(module))
+
+
+def is_offloaded(platform: Any, module: nn.Module) -> bool:
+    return not any(platform.is_resident(t) for t in tensors_of(module))
+
+
+def module_bytes(module: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in tensors_of(module):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+@contextmanager
+def observe(
+    modules: Sequence[tuple[str, nn.Module]],
+    before: Callable[[str, nn.Module], None] | None = None,
+    after: Callable[[str, nn.Module], None] | None = None,
+) -> Iterator[list[str]]:
+    """Call ``before(path, module)`` / ``after(...)`` around each forward of ``modules``.
+
+    Installed after the offloader's hooks, so ``before`` sees the state the offloader prepared
+    for the forward, and ``after`` the state it left.  Yields the list of observed calls.
+    """
+    calls: list[str] = []
+    handles = []
+    try:
+        for path, module in modules:
+            def pre(mod, args, path=path):
+                calls.append(path)
+                if before is not None:
+                    before(path, mod)
+
+            handles.append(module.register_forward_pre_hook(pre))
+            if after is not None:
+                handles.append(module.register_forward_hook(
+                    lambda mod, args, out, path=path: after(path, mod)))
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class CopySpy:
+    """A platform proxy that records the direction and size of every ``copy_``."""
+
+    def __init__(self, platform: Any) -> None:
+        self._platform = platform
+        self.copies: list[tuple[str, int]] = []  # ("h2d" | "d2h" | "d2d" | "h2h", bytes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._platform, name)
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        d, s = self._platform.is_resident(dst), self._platform.is_resident(src)
+        kind = {(True, False): "h2d", (False, True): "d2h", (True, True): "d2d",
+                (False, False): "h2h"}[(d, s)]
+        self.copies.append((kind, dst.numel() * dst.element_size()))
+        self._platform.copy_(dst, src)
+
+    def bytes(self, kind: str) -> int:
+        return sum(n for k, n in self.copies if k == kind)
+
+
+def compare_outputs(what: str, got: Any, want: Any) -> None:
+    """Bitwise equality (NaNs equal), with a message naming both values."""
+    if isinstance(want, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(want):
+            fail(f"{what}: output structure differs")
+        for i, (g, w) in enumerate(zip(got, want)):
+            compare_outputs(f"{what}[{i}]", g, w)
+        return
+    if got.shape != want.shape or got.dtype != want.dtype:
+        fail(f"{what}: output {tuple(got.shape)} {got.dtype} differs from the reference "
+             f"{tuple(want.shape)} {want.dtype}")
+    if not torch.equal(got.nan_to_num(), want.nan_to_num()) or not torch.equal(
+            got.isnan(), want.isnan()):
+        diff = (got.double() - want.double()).abs().nan_to_num(float("inf"))
+        fail(f"{what}: output differs from the un-offloaded reference (max abs diff "
+             f"{diff.max().item():.3g}, {int((diff != 0).sum())} of {diff.numel()} elements; "
+             f"got {got.flatten()[:4].tolist()}, want {want.flatten()[:4].tolist()})")

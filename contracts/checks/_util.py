@@ -1,0 +1,213 @@
+"""Observation helpers shared by the checks (snapshots, error expectations, topology probes)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload_ref.config import OffloadConfig, OffloadStrategy
+from offload_ref.discovery import discover_components, get_submodule_path
+from offload_ref.hooks import HOOKS_ATTR
+
+from ..registry import fail
+
+__all__ = [
+    "Snapshot",
+    "count_forward_calls",
+    "expect_error",
+    "first_dit",
+    "hook_residue",
+    "offload_attributes",
+    "snapshot",
+]
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = [(n, p) for n, p in module.named_parameters(remove_duplicate=False)]
+    out += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
+    return out
+
+
+@dataclass
+class Snapshot:
+    """What "nothing changed" means for a pipeline, comparable with ``==``-style diffs."""
+
+    tensors: dict[str, tuple]  # name -> (id, device, data_ptr, dtype, shape, stride, offset)
+    values: dict[str, torch.Tensor]  # name -> cloned values (only when asked)
+    dict_keys: dict[str, tuple[str, ...]]  # module path -> sorted __dict__ keys
+    hooks: dict[str, tuple[int, ...]]  # module path -> counts of forward (pre-)hooks
+    distributed: bool
+
+    def diff(self, other: Snapshot) -> list[str]:
+        problems = []
+        for name in sorted(set(self.tensors) | set(other.tensors)):
+            a, b = self.tensors.get(name), other.tensors.get(name)
+            if a != b:
+                problems.append(f"tensor {name}: {a} -> {b}")
+        for name, value in self.values.items():
+            now = other.values.get(name)
+            if now is None or not _same_values(value, now):
+                problems.append(f"values of {name} changed")
+        for path in sorted(set(self.dict_keys) | set(other.dict_keys)):
+            a, b = set(self.dict_keys.get(path, ())), set(other.dict_keys.get(path, ()))
+            if a != b:
+                problems.append(f"module {path or '<root>'} attributes: added {sorted(b - a)}, "
+                                f"removed {sorted(a - b)}")
+        for path in sorted(set(self.hooks) | set(other.hooks)):
+            if self.hooks.get(path) != other.hooks.get(path):
+                problems.append(f"module {path or '<root>'} forward hooks: "
+                                f"{self.hooks.get(path)} -> {other.hooks.get(path)}")
+        if self.distributed != other.distributed:
+            problems.append("torch.distributed initialization state changed")
+        return problems
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a.cpu(), b.cpu())) or bool(
+        torch.equal(torch.isnan(a.cpu()), torch.isnan(b.cpu()))
+        and torch.equal(a.cpu().nan_to_num(), b.cpu().nan_to_num())
+    )
+
+
+def snapshot(pipeline: nn.Module, *, values: bool = False) -> Snapshot:
+    tensors, vals = {}, {}
+    for name, t in _named_tensors(pipeline):
+        tensors[name] = (id(t), str(t.device), t.untyped_storage().data_ptr() if t.numel() else 0,
+                         t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        if values:
+            vals[name] = t.detach().clone()
+    dict_keys, hooks = {}, {}
+    for path, module in pipeline.named_modules(remove_duplicate=False):
+        dict_keys[path] = tuple(sorted(module.__dict__))
+        hooks[path] = (len(module._forward_pre_hooks), len(module._forward_hooks))
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return Snapshot(tensors, vals, dict_keys, hooks, distributed)
+
+
+def storage_groups(pipeline: nn.Module) -> list[tuple[str, ...]]:
+    """Names of tensors grouped by shared storage (groups of two or more)."""
+    groups: dict[tuple, list[str]] = {}
+    for name, t in _named_tensors(pipeline):
+        if t.numel():
+            groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(name)
+    return sorted(tuple(sorted(g)) for g in groups.values() if len(g) > 1)
+
+
+@contextmanager
+def count_forward_calls() -> Iterator[list[str]]:
+    """Every module forward call while inside (a global pre-hook)."""
+    calls: list[str] = []
+    handle = nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: calls.append(type(module).__name__))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def expect_error(
+    what: str,
+    fn: Callable[[], Any],
+    *,
+    types: tuple[type[BaseException], ...] = (ValueError,),
+    mentions: tuple[str, ...] = (),
+) -> BaseException:
+    """``fn()`` must raise one of ``types`` whose message contains every string of ``mentions``."""
+    try:
+        fn()
+    except types as exc:
+        message = str(exc)
+        missing = [m for m in mentions if m not in message]
+        if missing:
+            fail(f"{what}: the error does not mention {missing}: {message!r}")
+        return exc
+    except Exception as exc:
+        fail(f"{what}: expected {[t.__name__ for t in types]}, got "
+             f"{type(exc).__name__}: {exc}")
+    fail(f"{what}: expected {[t.__name__ for t in types]}, nothing was raised")
+    raise AssertionError  # unreachable
+
+
+def first_dit(pipeline: nn.Module) -> tuple[str, nn.Module]:
+    found = discover_components(pipeline)
+    if not found.dits:
+        fail(f"{type(pipeline).__name__} has no discoverable DiT")
+    return found.dits[0]
+
+
+def has_role(role: str) -> Callable[[Any, str], bool]:
+    """``applies`` predicate: the spec's pipeline declares a component of ``role``."""
+    cache: dict[str, bool] = {}
+
+    def applies(spec: Any, strategy: str) -> bool:
+        if spec.name not in cache:
+            found = discover_components(spec.build())
+            cache[spec.name] = bool(getattr(found, role))
+        return cache[spec.name]
+
+    return applies
+
+
+def offload_attributes(pipeline: nn.Module) -> list[str]:
+    """Every ``_offload_ref_*`` attribute left on the pipeline or its modules."""
+    out = []
+    for path, module in pipeline.named_modules(remove_duplicate=False):
+        for key in module.__dict__:
+            if key.startswith("_offload_ref"):
+                out.append(f"{path or '<root>'}.{key}")
+    return out
+
+
+def hook_residue(pipeline: nn.Module) -> list[str]:
+    out = []
+    for path, module in pipeline.named_modules(remove_duplicate=False):
+        if HOOKS_ATTR in module.__dict__:
+            out.append(f"{path or '<root>'}: {list(module.__dict__[HOOKS_ATTR])}")
+    return out
+
+
+def weak_hooks(pipeline: nn.Module) -> list[weakref.ref]:
+    refs = []
+    for _, module in pipeline.named_modules():
+        for entry in module.__dict__.get(HOOKS_ATTR, {}).values():
+            refs.append(weakref.ref(entry.hook))
+    return refs
+
+
+def collected(refs: list[weakref.ref]) -> list[str]:
+    gc.collect()
+    return [repr(r()) for r in refs if r() is not None]
+
+
+def layer_config(strategy: OffloadStrategy, **overrides: Any) -> OffloadConfig:
+    fields = {"strategy": strategy, "components": ("dit",)}
+    fields.update(overrides)
+    return OffloadConfig(**fields)
+
+
+def dit_containers(pipeline: nn.Module, dit_path: str, dit: nn.Module) -> tuple[str, ...]:
+    plan = getattr(pipeline, "_offload_plan", None)
+    if plan is not None and dit_path in plan.block_attrs:
+        return tuple(plan.block_attrs[dit_path])
+    names = getattr(dit, "_layerwise_offload_blocks_attrs", None) or ()
+    return tuple([names] if isinstance(names, str) else names)
+
+
+def dit_blocks(pipeline: nn.Module, dit_path: str, dit: nn.Module) -> list[nn.Module]:
+    blocks = []
+    for name in dit_containers(pipeline, dit_path, dit):
+        container = get_submodule_path(dit, name)
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            blocks.extend(container)
+        elif isinstance(container, nn.Module):
+            blocks.append(container)
+    return blocks

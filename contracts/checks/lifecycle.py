@@ -1,0 +1,294 @@
+"""CONTRACTS.md §B (rollback on failed enable) and §C (disable / enable cycles)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from ..registry import check, fail
+from ._observe import compare_outputs
+from ._util import (
+    collected,
+    hook_residue,
+    offload_attributes,
+    snapshot,
+    storage_groups,
+    weak_hooks,
+)
+
+#: Strategies with a built backend (distributed layerwise joins when its backend lands).
+BACKENDS = ("model_level", "layer_wise")
+
+
+class InjectedFault(RuntimeError):
+    """The fault the kit injects at one mutation step of enable."""
+
+
+def _dry_run_steps(case: Any) -> list[str]:
+    pipeline = case.build()
+    backend = case.backend()
+    steps: list[str] = []
+    backend.fault_injector = lambda index, label: steps.append(label)
+    backend.enable(pipeline)
+    backend.disable()
+    if not steps:
+        fail(f"enable on {type(pipeline).__name__} went through no mutation step; the kit "
+             "cannot inject faults (does the backend use a Transaction?)")
+    return steps
+
+
+def _fail_at(case: Any, k: int, pipeline: Any = None) -> tuple[Any, Any, Any, BaseException]:
+    """Enable a (fresh) pipeline with a fault at step ``k``; return (pipeline, backend, platform,
+    error)."""
+    pipeline = pipeline if pipeline is not None else case.build()
+    platform = case.platform()
+    backend = case.backend(platform=platform)
+
+    def inject(index: int, label: str) -> None:
+        if index == k:
+            raise InjectedFault(f"injected fault at step {k} ({label})")
+
+    backend.fault_injector = inject
+    try:
+        backend.enable(pipeline)
+    except Exception as exc:  # the contract: any failure surfaces, chained to the cause
+        error = exc
+    else:
+        fail(f"enable succeeded although step {k} raised {InjectedFault.__name__}")
+    finally:
+        backend.fault_injector = None
+    return pipeline, backend, platform, error
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    out = []
+    while exc is not None and exc not in out:
+        out.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return out
+
+
+@check("B", strategies=BACKENDS)
+def check_failed_enable_restores_the_pipeline(case) -> None:
+    """A fault at any mutation step of enable leaves every tensor, hook and attribute as before."""
+    steps = _dry_run_steps(case)
+    for k, label in enumerate(steps):
+        pipeline = case.build()
+        before, groups = snapshot(pipeline, values=True), storage_groups(pipeline)
+        _fail_at(case, k, pipeline)
+        problems = before.diff(snapshot(pipeline, values=True))
+        if storage_groups(pipeline) != groups:
+            problems.append(f"storage sharing changed: {groups} -> {storage_groups(pipeline)}")
+        problems += [f"hook left: {h}" for h in hook_residue(pipeline)]
+        problems += [f"attribute left: {a}" for a in offload_attributes(pipeline)]
+        if problems:
+            fail(f"after a fault at step {k} ({label}) the pipeline is not restored: "
+                 f"{problems[:6]}")
+
+
+@check("B", strategies=BACKENDS)
+def check_failed_enable_releases_memory_and_chains_the_cause(case) -> None:
+    """After a failed enable: no device or pinned bytes of ours, backend disabled, the injected
+    fault in the exception chain."""
+    steps = _dry_run_steps(case)
+    for k, label in enumerate(steps):
+        pipeline, backend, platform, error = _fail_at(case, k)
+        where = f"fault at step {k} ({label})"
+        if not any(isinstance(e, InjectedFault) for e in _chain(error)):
+            fail(f"{where}: the raised {type(error).__name__} does not chain the cause: {error}")
+        if backend.is_enabled():
+            fail(f"{where}: is_enabled() is True after a failed enable")
+        if platform.memory_allocated() or platform.pinned_bytes():
+            fail(f"{where}: {platform.memory_allocated()} device and {platform.pinned_bytes()} "
+                 "pinned bytes are still held")
+
+
+@check("B", strategies=BACKENDS)
+def check_failed_enable_can_be_retried(case) -> None:
+    """After a failed enable, a second enable on the same pipeline works and matches the
+    reference."""
+    steps = _dry_run_steps(case)
+    reference = case.reference()
+    for k in sorted({0, len(steps) // 2, len(steps) - 1}):
+        pipeline, backend, platform, _ = _fail_at(case, k)
+        backend.enable(pipeline)
+        if not backend.is_enabled():
+            fail(f"retry after a fault at step {k}: backend not enabled")
+        compare_outputs(f"retry after a fault at step {k}", case.run(pipeline), reference)
+        backend.disable()
+
+
+@check("C", strategies=BACKENDS)
+def check_enable_disable_cycles_match_the_reference(case) -> None:
+    """Every cycle: offloaded output = reference; after disable, plain output = reference."""
+    reference = case.reference()
+    pipeline = case.build()
+    backend = case.backend()
+    for cycle in range(3):
+        backend.enable(pipeline)
+        compare_outputs(f"cycle {cycle}, offloaded", case.run(pipeline), reference)
+        backend.disable()
+        compare_outputs(f"cycle {cycle}, after disable", case.run(pipeline), reference)
+
+
+@check("C", strategies=BACKENDS)
+def check_disable_removes_every_trace(case) -> None:
+    """After disable: no hook, registry or _offload_ref_* attribute; hooks are collected."""
+    pipeline = case.build()
+    before = snapshot(pipeline)
+    backend = case.backend()
+    backend.enable(pipeline)
+    case.run(pipeline)
+    refs = weak_hooks(pipeline)
+    backend.disable()
+    problems = [f"hook left: {h}" for h in hook_residue(pipeline)]
+    problems += [f"attribute left: {a}" for a in offload_attributes(pipeline)]
+    after = snapshot(pipeline)
+    for path in sorted(before.hooks):
+        if before.hooks[path] != after.hooks.get(path):
+            problems.append(f"{path or '<root>'}: forward hooks {before.hooks[path]} -> "
+                            f"{after.hooks.get(path)}")
+        if set(before.dict_keys[path]) != set(after.dict_keys.get(path, ())):
+            problems.append(f"{path or '<root>'}: attributes changed")
+    alive = collected(refs)
+    if alive:
+        problems.append(f"{len(alive)} hook object(s) still alive after disable: {alive[:3]}")
+    if problems:
+        fail(f"disable left traces on {type(pipeline).__name__}: {problems[:6]}")
+
+
+@check("C", strategies=BACKENDS)
+def check_disable_restores_parameters_and_placement(case) -> None:
+    """After disable: same Parameter objects, same values, dtypes, strides, storage sharing and
+    original placement; device and pinned bytes back to the baseline."""
+    pipeline = case.build()
+    platform = case.platform()
+    before = snapshot(pipeline, values=True)
+    groups = storage_groups(pipeline)
+    placement = {n: platform.is_resident(t) for n, t in _tensors(pipeline)}
+    backend = case.backend(platform=platform)
+    backend.enable(pipeline)
+    case.run(pipeline)
+    backend.disable()
+    after = snapshot(pipeline, values=True)
+    problems = []
+    for name, meta in before.tensors.items():
+        now = after.tensors.get(name)
+        if now is None or now[0] != meta[0]:
+            problems.append(f"{name}: not the same tensor object")
+        elif (now[1],) + now[3:] != (meta[1],) + meta[3:]:
+            problems.append(f"{name}: (device, dtype, shape, stride, offset) "
+                            f"{(meta[1],) + meta[3:]} -> {(now[1],) + now[3:]}")
+    problems += [p for p in before.diff(after) if p.startswith("values")]
+    if storage_groups(pipeline) != groups:
+        problems.append(f"storage sharing {groups} -> {storage_groups(pipeline)}")
+    moved = [n for n, t in _tensors(pipeline) if platform.is_resident(t) != placement.get(n)]
+    if moved:
+        problems.append(f"placement differs from before enable: {moved[:4]}")
+    if platform.memory_allocated() or platform.pinned_bytes():
+        problems.append(f"{platform.memory_allocated()} device / {platform.pinned_bytes()} "
+                        "pinned bytes still held")
+    if problems:
+        fail(f"disable did not restore {type(pipeline).__name__}: {problems[:6]}")
+
+
+def _tensors(pipeline: Any) -> list[tuple[str, Any]]:
+    out = list(pipeline.named_parameters(remove_duplicate=False))
+    return out + [(n, b) for n, b in pipeline.named_buffers(remove_duplicate=False)
+                  if b is not None]
+
+
+@check("C", strategies=BACKENDS)
+def check_second_disable_is_a_noop(case) -> None:
+    """disable() twice: the second changes nothing and raises nothing."""
+    pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    backend.disable()
+    before = snapshot(pipeline, values=True)
+    backend.disable()
+    problems = before.diff(snapshot(pipeline, values=True))
+    if problems or backend.is_enabled():
+        fail(f"a second disable changed the pipeline: {problems[:5]}")
+
+
+@check("C", strategies=BACKENDS)
+def check_second_enable_is_idempotent_and_exclusive(case) -> None:
+    """enable() twice on one pipeline is a no-op (documented); enabling a second pipeline, or a
+    second backend on an owned pipeline, raises RuntimeError."""
+    pipeline = case.build()
+    platform = case.platform()
+    backend = case.backend(platform=platform)
+    backend.enable(pipeline)
+    held, hooks = platform.memory_allocated(), hook_residue(pipeline)
+    backend.enable(pipeline)
+    if platform.memory_allocated() != held or hook_residue(pipeline) != hooks:
+        fail("a second enable on the same pipeline changed device bytes or hooks")
+    compare_outputs("after a second enable", case.run(pipeline), case.reference())
+    other = case.build()
+    try:
+        backend.enable(other)
+    except RuntimeError:
+        pass
+    else:
+        fail("enable on a second pipeline while enabled did not raise RuntimeError")
+    rival = case.backend()
+    try:
+        rival.enable(pipeline)
+    except RuntimeError:
+        pass
+    else:
+        fail("a second backend enabled on a pipeline another backend owns")
+    if hook_residue(other):
+        fail("the rejected enable left hooks on the second pipeline")
+    backend.disable()
+
+
+@check("C", strategies=BACKENDS)
+def check_cycles_do_not_grow_memory(case) -> None:
+    """100 enable/disable cycles: device and pinned bytes return to the baseline every time."""
+    pipeline = case.build()
+    platform = case.platform()
+    backend = case.backend(platform=platform)
+    base = (platform.memory_allocated(), platform.pinned_bytes())
+    for cycle in range(100):
+        backend.enable(pipeline)
+        if cycle % 25 == 0:
+            case.run(pipeline)
+        backend.disable()
+        now = (platform.memory_allocated(), platform.pinned_bytes())
+        if now != base:
+            fail(f"after cycle {cycle}: (device, pinned) bytes {now} != baseline {base}")
+
+
+@check("C", strategies=BACKENDS)
+def check_random_lifecycle_sequences_keep_invariants(case) -> None:
+    """Seeded random sequences of enable / forward / disable / component activation: outputs
+    always match and a disabled pipeline carries no trace."""
+    reference = case.reference()
+    rng = random.Random(f"{case.label}")
+    for sequence in range(3):
+        pipeline = case.build()
+        platform = case.platform()
+        backend = case.backend(platform=platform)
+        ops = []
+        for _ in range(10):
+            op = rng.choice(["enable", "forward", "disable", "phase"])
+            ops.append(op)
+            if op == "enable":
+                backend.enable(pipeline)
+            elif op == "disable":
+                backend.disable()
+            elif op == "forward":
+                compare_outputs(f"sequence {sequence} {ops}", case.run(pipeline), reference)
+            elif op == "phase" and backend.is_enabled() and hasattr(backend, "use_component"):
+                paths = [c.path for c in backend.plan.components] if backend.plan else []
+                if paths:
+                    with backend.use_component(rng.choice(paths)):
+                        pass
+            if not backend.is_enabled():
+                residue = hook_residue(pipeline) + offload_attributes(pipeline)
+                if residue or platform.memory_allocated():
+                    fail(f"sequence {sequence} {ops}: disabled pipeline keeps {residue[:3]} and "
+                         f"{platform.memory_allocated()} device bytes")
+        backend.disable()

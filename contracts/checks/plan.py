@@ -1,0 +1,380 @@
+"""CONTRACTS.md §A: plan resolution (pure, repeatable, declared, validated before mutation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+from torch import nn
+
+from offload_ref.config import LayerOptions, OffloadConfig, OffloadStrategy, WeightTransfer
+from offload_ref.discovery import FALLBACK_NAMES, discover_components, get_submodule_path
+from offload_ref.plan import OffloadPlan
+
+from ..registry import check, fail
+from ._util import (
+    count_forward_calls,
+    dit_blocks,
+    dit_containers,
+    expect_error,
+    first_dit,
+    has_role,
+    snapshot,
+)
+
+LAYER = ("layer_wise", "distributed_layer_wise")
+
+
+def _with_plan(pipeline: Any, **changes: Any) -> None:
+    """Give this pipeline instance its own OffloadPlan (the class keeps its declaration)."""
+    base = getattr(pipeline, "_offload_plan", None) or OffloadPlan()
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(OffloadPlan)}
+    for key, value in changes.items():
+        if isinstance(fields.get(key), dict) or hasattr(fields.get(key), "items"):
+            merged = dict(fields[key])
+            merged.update(value)
+            value = merged
+        fields[key] = value
+    pipeline.__dict__["_offload_plan"] = OffloadPlan(**fields)
+
+
+def _resolve_and_expect_rejection(case, pipeline, config, what, mentions) -> None:
+    before = snapshot(pipeline, values=True)
+    expect_error(what, lambda: case.resolve(pipeline, config), mentions=mentions)
+    problems = before.diff(snapshot(pipeline, values=True))
+    if problems:
+        fail(f"{what}: the pipeline changed although resolution failed: {problems[:5]}")
+
+
+def _plan_signature(plan: Any) -> Any:
+    comps = []
+    for c in plan.components:
+        stacks = [
+            (s.owner_path, s.container_paths, tuple(id(b) for b in s.blocks), s.block_paths,
+             s.resident_head, str(s.transfer), tuple(a.path for a in s.aliases))
+            for s in c.stacks
+        ]
+        comps.append((c.path, id(c.module), c.role, c.selected, c.on_demand, tuple(stacks)))
+    return (str(plan.strategy), plan.skip_reason, plan.delegated, tuple(comps))
+
+
+def _not_delegated(spec: Any, strategy: str) -> bool:
+    pipeline = spec.build()
+    return not (strategy == "model_level" and callable(
+        getattr(pipeline, "enable_omni_model_cpu_offload", None)))
+
+
+@check("A.1")
+def check_plan_resolution_is_pure(case) -> None:
+    """Resolving moves no tensor, adds no attribute or hook, runs no forward, touches no
+    process group."""
+    pipeline = case.build()
+    before = snapshot(pipeline, values=True)
+    with count_forward_calls() as calls:
+        case.resolve(pipeline)
+    problems = before.diff(snapshot(pipeline, values=True))
+    if calls:
+        problems.append(f"forward ran during resolution: {calls[:5]}")
+    if problems:
+        fail(f"resolve_offload_plan mutated {type(pipeline).__name__}: {problems[:8]}")
+
+
+@check("A.2")
+def check_plan_resolution_is_repeatable(case) -> None:
+    """Resolving twice gives equal plans: paths, selection, on-demand flags, blocks, order."""
+    pipeline = case.build()
+    first, second = case.resolve(pipeline), case.resolve(pipeline)
+    a, b = _plan_signature(first), _plan_signature(second)
+    if a != b:
+        fail(f"two resolutions of {type(pipeline).__name__} differ:\n  {a}\n  {b}")
+    if first != second:
+        fail("two resolutions have equal contents but do not compare equal")
+
+
+@check("A.3", strategies=LAYER)
+def check_plan_block_attrs_beat_class_attributes(case) -> None:
+    """OffloadPlan.block_attrs wins over the DiT's _layerwise_offload_blocks_attrs."""
+    pipeline = case.build()
+    path, dit = first_dit(pipeline)
+    blocks = dit_blocks(pipeline, path, dit)
+    # A second container with the same blocks in reverse order, declared only by the plan.
+    dit._kit_plan_blocks = nn.ModuleList(list(reversed(blocks)))
+    _with_plan(pipeline, block_attrs={path: ("_kit_plan_blocks",)})
+    plan = case.resolve(pipeline)
+    stacks = [s for s in plan.stacks if s.owner_path == path]
+    if not stacks:
+        fail(f"no ring resolved for DiT {path!r}")
+    got = [id(b) for b in stacks[0].blocks]
+    want = [id(b) for b in reversed(blocks)]
+    if got != want or stacks[0].container_paths != (f"{path}._kit_plan_blocks",):
+        fail(f"DiT {path!r}: OffloadPlan.block_attrs must win; resolved containers "
+             f"{stacks[0].container_paths} with block order {got[:3]}..., expected "
+             f"('{path}._kit_plan_blocks',) in reversed order")
+
+
+@check("A.3", applies=_not_delegated)
+def check_declared_components_beat_attribute_scan(case) -> None:
+    """Declared components are used as declared; a well-known but undeclared name is ignored."""
+    pipeline = case.build()
+    decoy_role = {"dit": "dits", "encoder": "encoders", "vae": "vaes"}
+    added = []
+    for role, names in FALLBACK_NAMES.items():
+        for name in names:
+            if get_submodule_path(pipeline, name) is not None and hasattr(pipeline, name):
+                continue
+            setattr(pipeline, name, nn.Linear(2, 2))
+            added.append((decoy_role[role], name))
+            break
+    config = case.config(components=("dit", "text_encoder")) \
+        if case.strategy is OffloadStrategy.MODEL_LEVEL else case.config()
+    plan = case.resolve(pipeline, config)
+    paths = {c.path for c in plan.components}
+    leaked = [name for _, name in added if name in paths]
+    if leaked:
+        fail(f"undeclared attributes {leaked} joined the plan of {type(pipeline).__name__}, "
+             "which declares its components")
+
+
+@check("A.3", strategies=("model_level", "layer_wise"), applies=_not_delegated)
+def check_attribute_scan_warns_once_per_pipeline_class(case) -> None:
+    """A pipeline without declarations is scanned by name, with one warning per class."""
+    source = case.build()
+    found = discover_components(source)
+    undeclared = type("KitUndeclaredPipeline", (nn.Module,), {})
+    names = {"dits": ("transformer", "transformer_2"), "encoders": ("text_encoder",),
+             "vaes": ("vae",)}
+
+    def make() -> nn.Module:
+        pipe = undeclared()
+        for role, attrs in names.items():
+            for attr, (_, module) in zip(attrs, getattr(found, role)):
+                setattr(pipe, attr, module)
+        return pipe
+
+    config = case.config(explicit=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plans = [case.resolve(make(), config) for _ in range(2)]
+    scans = [w for w in caught if "declares no components" in str(w.message)
+             or "Declare _dit_modules" in str(w.message)]
+    if len(scans) != 1:
+        fail(f"expected exactly one fallback-scan warning for two resolutions of one class, got "
+             f"{len(scans)}: {[str(w.message)[:80] for w in caught]}")
+    if not plans[0].dits or plans[0].dits[0].module is not found.dits[0][1]:
+        fail("the attribute scan did not find the DiT exposed as 'transformer'")
+
+
+@check("A.4")
+def check_dotted_paths_resolve_nested_components(case) -> None:
+    """Dotted paths reach nested components: the same pipeline one level down resolves to the
+    same modules and blocks under prefixed paths."""
+    inner = case.build()
+    flat_plan = case.resolve(inner)
+
+    def prefixed(name: str) -> list[str]:
+        return [f"inner.{p}" for p in getattr(inner, name, None) or []]
+
+    attrs = {n: prefixed(n) for n in ("_dit_modules", "_encoder_modules", "_vae_modules",
+                                      "_resident_modules")}
+    base_plan = getattr(inner, "_offload_plan", None)
+    if base_plan is not None:
+        attrs["_offload_plan"] = OffloadPlan(
+            block_attrs={f"inner.{k}": v for k, v in base_plan.block_attrs.items()},
+            encoder_block_attrs={f"inner.{k}": v for k, v in base_plan.encoder_block_attrs.items()},
+            offload_submodules={f"inner.{k}": v for k, v in base_plan.offload_submodules.items()},
+            resident_dit_paths=tuple(f"inner.{p}" for p in base_plan.resident_dit_paths),
+            on_demand_component_paths=tuple(
+                f"inner.{p}" for p in base_plan.on_demand_component_paths),
+            encoder_dlo_weight_replication=tuple(
+                f"inner.{p}" for p in base_plan.encoder_dlo_weight_replication),
+        )
+    for name in ("enable_omni_model_cpu_offload", "disable_omni_model_cpu_offload"):
+        if callable(getattr(inner, name, None)):
+            attrs[name] = lambda self, _n=name, **kw: getattr(self.inner, _n)(**kw)
+    outer_cls = type("KitOuterPipeline", (nn.Module,), attrs)
+    outer = outer_cls()
+    outer.inner = inner
+    nested_plan = case.resolve(outer)
+    want = [(f"inner.{c.path}", id(c.module), c.role, c.selected,
+             [[id(b) for b in s.blocks] for s in c.stacks]) for c in flat_plan.components]
+    got = [(c.path, id(c.module), c.role, c.selected,
+            [[id(b) for b in s.blocks] for s in c.stacks]) for c in nested_plan.components]
+    if want != got:
+        fail(f"nested resolution differs: expected {[w[0] for w in want]}, got "
+             f"{[g[0] for g in got]} (or different modules/blocks)")
+
+
+@check("A.5", strategies=("model_level",), applies=_not_delegated)
+def check_model_level_without_dit_is_rejected(case) -> None:
+    """An explicit model-level selection on a pipeline with no DiT fails before mutation."""
+    pipeline = case.build()
+    pipeline.__dict__["_dit_modules"] = []
+    _resolve_and_expect_rejection(case, pipeline, case.config(), "model-level without a DiT",
+                                  ("_dit_modules",))
+
+
+@check("A.5", strategies=("model_level",), applies=_not_delegated)
+def check_model_level_without_encoder_is_rejected(case) -> None:
+    """An explicit model-level selection with no encoder stage to swap against fails."""
+    pipeline = case.build()
+    pipeline.__dict__["_encoder_modules"] = []
+    _resolve_and_expect_rejection(case, pipeline, case.config(),
+                                  "model-level without an encoder", ("_encoder_modules",))
+
+
+@check("A.5", strategies=LAYER, requires_support=False)
+def check_single_block_dit_is_rejected(case) -> None:
+    """A layer strategy on a DiT with fewer than two blocks fails, naming the DiT."""
+    pipeline = case.build()
+    path, dit = first_dit(pipeline)
+    dit._kit_one_block = nn.ModuleList(dit_blocks(pipeline, path, dit)[:1])
+    _with_plan(pipeline, block_attrs={path: ("_kit_one_block",)})
+    _resolve_and_expect_rejection(case, pipeline, case.config(), "a one-block DiT",
+                                  (path, "at least two"))
+
+
+@check("A.5", strategies=LAYER, requires_support=False)
+def check_missing_block_container_is_rejected(case) -> None:
+    """A declared block container that does not exist fails, naming the container path."""
+    pipeline = case.build()
+    path, _ = first_dit(pipeline)
+    _with_plan(pipeline, block_attrs={path: ("kit_missing_blocks",)})
+    _resolve_and_expect_rejection(case, pipeline, case.config(), "a missing container",
+                                  (f"{path}.kit_missing_blocks",))
+
+
+@check("A.5", strategies=LAYER, requires_support=False)
+def check_block_claimed_by_two_components_is_rejected(case) -> None:
+    """One block reachable from two components is rejected ("claimed by both")."""
+    pipeline = case.build()
+    path, dit = first_dit(pipeline)
+    twin = nn.Module()
+    twin.blocks = nn.ModuleList(dit_blocks(pipeline, path, dit)[:2])
+    pipeline.kit_twin = twin
+    pipeline.__dict__["_dit_modules"] = list(getattr(pipeline, "_dit_modules", [])) + ["kit_twin"]
+    _with_plan(pipeline, block_attrs={"kit_twin": ("blocks",)})
+    _resolve_and_expect_rejection(case, pipeline, case.config(), "a block in two rings",
+                                  ("claimed by both", "kit_twin"))
+
+
+@check("A.5", strategies=LAYER, requires_support=False, applies=has_role("vaes"))
+def check_on_demand_component_without_lifecycle_is_rejected(case) -> None:
+    """An on-demand component must implement load_to_device() and offload_to_cpu()."""
+    pipeline = case.build()
+    found = discover_components(pipeline)
+    path, module = found.vaes[0]
+    if callable(getattr(module, "load_to_device", None)):
+        fail(f"precondition: {path!r} already implements load_to_device")
+    _with_plan(pipeline, on_demand_component_paths=(path,))
+    _resolve_and_expect_rejection(case, pipeline, case.config(), "an on-demand VAE without "
+                                  "a lifecycle", (path, "load_to_device", "offload_to_cpu"))
+
+
+def _encoder_with_block_list(spec: Any, strategy: str) -> bool:
+    return _encoder_block_list(spec.build()) is not None
+
+
+def _encoder_block_list(pipeline: Any) -> tuple[str, str] | None:
+    for path, module in discover_components(pipeline).encoders:
+        for name, sub in module.named_modules():
+            if name and isinstance(sub, nn.ModuleList) and len(sub) >= 2:
+                return path, name
+    return None
+
+
+@check("A.5", strategies=("distributed_layer_wise",), requires_support=False,
+       applies=_encoder_with_block_list)
+def check_encoder_allgather_requires_declared_replication(case) -> None:
+    """Encoder AllGather (world > 1) needs OffloadPlan.encoder_dlo_weight_replication."""
+    pipeline = case.build()
+    path, container = _encoder_block_list(pipeline)
+    _with_plan(pipeline, encoder_block_attrs={path: (container,)})
+    config = OffloadConfig(
+        strategy=OffloadStrategy.DISTRIBUTED_LAYER_WISE, components=("dit", "text_encoder"),
+        layer_options={"text_encoder": LayerOptions(WeightTransfer.ALLGATHER)}, world_size=2)
+    _resolve_and_expect_rejection(case, pipeline, config, "encoder AllGather without "
+                                  "declared replication", (path, "encoder_dlo_weight_replication"))
+
+
+def _dlo_resident_config(resident: int) -> OffloadConfig:
+    return OffloadConfig(
+        strategy=OffloadStrategy.DISTRIBUTED_LAYER_WISE, components=("dit",),
+        layer_options={"dit": LayerOptions(WeightTransfer.RANK_LOCAL, resident)})
+
+
+@check("A.5", strategies=("distributed_layer_wise",), requires_support=False)
+def check_resident_layers_need_a_resident_dit_path(case) -> None:
+    """resident_layers without the DiT in OffloadPlan.resident_dit_paths is rejected."""
+    pipeline = case.build()
+    path, _ = first_dit(pipeline)
+    _with_plan(pipeline, resident_dit_paths=())
+    _resolve_and_expect_rejection(case, pipeline, _dlo_resident_config(1),
+                                  "resident layers without a resident DiT path",
+                                  (path, "resident_dit_paths"))
+
+
+@check("A.5", strategies=("distributed_layer_wise",), requires_support=False)
+def check_resident_layers_leaving_one_streaming_block_are_rejected(case) -> None:
+    """resident_layers that leave exactly one streaming block are rejected."""
+    pipeline = case.build()
+    path, dit = first_dit(pipeline)
+    n = len(dit_blocks(pipeline, path, dit))
+    _with_plan(pipeline, resident_dit_paths=(path,))
+    _resolve_and_expect_rejection(case, pipeline, _dlo_resident_config(n - 1),
+                                  f"resident_layers={n - 1} of {n}",
+                                  (path, "only one streaming block"))
+
+
+@check("A.6", strategies=("model_level", "layer_wise"), applies=_not_delegated)
+def check_legacy_topology_without_dit_is_a_recorded_noop(case) -> None:
+    """Legacy flags on a pipeline without a DiT: skip_reason recorded, nothing placed."""
+    pipeline = case.build()
+    pipeline.__dict__["_dit_modules"] = []
+    flag = {"model_level": "enable_cpu_offload", "layer_wise": "enable_layerwise_offload"}
+    od_config = type("KitOdConfig", (), {flag[case.strategy.value]: True})()
+    config = case.impl.config_from_od_config(od_config)
+    if config.explicit:
+        fail(f"legacy flag {flag[case.strategy.value]} produced an explicit selection")
+    plan = case.resolve(pipeline, config)
+    if not plan.skip_reason:
+        fail(f"legacy topology without a DiT must record skip_reason, got plan {plan}")
+    before = snapshot(pipeline, values=True)
+    platform = case.platform()
+    backend = case.backend(config, platform)
+    backend.enable(pipeline)
+    problems = before.diff(snapshot(pipeline, values=True))
+    if backend.is_enabled() or problems or platform.memory_allocated():
+        fail(f"a skipped plan must place nothing: enabled={backend.is_enabled()}, device bytes="
+             f"{platform.memory_allocated()}, changes={problems[:5]}")
+
+
+@check("A.7", strategies=LAYER)
+def check_tensors_aliasing_a_block_belong_to_its_ring(case) -> None:
+    """A DiT tensor outside the blocks that shares storage with a block tensor is a ring alias
+    (placement by identity, not by attribute name)."""
+    pipeline = case.build()
+    path, dit = first_dit(pipeline)
+    blocks = dit_blocks(pipeline, path, dit)
+    target_name, target = next(
+        (n, p) for n, p in blocks[-1].named_parameters() if p.numel() > 1)
+    dit.register_buffer("_kit_alias", target.data.view(-1)[1:], persistent=False)
+    plan = case.resolve(pipeline)
+    aliases = {a.path: a for s in plan.stacks for a in s.aliases}
+    want = f"{path}._kit_alias"
+    if want not in aliases:
+        fail(f"{want} views the storage of a streamed block's {target_name} but the plan does "
+             f"not record it as a ring alias (recorded: {sorted(aliases)})")
+    containers = dit_containers(pipeline, path, dit)
+    if not aliases[want].block_path.startswith(f"{path}.{containers[-1]}"):
+        fail(f"{want} is attributed to {aliases[want].block_path}, not to the last block")
+    # Every pre-existing alias of the fixture is found too.
+    for name, t in list(dit.named_parameters(remove_duplicate=False)) + list(
+            dit.named_buffers(remove_duplicate=False)):
+        if t is None or not t.numel() or any(name.startswith(f"{c}.") for c in containers):
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if any(ptr == b.untyped_storage().data_ptr() for blk in blocks
+               for b in list(blk.parameters()) + list(blk.buffers())):
+            if f"{path}.{name}" not in aliases:
+                fail(f"{path}.{name} shares storage with a block tensor but is not a ring alias")

@@ -1,0 +1,355 @@
+"""CONTRACTS.md §F: strategy behaviour, residency bounds and output parity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload_ref.config import OffloadConfig
+from offload_ref.discovery import get_submodule_path
+from offload_ref.plan import resolve_offload_plan
+
+from ..registry import check, fail
+from ._observe import (
+    CopySpy,
+    compare_outputs,
+    is_offloaded,
+    is_resident,
+    module_bytes,
+    observe,
+    tensors_of,
+)
+from .lifecycle import BACKENDS
+
+LAYER_BACKENDS = ("layer_wise",)
+
+
+def _not_delegated(spec: Any, strategy: str) -> bool:
+    return not callable(getattr(spec.build(), "enable_omni_model_cpu_offload", None))
+
+
+# -- F.3 parity -------------------------------------------------------------------------------
+
+
+@check("F.3", strategies=BACKENDS)
+def check_offloaded_output_matches_reference_bitwise(case) -> None:
+    """Outputs equal the un-offloaded reference bit for bit (race amplifier on), twice in a row
+    (the second run starts from the state the first left)."""
+    reference = case.reference()
+    pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    for run in range(2):
+        compare_outputs(f"run {run}", case.run(pipeline), reference)
+    backend.disable()
+
+
+@check("F.3", strategies=BACKENDS)
+def check_offloaded_output_matches_reference_without_race_amplifier(case) -> None:
+    """Outputs equal the reference on a plain CPU platform too (no delays, no poisoning)."""
+    from offload_ref.platform import CpuPlatform
+
+    reference = case.reference()
+    pipeline = case.build()
+    platform = CpuPlatform(race_amplifier=False)
+    case._platforms.append(platform)
+    backend = case.backend(platform=platform)
+    backend.enable(pipeline)
+    compare_outputs("plain platform", case.run(pipeline), reference)
+    backend.disable()
+
+
+# -- F.1 model level --------------------------------------------------------------------------
+
+
+def _model_level_setup(case: Any) -> tuple[Any, Any, Any, Any]:
+    pipeline = case.build()
+    platform = CopySpy(case.platform())
+    backend = case.backend(platform=platform)
+    plan = case.resolve(pipeline)
+    return pipeline, platform, backend, plan
+
+
+@check("F.1", strategies=("model_level",), applies=_not_delegated)
+def check_model_level_keeps_one_group_resident(case) -> None:
+    """While an encoder runs every DiT is on the host; while a DiT runs the encoders and the
+    other DiTs are on the host; VAEs and residents stay on the device; device bytes stay within
+    one swap group + resident state."""
+    pipeline, platform, backend, plan = _model_level_setup(case)
+    dits = [(c.path, c.module) for c in plan.components if c.role == "dit"]
+    encoders = [(c.path, c.module) for c in plan.components if c.role == "encoder"]
+    always = [(c.path, c.module) for c in plan.components if c.role in ("vae", "resident")]
+    groups = [module_bytes(m) for _, m in dits] + [sum(module_bytes(m) for _, m in encoders)]
+    backend.enable(pipeline)
+    base = platform.memory_allocated()  # resident state, placed at enable
+    bound = base + max(groups)
+    problems: list[str] = []
+
+    def before(path: str, module: nn.Module) -> None:
+        if not is_resident(platform, module):
+            problems.append(f"{path} runs while not resident")
+        role = "dit" if any(m is module for _, m in dits) else "encoder"
+        others = [p for p, m in dits if m is not module] + (
+            [p for p, _ in encoders] if role == "dit" else [])
+        for p, m in dits + encoders:
+            if p in others and not is_offloaded(platform, m):
+                problems.append(f"{p} is on the device while {role} {path} runs")
+        for p, m in always:
+            if not is_resident(platform, m):
+                problems.append(f"{p} left the device while {path} runs")
+        if platform.memory_allocated() > bound:
+            problems.append(f"{platform.memory_allocated()} device bytes while {path} runs > "
+                            f"bound {bound} (resident {base} + largest group {max(groups)})")
+
+    with observe(dits + encoders, before) as calls:
+        case.run(pipeline)
+    backend.disable()
+    if not calls:
+        fail("no DiT or encoder forward was observed")
+    if problems:
+        fail(f"model-level residency violated: {sorted(set(problems))[:6]}")
+
+
+@check("F.1", strategies=("model_level",), applies=_not_delegated)
+def check_model_level_swaps_move_component_bytes_host_to_device_only(case) -> None:
+    """Each swap moves the component's bytes host -> device; nothing moves device -> host."""
+    pipeline, platform, backend, plan = _model_level_setup(case)
+    swappable = {c.path: module_bytes(c.module) for c in plan.components
+                 if c.role in ("dit", "encoder") and c.selected}
+    backend.enable(pipeline)
+    platform.copies.clear()
+    case.run(pipeline)
+    stats = backend.stats()
+    d2h = platform.bytes("d2h")
+    if d2h or stats.d2h_bytes:
+        fail(f"{d2h} bytes were copied device -> host during inference "
+             f"(stats.d2h_bytes={stats.d2h_bytes}); offloading must rebind to the host master")
+    h2d = platform.bytes("h2d")
+    if h2d != stats.h2d_bytes:
+        fail(f"stats().h2d_bytes={stats.h2d_bytes} but {h2d} bytes were copied host -> device")
+    if stats.swaps == 0 or h2d == 0:
+        fail("no component was loaded during a generation")
+    sizes = sorted(swappable.values())
+    # The bytes moved must be a sum of whole components, each loaded at least once.
+    if h2d < sum(sizes):
+        fail(f"{h2d} bytes moved, less than one load of every swappable component "
+             f"({dict(swappable)})")
+    backend.disable()
+
+
+# -- F.2 layerwise ----------------------------------------------------------------------------
+
+
+def _rings(case: Any, pipeline: Any) -> list[Any]:
+    plan = case.resolve(pipeline)
+    return [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
+
+
+def _materialized(platform: Any, stack: Any) -> list[int]:
+    out = []
+    for k, block in enumerate(stack.streamed_blocks):
+        ts = tensors_of(block)
+        if ts and any(platform.is_resident(t) for t in ts):
+            out.append(k)
+    return out
+
+
+@check("F.2", strategies=LAYER_BACKENDS)
+def check_layerwise_materializes_only_block_zero_between_passes(case) -> None:
+    """Between passes (after enable, after each generation) only block 0 of each ring is on
+    the device: the last block prefetched it (wrap-around)."""
+    pipeline = case.build()
+    platform = case.platform()
+    backend = case.backend(platform=platform)
+    rings = _rings(case, pipeline)
+    backend.enable(pipeline)
+    for moment in ("after enable", "after one generation", "after two generations"):
+        for stack in rings:
+            got = _materialized(platform, stack)
+            if got != [0]:
+                fail(f"{moment}: ring {'+'.join(stack.container_paths)} has blocks {got} on the "
+                     "device, expected exactly [0]")
+        case.run(pipeline)
+    backend.disable()
+
+
+@check("F.2", strategies=LAYER_BACKENDS)
+def check_layerwise_keeps_at_most_two_blocks_resident(case) -> None:
+    """While block k runs it is resident, at most two blocks of its ring are, and device bytes
+    stay within non-block bytes + 2 x the largest block of every ring."""
+    pipeline = case.build()
+    platform = case.platform()
+    backend = case.backend(platform=platform)
+    rings = _rings(case, pipeline)
+    block_bytes = {id(s): max(module_bytes(b) for b in s.streamed_blocks) for s in rings}
+    streamed = {id(b) for s in rings for b in s.streamed_blocks}
+    total = module_bytes(pipeline)
+    nonblock = total - sum(module_bytes(b) for s in rings for b in s.streamed_blocks)
+    bound = nonblock + sum(2 * v for v in block_bytes.values())
+    backend.enable(pipeline)
+    problems: list[str] = []
+    owner = {id(b): s for s in rings for b in s.streamed_blocks}
+
+    def before(path: str, module: nn.Module) -> None:
+        stack = owner[id(module)]
+        if not is_resident(platform, module):
+            problems.append(f"{path} runs while not resident")
+        live = _materialized(platform, stack)
+        if len(live) > 2:
+            problems.append(f"{len(live)} blocks of {'+'.join(stack.container_paths)} resident "
+                            f"while {path} runs: {live}")
+        if platform.memory_allocated() > bound:
+            problems.append(f"{platform.memory_allocated()} device bytes while {path} runs > "
+                            f"bound {bound}")
+
+    blocks = [(p, b) for s in rings for p, b in zip(s.block_paths[s.resident_head:],
+                                                     s.streamed_blocks)]
+    with observe(blocks, before) as calls:
+        case.run(pipeline)
+    backend.disable()
+    if len({c for c in calls}) < len(streamed):
+        fail(f"only {len(set(calls))} of {len(streamed)} streamed blocks ran")
+    if problems:
+        fail(f"layerwise residency violated: {sorted(set(problems))[:6]}")
+
+
+@check("F.2", strategies=LAYER_BACKENDS)
+def check_layerwise_prefetches_the_next_block_before_it_runs(case) -> None:
+    """While block k runs, the block that runs next (block 0 after the last: wrap-around) is
+    already materialized, so steady-state passes need no synchronous load."""
+    pipeline = case.build()
+    platform = case.platform()
+    backend = case.backend(platform=platform)
+    rings = _rings(case, pipeline)
+    backend.enable(pipeline)
+    case.run(pipeline)  # first pass: the ring learns the caller's order
+    before_stats = backend.stats()
+    case.run(pipeline)
+    after_stats = backend.stats()
+    backend.disable()
+    if after_stats.sync_recoveries != before_stats.sync_recoveries:
+        fail(f"a steady-state generation needed "
+             f"{after_stats.sync_recoveries - before_stats.sync_recoveries} synchronous block "
+             f"loads over {len(rings)} ring(s); the next block was not prefetched")
+    if after_stats.h2d_bytes == before_stats.h2d_bytes:
+        fail("a generation moved no block bytes")
+
+
+# -- F.4 skipped blocks -----------------------------------------------------------------------
+
+
+class _SkippingList(nn.ModuleList):
+    """A ModuleList whose iteration skips one index (a cache system skipping a block)."""
+
+    _kit_skip: int = -1
+
+    def __iter__(self):
+        return iter([m for i, m in enumerate(self._modules.values()) if i != self._kit_skip])
+
+
+def _skippable(case: Any, pipeline: Any) -> tuple[nn.ModuleList, int] | None:
+    for stack in _rings(case, pipeline):
+        for path in stack.container_paths:
+            container = get_submodule_path(pipeline, path)
+            if isinstance(container, nn.ModuleList) and len(container) >= 3:
+                return container, len(container) // 2
+    return None
+
+
+def _skip(container: nn.ModuleList, index: int) -> None:
+    container.__class__ = _SkippingList
+    container.__dict__["_kit_skip"] = index
+
+
+def _can_skip(spec: Any, strategy: str) -> bool:
+    pipeline = spec.build()
+    try:
+        plan = resolve_offload_plan(pipeline, OffloadConfig(strategy=strategy))
+    except ValueError:
+        return False
+    for stack in plan.stacks:
+        for path in stack.container_paths:
+            c = get_submodule_path(pipeline, path)
+            if isinstance(c, nn.ModuleList) and len(c) >= 3:
+                calls = []
+                victim = c[len(c) // 2]
+                h = victim.register_forward_pre_hook(lambda m, a: calls.append(1))
+                _skip(c, len(c) // 2)
+                try:
+                    with torch.inference_mode():
+                        pipeline(**spec.make_inputs())
+                finally:
+                    h.remove()
+                return not calls  # the pipeline iterates its container
+    return False
+
+
+@check("F.4", strategies=LAYER_BACKENDS, applies=_can_skip)
+def check_skipped_block_is_recovered(case) -> None:
+    """A caller that skips a block (as cache systems do) still gets the right output (the
+    reference with the same skip), the ring stays bounded, and a skip-free pass afterwards
+    matches the plain reference."""
+    reference_pipeline = case.build()
+    container, index = _skippable(case, reference_pipeline)
+    _skip(container, index)
+    skipped_reference = case.run(reference_pipeline)
+    pipeline = case.build()
+    platform = case.platform()
+    backend = case.backend(platform=platform)
+    rings = _rings(case, pipeline)
+    backend.enable(pipeline)
+    container, index = _skippable(case, pipeline)
+    _skip(container, index)
+    problems: list[str] = []
+
+    def before(path: str, module: nn.Module) -> None:
+        for stack in rings:
+            if len(_materialized(platform, stack)) > 2:
+                problems.append(f"ring {'+'.join(stack.container_paths)} holds more than two "
+                                "blocks")
+
+    blocks = [(p, b) for s in rings for p, b in zip(s.block_paths, s.blocks)]
+    with observe(blocks, before):
+        compare_outputs("with a skipped block", case.run(pipeline), skipped_reference)
+        compare_outputs("skipped block, second run", case.run(pipeline), skipped_reference)
+    container.__class__ = nn.ModuleList
+    del container.__dict__["_kit_skip"]
+    compare_outputs("after the skips stop", case.run(pipeline), case.reference())
+    backend.disable()
+    if problems:
+        fail(sorted(set(problems))[0])
+
+
+@check("F.5", strategies=LAYER_BACKENDS)
+def check_layerwise_streams_every_block_of_every_ring(case) -> None:
+    """Every streamed block of every ring (heterogeneous sizes, odd or even lengths, several
+    rings) is materialized when it runs and released afterwards."""
+    pipeline = case.build()
+    platform = case.platform()
+    backend = case.backend(platform=platform)
+    rings = _rings(case, pipeline)
+    if not rings:
+        fail("the plan streams no ring")
+    backend.enable(pipeline)
+    seen: dict[str, bool] = {}
+    released: dict[str, bool] = {}
+
+    def before(path: str, module: nn.Module) -> None:
+        seen[path] = is_resident(platform, module)
+
+    def after(path: str, module: nn.Module) -> None:
+        released[path] = not any(platform.is_resident(t) for t in tensors_of(module))
+
+    blocks = [(p, b) for s in rings for p, b in zip(s.block_paths[s.resident_head:],
+                                                     s.streamed_blocks)]
+    with observe(blocks, before, after):
+        case.run(pipeline)
+    backend.disable()
+    missing = [p for p, _ in blocks if p not in seen]
+    not_resident = [p for p, ok in seen.items() if not ok]
+    kept = [p for p, ok in released.items() if not ok]
+    if missing or not_resident or kept:
+        fail(f"blocks not run {missing[:3]}, run while not resident {not_resident[:3]}, kept on "
+             f"the device after their forward {kept[:3]}")

@@ -1,0 +1,79 @@
+"""pytest glue: one test per (check, spec, strategy), marked ``contract``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from .case import DEFAULT_IMPLEMENTATION, Implementation
+from .registry import CheckFailure, CheckInfo
+from .runner import CaseId, iter_cases, run_case
+from .spec import PipelineSpec
+
+__all__ = ["BoundCheck", "check_params", "parametrize_with_checks"]
+
+
+class BoundCheck:
+    """A callable test body: runs one case and adds a reproduction line to a failure."""
+
+    def __init__(self, info: CheckInfo, spec: PipelineSpec | None, strategy: str | None,
+                 impl: Implementation) -> None:
+        self.info, self.spec, self.strategy, self.impl = info, spec, strategy, impl
+        self.id = CaseId(info.id, spec.name if spec else None, strategy)
+
+    def __call__(self) -> None:
+        try:
+            run_case(self.info, self.spec, self.strategy, self.impl)
+        except CheckFailure as exc:
+            raise CheckFailure(
+                f"[{self.id.check}] on {self.id.spec or '-'} / {self.id.strategy or '-'} "
+                f"(CONTRACTS.md §{self.info.section}): {exc}\n  reproduce: {self.id.repro()}"
+            ) from None
+
+    def __repr__(self) -> str:
+        return str(self.id)
+
+
+def check_params(
+    specs: Sequence[PipelineSpec],
+    *,
+    expected_failures: Mapping[str, str] | None = None,
+    checks: Iterable[str] | None = None,
+    strategies: Iterable[str] | None = None,
+    include_global: bool = True,
+    impl: Implementation = DEFAULT_IMPLEMENTATION,
+) -> list[Any]:
+    expected = dict(expected_failures or {})
+    params = []
+    for info, spec, strategy in iter_cases(specs, checks=checks, strategies=strategies,
+                                           include_global=include_global):
+        bound = BoundCheck(info, spec, strategy, impl)
+        marks = [pytest.mark.contract]
+        reason = expected.get(str(bound.id), expected.get(info.id))
+        if reason:
+            marks.append(pytest.mark.xfail(reason=reason, strict=True, raises=CheckFailure))
+        params.append(pytest.param(bound, id=str(bound.id), marks=marks))
+    return params
+
+
+def parametrize_with_checks(
+    specs: Sequence[PipelineSpec],
+    *,
+    expected_failures: Mapping[str, str] | None = None,
+    checks: Iterable[str] | None = None,
+    strategies: Iterable[str] | None = None,
+    include_global: bool = False,
+) -> Any:
+    """Decorate a test taking ``check`` to run the kit against ``specs``::
+
+        @parametrize_with_checks([MY_SPEC], expected_failures={"check_x": "why"})
+        def test_offload_contracts(check):
+            check()
+
+    ``expected_failures`` (check id, or ``check-spec-strategy``) -> reason; strict.
+    """
+    params = check_params(specs, expected_failures=expected_failures, checks=checks,
+                          strategies=strategies, include_global=include_global)
+    return pytest.mark.parametrize("check", params)

@@ -1,0 +1,130 @@
+"""A pytest-free runner: generate (check, spec, strategy) cases, run them, return results."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from offload_ref.config import OffloadStrategy
+
+from .case import DEFAULT_IMPLEMENTATION, CheckCase, Implementation
+from .registry import CATALOGUE, CheckFailure, CheckInfo
+from .spec import PipelineSpec
+
+__all__ = ["CaseId", "CheckResult", "iter_cases", "run_checks", "load_catalogue"]
+
+
+def load_catalogue() -> dict[str, CheckInfo]:
+    from . import checks  # noqa: F401  (registers every check)
+
+    return CATALOGUE
+
+
+@dataclass(frozen=True)
+class CaseId:
+    check: str
+    spec: str | None
+    strategy: str | None
+
+    def __str__(self) -> str:
+        return "-".join(p for p in (self.check, self.spec, self.strategy) if p)
+
+    def repro(self) -> str:
+        parts = ["offload-ref check", f"--check {self.check}"]
+        if self.spec:
+            parts.append(f"--pipeline {self.spec}")
+        if self.strategy:
+            parts.append(f"--strategy {self.strategy}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    id: CaseId
+    outcome: str  # "passed" | "failed" | "error" | "xfailed" | "xpassed"
+    message: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome in ("passed", "xfailed")
+
+
+def iter_cases(
+    specs: Sequence[PipelineSpec],
+    *,
+    checks: Iterable[str] | None = None,
+    strategies: Iterable[str] | None = None,
+    include_global: bool = True,
+) -> list[tuple[CheckInfo, PipelineSpec | None, str | None]]:
+    """Every applicable case, sorted (deterministic order for pytest-xdist)."""
+    catalogue = load_catalogue()
+    wanted = None if checks is None else set(checks)
+    if wanted is not None:
+        unknown = sorted(wanted - set(catalogue))
+        if unknown:
+            raise KeyError(f"unknown check id(s) {unknown}; see `offload-ref check --list`")
+    allowed = None if strategies is None else {str(getattr(s, "value", s)) for s in strategies}
+    cases = []
+    for info in sorted(catalogue.values(), key=lambda i: i.id):
+        if wanted is not None and info.id not in wanted:
+            continue
+        if info.scope == "global":
+            if include_global:
+                cases.append((info, None, None))
+            continue
+        for spec in sorted(specs, key=lambda s: s.name):
+            for strategy in info.strategies:
+                if allowed is not None and strategy not in allowed:
+                    continue
+                if info.requires_support and not spec.supports(strategy):
+                    continue
+                if info.applies is not None and not info.applies(spec, strategy):
+                    continue
+                cases.append((info, spec, strategy))
+    return cases
+
+
+def run_case(info: CheckInfo, spec: PipelineSpec | None, strategy: str | None,
+             impl: Implementation = DEFAULT_IMPLEMENTATION) -> None:
+    """Run one case; raises :class:`CheckFailure` (or any error) when the contract does not hold."""
+    case = CheckCase(spec, OffloadStrategy(strategy) if strategy else None, impl)
+    try:
+        info.func(case)
+    finally:
+        case.close()
+
+
+def run_checks(
+    specs: Sequence[PipelineSpec],
+    *,
+    checks: Iterable[str] | None = None,
+    strategies: Iterable[str] | None = None,
+    impl: Implementation = DEFAULT_IMPLEMENTATION,
+    expected_failures: Mapping[str, str] | None = None,
+    include_global: bool = True,
+) -> list[CheckResult]:
+    """Run the catalogue against ``specs``.  ``expected_failures`` maps a check id (or a full case
+    id ``check-spec-strategy``) to the reason; such cases must fail (strict)."""
+    expected = dict(expected_failures or {})
+    results = []
+    for info, spec, strategy in iter_cases(specs, checks=checks, strategies=strategies,
+                                           include_global=include_global):
+        cid = CaseId(info.id, spec.name if spec else None, strategy)
+        xfail = expected.get(str(cid), expected.get(info.id))
+        start = time.perf_counter()
+        try:
+            run_case(info, spec, strategy, impl)
+        except CheckFailure as exc:
+            outcome, message = ("xfailed", f"expected: {xfail}") if xfail else ("failed", str(exc))
+        except Exception as exc:  # an error is a failure too, with its traceback
+            tb = "".join(traceback.format_exception(exc)[-3:])
+            outcome, message = (("xfailed", f"expected: {xfail}") if xfail
+                                else ("error", f"{type(exc).__name__}: {exc}\n{tb}"))
+        else:
+            outcome, message = ("xpassed", f"expected to fail: {xfail}") if xfail else (
+                "passed", "")
+        results.append(CheckResult(cid, outcome, message, time.perf_counter() - start))
+    return results

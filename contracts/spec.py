@@ -1,0 +1,59 @@
+"""What the conformance kit needs to know about a pipeline under test."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PipelineSpec", "load_object"]
+
+
+def load_object(ref: str | Callable[..., Any]) -> Callable[..., Any]:
+    """Import ``"package.module:attr"`` (dotted attrs allowed); callables pass through."""
+    if callable(ref):
+        return ref
+    if not isinstance(ref, str) or ":" not in ref:
+        raise ValueError(f"expected an importable reference 'package.module:attr', got {ref!r}")
+    module_name, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """A pipeline under test.
+
+    ``factory(seed=...)`` returns a fresh pipeline (an ``nn.Module``) on the host;
+    ``inputs(seed=...)`` returns the keyword arguments of one generation; ``pipeline(**inputs)``
+    returns a tensor.  Both are ``"package.module:attr"`` references (so worker processes can
+    import them) or callables (single-process checks only).  ``strategies`` lists the offload
+    strategies the pipeline claims to support (strings or ``OffloadStrategy`` values).
+    """
+
+    name: str
+    factory: str | Callable[..., Any]
+    inputs: str | Callable[..., Any]
+    strategies: tuple[str, ...] = ("model_level", "layer_wise")
+    seed: int = 0
+    description: str = ""
+    tags: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        strategies = tuple(str(getattr(s, "value", s)) for s in self.strategies)
+        object.__setattr__(self, "strategies", strategies)
+
+    def build(self) -> Any:
+        return load_object(self.factory)(seed=self.seed)
+
+    def make_inputs(self) -> dict[str, Any]:
+        return dict(load_object(self.inputs)(seed=self.seed))
+
+    def supports(self, strategy: Any) -> bool:
+        return str(getattr(strategy, "value", strategy)) in self.strategies
+
+    def __hash__(self) -> int:
+        return hash((self.name, str(self.factory), str(self.inputs), self.strategies, self.seed))

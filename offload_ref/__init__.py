@@ -1,0 +1,62 @@
+"""offload-ref: a reference implementation of CPU offloading for diffusion pipelines.
+
+Imports are lazy (PEP 562) so that ``import offload_ref.contracts.plugin`` (pytest's plugin
+loading) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ComponentGroups",
+    "HookRegistry",
+    "LayerOptions",
+    "ModelHook",
+    "OffloadBackend",
+    "OffloadConfig",
+    "OffloadEnableError",
+    "OffloadPlan",
+    "OffloadStats",
+    "OffloadStrategy",
+    "OffloadTopologyError",
+    "ResolvedOffloadPlan",
+    "SupportsComponentDiscovery",
+    "SupportsModelCpuOffload",
+    "WeightTransfer",
+    "get_offload_backend",
+    "resolve_offload_plan",
+]
+
+_WHERE = {
+    "OffloadConfig": ".config",
+    "OffloadStrategy": ".config",
+    "LayerOptions": ".config",
+    "WeightTransfer": ".config",
+    "SupportsComponentDiscovery": ".discovery",
+    "SupportsModelCpuOffload": ".discovery",
+    "OffloadPlan": ".plan",
+    "OffloadTopologyError": ".plan",
+    "ResolvedOffloadPlan": ".plan",
+    "resolve_offload_plan": ".plan",
+    "HookRegistry": ".hooks",
+    "ModelHook": ".hooks",
+    "OffloadBackend": ".backends.base",
+    "OffloadEnableError": ".backends.base",
+    "OffloadStats": ".backends.base",
+    "get_offload_backend": ".backends.base",
+    "ComponentGroups": ".split",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,381 @@
+"""The backend lifecycle shared by every strategy: transactional enable, exact-restore disable.
+
+Note [Transactions]
+    ``enable`` resolves the plan (pure), then prepares host masters and device copies off to the
+    side, then commits (storage rebinds, hooks).  Every mutation goes through a
+    :class:`Transaction` step that records its undo.  If any step raises, the undo log runs in
+    reverse: every tensor is rebound to its original storage (same object, values, dtype, stride,
+    sharing, device), every hook we installed is removed, every device and pinned byte we
+    allocated is released, the backend is left disabled and retryable, and the error is raised
+    as :class:`OffloadEnableError` chained to the cause.  The steps are enumerable (a dry run
+    records their labels), which is how the conformance kit injects a fault at each one.
+
+Note [Original placement]
+    ``disable`` rebuilds every tensor where it was before ``enable``: on the device if it was
+    device-resident, on the host otherwise, with the same shape, stride and storage sharing,
+    from the authoritative copy (the host master, or the device copy for state that was placed
+    on the device).  The original storage itself is released at commit, otherwise offloading
+    would save no memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..config import OffloadConfig, OffloadStrategy
+from ..hooks import HookRegistry, ModelHook
+from ..host import HostMaster, Layout, unique_tensors
+from ..plan import ResolvedOffloadPlan, resolve_offload_plan
+from ..platform import Platform, get_platform
+
+__all__ = [
+    "OffloadBackend",
+    "OffloadDisableError",
+    "OffloadEnableError",
+    "OffloadStats",
+    "PIPELINE_ATTR",
+    "Transaction",
+    "get_offload_backend",
+]
+
+#: Set on the pipeline while a backend owns it (at most one strategy owns offload hooks).
+PIPELINE_ATTR = "_offload_ref_backend"
+
+FaultInjector = Callable[[int, str], None]
+
+
+class OffloadEnableError(RuntimeError):
+    """``enable`` failed; every change was rolled back (the cause is chained)."""
+
+
+class OffloadDisableError(RuntimeError):
+    """``disable`` failed; the backend stays enabled with its masters so it can be retried."""
+
+
+@dataclass
+class OffloadStats:
+    """Bytes of one backend, counted since ``enable``."""
+
+    host_bytes: int = 0  # host master bytes held
+    pinned_bytes: int = 0  # of which page-locked
+    device_weight_bytes: int = 0  # device bytes the backend holds for weights right now
+    h2d_bytes: int = 0  # host -> device weight bytes moved during inference
+    d2h_bytes: int = 0  # device -> host weight bytes moved during inference (always 0 here)
+    swaps: int = 0  # component loads (model-level) or block materializations (layerwise)
+    sync_recoveries: int = 0  # layerwise: blocks loaded synchronously (skipped or mispredicted)
+    peak_device_weight_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Transaction:
+    """An undo log of enable's mutations; see Note [Transactions]."""
+
+    def __init__(self, platform: Platform, registry: HookRegistry,
+                 fault_injector: FaultInjector | None = None) -> None:
+        self.platform = platform
+        self.registry = registry
+        self.fault_injector = fault_injector
+        self.steps: list[str] = []
+        self._undo: list[Callable[[], None]] = []
+
+    def step(self, label: str) -> None:
+        self.steps.append(label)
+        if self.fault_injector is not None:
+            self.fault_injector(len(self.steps) - 1, label)
+
+    def on_rollback(self, undo: Callable[[], None]) -> None:
+        self._undo.append(undo)
+
+    def host_master(self, label: str, tensors: Sequence[tuple[str, torch.Tensor]],
+                    pin: bool) -> HostMaster:
+        self.step(f"host master {label}")
+        master = HostMaster(tensors, self.platform, pin=pin)
+        self.on_rollback(master.release)
+        return master
+
+    def device_empty(self, label: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self.step(f"device alloc {label} ({dtype}, {numel})")
+        t = self.platform.empty(numel, dtype)
+        self.on_rollback(lambda: self.platform.free(t))
+        return t
+
+    def rebind(self, label: str, tensors: Sequence[torch.Tensor],
+               new: Sequence[torch.Tensor]) -> None:
+        self.step(f"rebind {label}")
+        for t, n in zip(tensors, new):
+            old = t.data
+            t.data = n
+            self.on_rollback(lambda t=t, old=old: setattr(t, "data", old))
+
+    def register_hook(self, module: nn.Module, name: str, hook: ModelHook, label: str) -> None:
+        self.step(f"hook {name} on {label}")
+        self.registry.register_hook(module, name, hook)
+        self.on_rollback(lambda: self.registry.remove_hook(module, name))
+
+    def set_attr(self, obj: Any, name: str, value: Any, label: str) -> None:
+        self.step(f"set {label}.{name}")
+        missing = object()
+        old = obj.__dict__.get(name, missing)
+        obj.__dict__[name] = value
+        self.on_rollback(
+            lambda: obj.__dict__.pop(name, None) if old is missing else obj.__dict__.__setitem__(
+                name, old)
+        )
+
+    def rollback(self) -> None:
+        errors = []
+        undo, self._undo = self._undo, []
+        for fn in reversed(undo):
+            try:
+                fn()
+            except Exception as exc:  # undo everything we can before reporting
+                errors.append(exc)
+        if errors:
+            raise RuntimeError(f"rollback left {len(errors)} change(s) undone: {errors}") \
+                from errors[0]
+
+    def commit(self) -> None:
+        self._undo = []  # drops the references that kept the original storage alive
+
+
+@dataclass
+class TensorGroup:
+    """Tensors moved together, their layout, and where each segment lived before enable."""
+
+    label: str
+    tensors: list[torch.Tensor]
+    layout: Layout
+    was_resident: list[bool]  # per segment (Note [Original placement])
+    master: HostMaster | None = None  # offloaded groups
+    device_flats: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, label: str, named: Sequence[tuple[str, torch.Tensor]],
+           platform: Platform) -> TensorGroup:
+        named = unique_tensors(named)
+        layout = Layout(named)
+        was_resident = [platform.is_resident(src) for src in layout._sources]
+        return cls(label, [t for _, t in named], layout, was_resident)
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+
+def restore_group(group: TensorGroup, platform: Platform) -> list[torch.Tensor]:
+    """Fresh storage for every segment at its original placement, filled from the authoritative
+    copy; returns one tensor per group tensor (Note [Original placement])."""
+    source = group.master.flats if group.master is not None else group.device_flats
+    buffers = []
+    for seg, resident in zip(group.layout.segments, group.was_resident):
+        buf = platform.empty(seg.numel, seg.dtype) if resident else torch.empty(
+            seg.numel, dtype=seg.dtype)
+        if seg.numel:
+            src = source[seg.dtype].narrow(0, seg.offset, seg.numel)
+            if resident:
+                platform.copy_(buf, src)
+            else:
+                buf.copy_(src)
+        buffers.append(buf)
+    views = []
+    for record in group.layout.records:
+        seg = group.layout.segments[record.segment]
+        views.append(torch.as_strided(buffers[record.segment], record.shape, record.stride,
+                                      record.offset - seg.offset))
+    return views
+
+
+class OffloadBackend:
+    """One offload strategy applied to one pipeline.  See Note [Transactions]."""
+
+    strategy: ClassVar[OffloadStrategy]
+    hook_name: ClassVar[str]
+
+    def __init__(self, config: OffloadConfig, platform: Platform) -> None:
+        self.config = config
+        self.platform = platform
+        self.plan: ResolvedOffloadPlan | None = None
+        self.skip_reason: str | None = None
+        self.registry = HookRegistry()
+        #: Testing hook: called as ``fault_injector(step_index, label)`` before each mutation.
+        self.fault_injector: FaultInjector | None = None
+        self.last_steps: list[str] = []
+        self._pipeline: weakref.ref | None = None
+        self._stats = OffloadStats()
+
+    # -- public lifecycle -----------------------------------------------------------------------
+
+    def is_enabled(self) -> bool:
+        return self._pipeline is not None and self._pipeline() is not None
+
+    @property
+    def pipeline(self) -> Any:
+        return None if self._pipeline is None else self._pipeline()
+
+    def enable(self, pipeline: Any) -> None:
+        """Apply the strategy to ``pipeline``.
+
+        Enabling again on the same pipeline is a no-op; enabling on a second pipeline, or on a
+        pipeline that another backend owns, raises ``RuntimeError``.
+        """
+        if self.is_enabled():
+            if self.pipeline is pipeline:
+                return
+            raise RuntimeError(
+                f"{type(self).__name__} is already enabled on another "
+                f"{type(self.pipeline).__name__}; call disable() first"
+            )
+        owner = getattr(pipeline, PIPELINE_ATTR, None)
+        if owner is not None:
+            raise RuntimeError(
+                f"{type(pipeline).__name__} is already offloaded by {owner!r}; disable that "
+                "backend first (at most one offload strategy may own a pipeline)"
+            )
+        plan = resolve_offload_plan(pipeline, self.config)  # raises before any mutation
+        self.plan = plan
+        self.skip_reason = plan.skip_reason
+        if plan.skip_reason is not None:
+            return
+        txn = Transaction(self.platform, self.registry, self.fault_injector)
+        self._stats = OffloadStats()
+        try:
+            self._enable(pipeline, plan, txn)
+            txn.set_attr(pipeline, PIPELINE_ATTR, _Owner(self), type(pipeline).__name__)
+            self.platform.synchronize()
+        except BaseException as exc:
+            self.last_steps = list(txn.steps)
+            failed_at = txn.steps[-1] if txn.steps else "plan resolution"
+            try:
+                try:  # let in-flight copies land before their buffers are released
+                    self.platform.synchronize()
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    pass
+                txn.rollback()
+            finally:
+                self._reset()
+            if not isinstance(exc, Exception):
+                raise
+            raise OffloadEnableError(
+                f"{type(self).__name__}.enable failed at step {len(txn.steps) - 1} "
+                f"({failed_at}): {exc}; every change was rolled back and the backend is "
+                "disabled (enable can be retried)"
+            ) from exc
+        self.last_steps = list(txn.steps)
+        txn.commit()
+        self._pipeline = weakref.ref(pipeline)
+
+    def disable(self) -> None:
+        """Remove our hooks and rebuild every tensor at its original placement.  Idempotent."""
+        if not self.is_enabled():
+            self._pipeline = None
+            return
+        pipeline = self.pipeline
+        try:
+            self._disable(pipeline)
+        except Exception as exc:
+            raise OffloadDisableError(
+                f"Failed to fully disable {type(self).__name__}: {exc}; the backend stays "
+                "enabled with its host masters, call disable() again"
+            ) from exc
+        pipeline.__dict__.pop(PIPELINE_ATTR, None)
+        self._pipeline = None
+        self._reset()
+
+    def stats(self) -> OffloadStats:
+        s = OffloadStats(**self._stats.as_dict())
+        s.pinned_bytes = self.platform.pinned_bytes() if s.host_bytes else 0
+        return s
+
+    # -- for subclasses -------------------------------------------------------------------------
+
+    def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
+        raise NotImplementedError
+
+    def _disable(self, pipeline: Any) -> None:
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        """Forget per-enable state (after rollback or disable)."""
+
+    def _count_device(self, delta: int) -> None:
+        s = self._stats
+        s.device_weight_bytes += delta
+        s.peak_device_weight_bytes = max(s.peak_device_weight_bytes, s.device_weight_bytes)
+
+    def __repr__(self) -> str:
+        state = "enabled" if self.is_enabled() else "disabled"
+        return f"<{type(self).__name__} {state} on {self.platform.name}>"
+
+
+class _Owner:
+    """What PIPELINE_ATTR holds: a weak reference that prints as the owning backend."""
+
+    def __init__(self, backend: OffloadBackend) -> None:
+        self._ref = weakref.ref(backend)
+
+    def __call__(self) -> OffloadBackend | None:
+        return self._ref()
+
+    def __repr__(self) -> str:
+        backend = self._ref()
+        return type(backend).__name__ if backend is not None else "a collected backend"
+
+
+def pipeline_state(pipeline: nn.Module, exclude: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers of ``pipeline`` outside the ``exclude`` subtrees."""
+    excluded = {id(m) for root in exclude for m in root.modules()}
+    out = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        if id(module) in excluded:
+            return
+        for registry in ("_parameters", "_buffers"):
+            for name, t in module.__dict__.get(registry, {}).items():
+                if t is not None:
+                    out.append((f"{prefix}{name}", t))
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.")
+
+    if isinstance(pipeline, nn.Module):
+        walk(pipeline, "")
+    return out
+
+
+def get_offload_backend(
+    config: OffloadConfig,
+    device: str | torch.device | None = None,
+    *,
+    platform: Platform | None = None,
+) -> OffloadBackend | None:
+    """Exactly one backend for ``config``, or None when offloading is off.
+
+    ``platform`` overrides the platform that ``device`` would select (tests pass a
+    ``CpuPlatform(race_amplifier=True)``).  Nothing is installed until ``enable``.
+    """
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
+    if config.strategy is OffloadStrategy.NONE:
+        return None
+    if platform is None:
+        platform = get_platform(device)
+    if config.strategy is OffloadStrategy.MODEL_LEVEL:
+        from .model_level import ModelLevelOffloadBackend
+
+        return ModelLevelOffloadBackend(config, platform)
+    if config.strategy is OffloadStrategy.LAYER_WISE:
+        from .layerwise import LayerWiseOffloadBackend
+
+        return LayerWiseOffloadBackend(config, platform)
+    raise NotImplementedError(
+        "the distributed_layer_wise backend is not built yet in this version of offload-ref; "
+        "use layer_wise (single process) meanwhile"
+    )

@@ -1,0 +1,369 @@
+"""Layerwise (blockwise) offload: each ring of transformer blocks streams through two fixed
+device slots while the rest of the pipeline stays on the device.
+
+Note [The ring]
+    A :class:`BlockRing` owns its blocks' host masters, two device slots, a ready and a free event
+    per slot, and the successor table that says which block to prefetch next.  Hooks on the blocks
+    are thin callbacks into it::
+
+        pre-forward of block k                      post-forward of block k
+        ----------------------                      -----------------------
+        compute waits ready[slot(k)]                record_use(slot(k)), discard it
+        (k not materialized: load it now, count     record free[slot(k)] on compute
+         a synchronous recovery)                    rebind k to placeholders
+        q = successor[k]; t = the other slot
+        copy stream waits free[t], copies q -> t,
+        records ready[t]; rebind q to slot t
+
+    A slot is written only after the compute that read it has finished (its free event) and read
+    only after the copy that filled it has finished (its ready event): events only, no host-side
+    synchronize.  The successor of the last block is block 0 (wrap-around), so between passes
+    exactly block 0 of each ring is materialized and the next step starts warm.  A caller that
+    skips blocks (cache systems) or runs them in another order is served by a synchronous load of
+    the missing block, and the successor table learns the observed order, so a stable pattern
+    (Cosmos3's generator loop) stops missing after one pass.
+
+Note [Slot layout]
+    A slot is one byte slab sized for the largest block.  A block's tensors are packed per dtype
+    (Note [Host master layout]); inside the slab the dtype sections follow one another in order
+    of decreasing element size, so every section is aligned without padding and the device bytes
+    of a ring are exactly 2 x its largest block.  (Separate per-dtype slots sized by per-dtype
+    maxima would exceed that bound for rings whose blocks mix dtypes unevenly.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import OffloadStrategy
+from ..discovery import get_submodule_path
+from ..hooks import ModelHook
+from ..host import storage_key
+from ..plan import BlockStack, ResolvedOffloadPlan
+from ..platform import Platform
+from .base import OffloadBackend, OffloadStats, TensorGroup, Transaction, pipeline_state, restore_group
+from .model_level import ComponentSwapper
+
+__all__ = ["BlockRing", "LayerWiseOffloadBackend", "LayerwiseOffloadHook"]
+
+_NUM_SLOTS = 2
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class _Placeholders:
+    """Stand-ins for the tensors of blocks that are not materialized: the right shape and dtype,
+    one shared element, NaN where the dtype has it, and never device storage."""
+
+    def __init__(self) -> None:
+        self._base: dict[torch.dtype, torch.Tensor] = {}
+
+    def like(self, record_shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        base = self._base.get(dtype)
+        if base is None:
+            fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+            base = self._base[dtype] = torch.full((), fill, dtype=dtype)
+        return base.expand(tuple(record_shape))
+
+
+class BlockRing:
+    """One ring of blocks, its masters, slots and events.  See Note [The ring]."""
+
+    def __init__(self, stack: BlockStack, platform: Platform, stats: OffloadStats,
+                 copy_stream: Any, placeholders: _Placeholders, *, pin: bool,
+                 prefetch: bool = True) -> None:
+        self.stack = stack
+        self.label = "+".join(stack.container_paths)
+        self.platform = platform
+        self.stats = stats
+        self.copy_stream = copy_stream
+        self.placeholders = placeholders
+        self.pin = pin
+        self.prefetch_enabled = prefetch
+        self.blocks: tuple[nn.Module, ...] = stack.streamed_blocks
+        self.block_paths = stack.block_paths[stack.resident_head:]
+        self.groups: list[TensorGroup] = []
+        self.sections: list[dict[torch.dtype, tuple[int, int]]] = []  # byte offset, numel
+        self.slot_bytes = 0
+        self.slots: list[torch.Tensor] = []
+        self.ready: list[Any] = []
+        self.free: list[Any] = []
+        n = len(self.blocks)
+        self.successor = [(k + 1) % n for k in range(n)]
+        self.slot_of: list[int | None] = [None] * n
+        self.occupant: list[int | None] = [None] * _NUM_SLOTS
+        self.running: int | None = None
+        self.last: int | None = None
+
+    # -- enable ---------------------------------------------------------------------------------
+
+    def prepare(self, txn: Transaction, pipeline: Any) -> None:
+        aliases: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for alias in self.stack.aliases:
+            t = get_submodule_path(pipeline, alias.path)
+            if isinstance(t, torch.Tensor):
+                aliases.setdefault(alias.block_path, []).append((alias.path, t))
+        shared_names = set(self.stack.shared)
+        shared = {storage_key(t) for block, path in zip(self.blocks, self.block_paths)
+                  for n, t in _block_tensors(block) if f"{path}.{n}" in shared_names}
+        for block, path in zip(self.blocks, self.block_paths):
+            named = [(f"{path}.{n}", t) for n, t in _block_tensors(block)
+                     if not t.numel() or storage_key(t) not in shared]
+            named += aliases.get(path, [])
+            group = TensorGroup.of(path, named, self.platform)
+            group.master = txn.host_master(path, named, self.pin)
+            self.stats.host_bytes += group.nbytes
+            self.groups.append(group)
+            sections, offset = {}, 0
+            for dtype in sorted(group.layout.numel, key=lambda d: (-_element_size(d), str(d))):
+                numel = group.layout.numel[dtype]
+                sections[dtype] = (offset, numel)
+                offset += numel * _element_size(dtype)
+            self.sections.append(sections)
+            self.slot_bytes = max(self.slot_bytes, offset)
+        for s in range(_NUM_SLOTS):
+            self.slots.append(txn.device_empty(f"{self.label} slot {s}", self.slot_bytes,
+                                               torch.uint8))
+            self.ready.append(self.platform.Event())
+            self.free.append(self.platform.Event())
+        self._build_flats()
+        self.stats.device_weight_bytes += _NUM_SLOTS * self.slot_bytes
+
+    def storage_keys(self) -> set[tuple[str, int]]:
+        return {storage_key(t) for g in self.groups for t in g.tensors if t.numel()}
+
+    def commit(self, txn: Transaction) -> None:
+        for k, group in enumerate(self.groups):
+            txn.rebind(self.block_paths[k], group.tensors, self._placeholder_views(k))
+        txn.step(f"prefetch {self.block_paths[0]}")
+        self._issue_copy(0, 0)
+        txn.rebind(self.block_paths[0], self.groups[0].tensors, self._slot_views(0, 0))
+
+    # -- views ----------------------------------------------------------------------------------
+
+    def _slot_flats(self, k: int, s: int) -> dict[torch.dtype, torch.Tensor]:
+        # Built once at enable: views made under inference_mode would be inference tensors,
+        # which a copy issued outside inference_mode may not write.
+        return self._flats[s][k]
+
+    def _build_flats(self) -> None:
+        self._flats = [
+            [
+                {
+                    dtype: slab.narrow(0, offset, numel * _element_size(dtype)).view(dtype)
+                    for dtype, (offset, numel) in sections.items()
+                }
+                for sections in self.sections
+            ]
+            for slab in self.slots
+        ]
+
+    def _slot_views(self, k: int, s: int) -> list[torch.Tensor]:
+        return self.groups[k].layout.views(self._slot_flats(k, s))
+
+    def _placeholder_views(self, k: int) -> list[torch.Tensor]:
+        layout = self.groups[k].layout
+        return [self.placeholders.like(r.shape, layout.segments[r.segment].dtype)
+                for r in layout.records]
+
+    def _rebind(self, k: int, views: Sequence[torch.Tensor]) -> None:
+        for t, v in zip(self.groups[k].tensors, views):
+            t.data = v
+
+    # -- transfers ------------------------------------------------------------------------------
+
+    def _issue_copy(self, k: int, s: int) -> None:
+        """Copy block k into slot s on the copy stream, after the slot's last reader."""
+        platform = self.platform
+        master = self.groups[k].master
+        with platform.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.free[s])
+            for dtype, flat in self._slot_flats(k, s).items():
+                platform.copy_(flat, master.flats[dtype])
+            self.ready[s].record(self.copy_stream)
+        self.slot_of[k] = s
+        self.occupant[s] = k
+        self.stats.h2d_bytes += self.groups[k].nbytes
+        self.stats.swaps += 1
+
+    def _evict(self, s: int) -> None:
+        """Forget the (never run) block prefetched into slot s."""
+        k = self.occupant[s]
+        if k is not None:
+            self._rebind(k, self._placeholder_views(k))
+            self.slot_of[k] = None
+            self.occupant[s] = None
+
+    def _load(self, k: int, s: int) -> None:
+        self._evict(s)
+        self._issue_copy(k, s)
+        self._rebind(k, self._slot_views(k, s))
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def before(self, k: int) -> None:
+        if self.last is not None and self.successor[self.last] != k:
+            self.successor[self.last] = k  # learn the order the caller actually runs
+        self.last = k
+        s = self.slot_of[k]
+        if s is None:  # skipped, reordered, or prefetch disabled: load it now
+            s = self._recovery_slot(k)
+            self._load(k, s)
+            self.stats.sync_recoveries += 1
+        self.platform.current_stream().wait_event(self.ready[s])
+        self.platform.record_use(self.slots[s])
+        self.running = k
+        if self.prefetch_enabled:
+            q = self.successor[k]
+            if q != k and self.slot_of[q] is None:
+                self._load(q, 1 - s)
+
+    def after(self, k: int) -> None:
+        s = self.slot_of[k]
+        self.running = None
+        if s is None:  # pragma: no cover - the pre-hook always materializes k
+            return
+        platform = self.platform
+        platform.record_use(self.slots[s])
+        platform.discard(self.slots[s])
+        self.free[s].record(platform.current_stream())
+        self._rebind(k, self._placeholder_views(k))
+        self.slot_of[k] = None
+        self.occupant[s] = None
+
+    def _recovery_slot(self, k: int) -> int:
+        for s in range(_NUM_SLOTS):
+            if self.occupant[s] is None:
+                return s
+        # Both slots hold prefetched blocks that did not run: drop the one we will not need.
+        keep = self.successor[k]
+        return 0 if self.occupant[0] != keep else 1
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def materialized(self) -> list[int]:
+        return [k for k in range(len(self.blocks)) if self.slot_of[k] is not None]
+
+    @property
+    def largest_block_bytes(self) -> int:
+        return self.slot_bytes
+
+    # -- disable --------------------------------------------------------------------------------
+
+    def restored_views(self) -> list[list[torch.Tensor]]:
+        return [restore_group(g, self.platform) for g in self.groups]
+
+    def release(self) -> None:
+        for slot in self.slots:
+            self.platform.free(slot)
+        self.slots = []
+        self._flats = []
+        for g in self.groups:
+            if g.master is not None:
+                g.master.release()
+        self.groups = []
+
+
+def _block_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = list(block.named_parameters(remove_duplicate=False))
+    named += [(n, b) for n, b in block.named_buffers(remove_duplicate=False) if b is not None]
+    return named
+
+
+class LayerwiseOffloadHook(ModelHook):
+    """Thin callbacks from one block into its ring."""
+
+    def __init__(self, ring: BlockRing, index: int) -> None:
+        self.ring = ring
+        self.index = index
+
+    # Note [Hooks leave inference mode]: tensors the offloader creates or views inside a hook
+    # must be ordinary tensors, or disable (run outside inference mode) could not reuse them.
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        with torch.inference_mode(False):
+            self.ring.before(self.index)
+        return None
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        with torch.inference_mode(False):
+            self.ring.after(self.index)
+        return None
+
+
+class LayerWiseOffloadBackend(OffloadBackend):
+    """Streams the declared blocks of the selected components through :class:`BlockRing` s;
+    everything else stays on the device.  Selected by ``enable_layerwise_offload`` or compact
+    ``mode="layer"`` with rank-local transfer.
+
+    ``prefetch=False`` is a debug switch: every block is loaded synchronously when it runs (the
+    serial baseline that overlap measurements compare against).
+    """
+
+    strategy = OffloadStrategy.LAYER_WISE
+    hook_name = "offload_ref.layerwise"
+
+    def __init__(self, config, platform, *, prefetch: bool = True) -> None:
+        super().__init__(config, platform)
+        self.prefetch = prefetch
+        self.rings: list[BlockRing] = []
+        self._resident: ComponentSwapper | None = None
+
+    def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
+        placeholders = _Placeholders()
+        copy_stream = self.platform.Stream()
+        streamed = [c for c in plan.components if c.selected and not c.on_demand]
+        for comp in streamed:
+            for stack in comp.stacks:
+                if len(stack.streamed_blocks) < 2:
+                    continue
+                ring = BlockRing(stack, self.platform, self._stats, copy_stream, placeholders,
+                                 pin=self.config.pin_memory, prefetch=self.prefetch)
+                self.rings.append(ring)
+                ring.prepare(txn, pipeline)
+        ring_storage = set().union(*(r.storage_keys() for r in self.rings)) if self.rings \
+            else set()
+        # Non-block state is placed by storage identity, so a tensor aliasing a streamed block
+        # stays with its ring (Note [Ownership by identity]); pipeline-managed components are
+        # left to the pipeline.
+        on_demand = [c.module for c in plan.components if c.on_demand]
+        rest = [(n, t) for n, t in pipeline_state(pipeline, on_demand)
+                if not t.numel() or storage_key(t) not in ring_storage]
+        resident = ComponentSwapper(self.platform, self._stats)
+        self._resident = resident
+        resident.prepare(txn, [], [("<resident>", rest)], pin=False)
+        for ring in self.rings:
+            ring.commit(txn)
+        for ring in self.rings:
+            for k, (block, path) in enumerate(zip(ring.blocks, ring.block_paths)):
+                txn.register_hook(block, self.hook_name, LayerwiseOffloadHook(ring, k), path)
+        self._stats.peak_device_weight_bytes = self._stats.device_weight_bytes
+
+    def _disable(self, pipeline: Any) -> None:
+        restored = [ring.restored_views() for ring in self.rings]  # may raise: nothing changed
+        self.platform.synchronize()
+        assert self._resident is not None
+        self._resident.restore()
+        for ring, views in zip(self.rings, restored):
+            for group, vs in zip(ring.groups, views):
+                for t, v in zip(group.tensors, vs):
+                    t.data = v
+        self.registry.remove_all()
+        self.platform.synchronize()
+        for ring in self.rings:
+            ring.release()
+
+    def _reset(self) -> None:
+        # After a rollback the undo log has already freed the slots and masters.
+        self.rings = []
+        self._resident = None
+
+    def materialized_blocks(self) -> dict[str, list[int]]:
+        """Ring label -> indices of the blocks currently bound to device slots."""
+        return {ring.label: ring.materialized() for ring in self.rings}

@@ -1,0 +1,298 @@
+"""Model-level (sequential) offload: whole components swap between host masters and the device.
+
+Residency rule (the bound the contract suite enforces): before an encoder runs, every DiT is on
+the host; before a DiT runs, the encoders and every other DiT are on the host; VAEs, declared
+residents, unselected components and the rest of the pipeline's state stay on the device.  So
+the device holds at most one swap group (the encoders, or one DiT) plus the resident state.
+
+A swap moves host -> device only: offloading rebinds the component's tensors to its immutable
+host master (no device -> host copy, no pinned memory allocated per swap).
+
+Split models (:class:`~offload_ref.discovery.SupportsModelCpuOffload`) are delegated to: the
+pipeline's ``enable_omni_model_cpu_offload`` owns the swaps (usually through
+:class:`offload_ref.split.ComponentGroups`), and a failure inside it calls its disable.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import OffloadStrategy
+from ..hooks import ModelHook
+from ..plan import ResolvedComponent, ResolvedOffloadPlan
+from ..platform import Platform
+from .base import (
+    OffloadBackend,
+    OffloadStats,
+    TensorGroup,
+    Transaction,
+    pipeline_state,
+    restore_group,
+)
+
+__all__ = ["ComponentSwapper", "ModelLevelOffloadBackend", "SequentialOffloadHook"]
+
+
+class ComponentSwapper:
+    """Owns the tensor groups of one model-level offload: swappable components (host master,
+    device copy while loaded) and resident state (device copy)."""
+
+    def __init__(self, platform: Platform, stats: OffloadStats) -> None:
+        self.platform = platform
+        self.stats = stats
+        self.swappable: dict[str, TensorGroup] = {}
+        self.resident: list[TensorGroup] = []
+
+    # -- enable ---------------------------------------------------------------------------------
+
+    def prepare(
+        self,
+        txn: Transaction,
+        swappable: Sequence[tuple[str, nn.Module]],
+        resident: Sequence[tuple[str, Sequence[tuple[str, torch.Tensor]]]],
+        *,
+        pin: bool,
+    ) -> None:
+        """Build masters and device copies off to the side, then commit (Note [Transactions])."""
+        claimed: dict[tuple, str] = {}
+
+        def claim(label: str, named: Iterable[tuple[str, torch.Tensor]]) -> list:
+            out = []
+            for name, t in named:
+                if t is None or t.numel() == 0:
+                    continue
+                key = (str(t.device), t.untyped_storage().data_ptr())
+                other = claimed.get(key)
+                if other is not None and other != label:
+                    raise ValueError(
+                        f"{label}.{name} shares storage with a tensor of {other}; a tensor can "
+                        "belong to one offload group only (untie it or declare both parts as "
+                        "one component)"
+                    )
+                claimed[key] = label
+                out.append((f"{label}.{name}", t))
+            return out
+
+        swap_named = [(label, claim(label, _named_tensors(m))) for label, m in swappable]
+        resident_named = [(label, claim(label, named)) for label, named in resident]
+        # Build everything first: nothing the pipeline sees changes until the rebinds below.
+        for label, named in swap_named:
+            group = TensorGroup.of(label, named, self.platform)
+            group.master = txn.host_master(label, named, pin)
+            self.swappable[label] = group
+            self.stats.host_bytes += group.nbytes
+        for label, named in resident_named:
+            named = [(n, t) for n, t in named if not self.platform.is_resident(t)]
+            if not named:
+                continue
+            group = TensorGroup.of(label, named, self.platform)
+            for dtype, numel in group.layout.numel.items():
+                group.device_flats[dtype] = txn.device_empty(label, numel, dtype)
+            txn.step(f"copy {label} to the device")
+            group.layout.pack_into(group.device_flats, self.platform.copy_)
+            self.resident.append(group)
+            self.stats.device_weight_bytes += group.nbytes
+        self.stats.peak_device_weight_bytes = self.stats.device_weight_bytes
+        # Commit: swappable components start on the host, resident state on the device.
+        for label, group in self.swappable.items():
+            txn.rebind(label, group.tensors, group.master.host_views())
+        for group in self.resident:
+            txn.rebind(group.label, group.tensors, group.layout.views(group.device_flats))
+        txn.on_rollback(self.forget)
+
+    # -- steady state ---------------------------------------------------------------------------
+
+    def is_loaded(self, label: str) -> bool:
+        return bool(self.swappable[label].device_flats)
+
+    def load(self, label: str) -> None:
+        group = self.swappable[label]
+        if group.device_flats:
+            return
+        flats = {dtype: self.platform.empty(n, dtype) for dtype, n in group.layout.numel.items()}
+        for dtype, flat in flats.items():
+            self.platform.copy_(flat, group.master.flats[dtype])
+        group.device_flats = flats
+        for t, v in zip(group.tensors, group.layout.views(flats)):
+            t.data = v
+        self.stats.h2d_bytes += group.nbytes
+        self.stats.swaps += 1
+        self.stats.device_weight_bytes += group.nbytes
+        self.stats.peak_device_weight_bytes = max(
+            self.stats.peak_device_weight_bytes, self.stats.device_weight_bytes)
+
+    def offload(self, label: str) -> None:
+        group = self.swappable[label]
+        if not group.device_flats:
+            return
+        for t, v in zip(group.tensors, group.master.host_views()):
+            t.data = v  # back to the immutable master: no device -> host copy
+        flats, group.device_flats = group.device_flats, {}
+        for flat in flats.values():
+            self.platform.discard(flat)
+            self.platform.free(flat)
+        self.stats.device_weight_bytes -= group.nbytes
+
+    def activate(self, label: str | None, evict: Iterable[str]) -> None:
+        """Offload ``evict`` then load ``label`` (the bound holds at every instant)."""
+        for other in evict:
+            if other != label:
+                self.offload(other)
+        if label is not None and label in self.swappable:
+            self.load(label)
+
+    # -- disable --------------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Rebuild every tensor at its original placement (Note [Original placement])."""
+        groups = list(self.swappable.values()) + self.resident
+        restored = [restore_group(g, self.platform) for g in groups]  # may raise: nothing changed
+        self.platform.synchronize()
+        for group, views in zip(groups, restored):
+            for t, v in zip(group.tensors, views):
+                t.data = v
+        self.release()
+
+    def release(self) -> None:
+        for group in list(self.swappable.values()) + self.resident:
+            for flat in group.device_flats.values():
+                self.platform.free(flat)
+            group.device_flats = {}
+            if group.master is not None:
+                group.master.release()
+        self.forget()
+
+    def forget(self) -> None:
+        self.swappable = {}
+        self.resident = []
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = list(module.named_parameters(remove_duplicate=False))
+    named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
+    return named
+
+
+class SequentialOffloadHook(ModelHook):
+    """Pre-forward hook of one component: make it the resident swap group."""
+
+    def __init__(self, backend: ModelLevelOffloadBackend, component: ResolvedComponent) -> None:
+        self.backend = backend
+        self.component = component
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        with torch.inference_mode(False):  # Note [Hooks leave inference mode] (layerwise.py)
+            self.backend._activate(self.component)
+        return None
+
+
+class ModelLevelOffloadBackend(OffloadBackend):
+    """See the module docstring.  Selected by ``enable_cpu_offload`` or ``mode="module"``."""
+
+    strategy = OffloadStrategy.MODEL_LEVEL
+    hook_name = "offload_ref.sequential"
+
+    def __init__(self, config, platform) -> None:
+        super().__init__(config, platform)
+        self._swapper: ComponentSwapper | None = None
+        self._components: tuple[ResolvedComponent, ...] = ()
+        self._delegated = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
+        if plan.delegated:
+            self._enable_delegated(pipeline, txn)
+            return
+        swapper = ComponentSwapper(self.platform, self._stats)
+        self._swapper = swapper
+        swappable = [c for c in plan.components if c.role in ("dit", "encoder") and c.selected]
+        kept = [c for c in plan.components if c not in swappable]
+        resident = [(c.path, _named_tensors(c.module)) for c in kept]
+        rest = pipeline_state(pipeline, [c.module for c in plan.components])
+        if rest:
+            resident.append(("<pipeline>", rest))
+        swapper.prepare(
+            txn, [(c.path, c.module) for c in swappable], resident, pin=self.config.pin_memory
+        )
+        self._components = plan.components
+        for comp in plan.components:
+            if comp.role in ("dit", "encoder"):
+                txn.register_hook(comp.module, self.hook_name, SequentialOffloadHook(self, comp),
+                                  comp.path)
+
+    def _enable_delegated(self, pipeline: Any, txn: Transaction) -> None:
+        kwargs = {
+            "device": self.platform.device,
+            "pin_memory": self.config.pin_memory,
+            "components": self.config.components,
+        }
+        enable = pipeline.enable_omni_model_cpu_offload
+        params = inspect.signature(enable).parameters
+        if "platform" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            kwargs["platform"] = self.platform
+        txn.step(f"{type(pipeline).__name__}.enable_omni_model_cpu_offload")
+        # Registered before the call: a failure inside the pipeline's enable calls its disable.
+        txn.on_rollback(pipeline.disable_omni_model_cpu_offload)
+        enable(**kwargs)
+        self._delegated = True
+
+    def _disable(self, pipeline: Any) -> None:
+        if self._delegated:
+            pipeline.disable_omni_model_cpu_offload()
+            return
+        assert self._swapper is not None
+        self._swapper.restore()
+        self.registry.remove_all()
+        self.platform.synchronize()
+
+    def _reset(self) -> None:
+        self._swapper = None
+        self._components = ()
+        self._delegated = False
+
+    # -- swaps ----------------------------------------------------------------------------------
+
+    def _activate(self, comp: ResolvedComponent) -> None:
+        swapper = self._swapper
+        if swapper is None:
+            return
+        if comp.role == "dit":
+            evict = [c.path for c in self._components
+                     if c.role in ("dit", "encoder") and c is not comp]
+        else:
+            evict = [c.path for c in self._components if c.role == "dit"]
+        swapper.activate(comp.path, [p for p in evict if p in swapper.swappable])
+
+    @contextmanager
+    def use_component(self, path: str) -> Iterator[None]:
+        """Make the component at dotted ``path`` resident for a non-forward entry point::
+
+            with backend.use_component("text_encoder"):
+                pipeline.encode_prompt(...)   # does not go through text_encoder.forward
+
+        VAEs and residents are always on the device; entering them is a no-op.
+        """
+        if not self.is_enabled():
+            raise RuntimeError(f"{type(self).__name__} is not enabled")
+        for comp in self._components:
+            if comp.path == path:
+                if comp.role in ("dit", "encoder"):
+                    with torch.inference_mode(False):
+                        self._activate(comp)
+                yield
+                return
+        known = [c.path for c in self._components]
+        raise ValueError(f"unknown component {path!r}; the plan's components are {known}")
+
+    def loaded_components(self) -> tuple[str, ...]:
+        """Paths of the swappable components currently on the device."""
+        if self._swapper is None:
+            return ()
+        return tuple(p for p in self._swapper.swappable if self._swapper.is_loaded(p))

@@ -1,0 +1,469 @@
+"""Offload configuration: one immutable policy object, parsed once.
+
+Two inputs produce an :class:`OffloadConfig`:
+
+* the legacy boolean flags of a diffusion config (``enable_cpu_offload``,
+  ``enable_layerwise_offload``, ``enable_distributed_layerwise_offload`` and the ``dlo_*`` tuning),
+  which keep their historical priority (distributed layerwise > layerwise > model-level);
+* the compact mapping ``diffusion_offload_config``::
+
+      {"mode": "layer",
+       "components": ["dit", "text_encoder"],
+       "layer_options": {"dit": {"weight_transfer": "allgather", "resident_layers": 0}},
+       "pin_memory": True}
+
+Every error names the offending key, the value it got and the values it accepts.  The legacy flags
+are translated once into a config with ``explicit=False`` (the historical "warn and skip" topology
+rules); a compact mapping yields ``explicit=True`` (every declaration problem is an error).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+__all__ = [
+    "COMPONENTS",
+    "LayerOptions",
+    "OffloadConfig",
+    "OffloadStrategy",
+    "WeightTransfer",
+]
+
+
+class OffloadStrategy(str, enum.Enum):
+    """Which backend owns a pipeline's offload hooks."""
+
+    NONE = "none"
+    MODEL_LEVEL = "model_level"
+    LAYER_WISE = "layer_wise"
+    DISTRIBUTED_LAYER_WISE = "distributed_layer_wise"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class WeightTransfer(str, enum.Enum):
+    """How a streamed component's weights reach the device in distributed layerwise mode."""
+
+    ALLGATHER = "allgather"  # each rank keeps 1/world of every block; AllGather rebuilds it
+    RANK_LOCAL = "rank-local"  # each rank streams its own full copy
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Component names a config may select.  ``"dit"`` is every declared DiT; ``"text_encoder"`` is
+#: the encoder group (every entry of ``_encoder_modules``).
+COMPONENTS: tuple[str, ...] = ("dit", "text_encoder")
+_MODES = ("module", "layer")
+_TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory")
+_LAYER_OPTION_KEYS = ("weight_transfer", "resident_layers")
+_LEGACY_DLO_DEFAULTS = {"dlo_use_allgather": True, "dlo_resident_layers": 0}
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """Per-component options of ``mode="layer"``."""
+
+    weight_transfer: WeightTransfer = WeightTransfer.RANK_LOCAL
+    resident_layers: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weight_transfer", WeightTransfer(self.weight_transfer))
+        if type(self.resident_layers) is not int or self.resident_layers < 0:
+            raise ValueError(
+                f"resident_layers must be a non-negative int, got {self.resident_layers!r}"
+            )
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The offload policy of one pipeline (immutable, hashable, picklable).
+
+    ``components`` is the explicit selection (a subset of :data:`COMPONENTS`); it is empty only for
+    ``OffloadStrategy.NONE``.  ``explicit`` says whether the selection was asked for (compact
+    config or a direct constructor call) or derived from legacy flags, which keep the historical
+    lenient topology rules (a pipeline without a DiT is a recorded no-op instead of an error).
+    """
+
+    strategy: OffloadStrategy = OffloadStrategy.NONE
+    components: tuple[str, ...] = ()
+    pin_memory: bool = True
+    layer_options: Mapping[str, LayerOptions] = field(default_factory=dict)
+    world_size: int = 1
+    use_hsdp: bool = False
+    explicit: bool = True
+
+    def __post_init__(self) -> None:
+        strategy = OffloadStrategy(self.strategy)
+        object.__setattr__(self, "strategy", strategy)
+        components = self.components
+        if components is None or isinstance(components, (str, bytes)):
+            raise TypeError(
+                f"OffloadConfig.components must be a tuple of names from {list(COMPONENTS)}, "
+                f"got {components!r}"
+            )
+        components = tuple(components)
+        if strategy is not OffloadStrategy.NONE and not components:
+            components = ("dit",) if strategy is not OffloadStrategy.MODEL_LEVEL else COMPONENTS
+        unknown = [c for c in components if c not in COMPONENTS]
+        if unknown:
+            raise ValueError(
+                f"OffloadConfig.components: unknown component(s) {unknown}; accepted: "
+                f"{list(COMPONENTS)}"
+            )
+        if len(set(components)) != len(components):
+            raise ValueError(f"OffloadConfig.components lists a component twice: {components}")
+        # Canonical order so equal selections compare (and hash) equal.
+        object.__setattr__(self, "components", tuple(c for c in COMPONENTS if c in components))
+        if type(self.pin_memory) is not bool:
+            raise TypeError(f"OffloadConfig.pin_memory must be a bool, got {self.pin_memory!r}")
+        options = {}
+        for name, opts in dict(self.layer_options).items():
+            if name not in self.components:
+                raise ValueError(
+                    f"layer_options[{name!r}] requires selecting the same component in "
+                    f"components (selected: {list(self.components)})"
+                )
+            options[name] = opts if isinstance(opts, LayerOptions) else LayerOptions(**opts)
+        if options and strategy is OffloadStrategy.MODEL_LEVEL:
+            raise ValueError("layer_options requires a layer strategy, not model_level")
+        object.__setattr__(self, "layer_options", MappingProxyType(options))
+        if type(self.world_size) is not int or self.world_size < 1:
+            raise ValueError(f"OffloadConfig.world_size must be an int >= 1, got {self.world_size!r}")
+        for name, opts in options.items():
+            if opts.resident_layers and opts.weight_transfer is WeightTransfer.ALLGATHER:
+                raise ValueError(
+                    f"layer_options[{name!r}]: resident_layers={opts.resident_layers} cannot be "
+                    "combined with weight_transfer='allgather'; use weight_transfer='rank-local'"
+                )
+            if opts.resident_layers and name != "dit":
+                raise ValueError(
+                    f"layer_options[{name!r}].resident_layers is only supported for 'dit'"
+                )
+            needs_dlo = opts.weight_transfer is WeightTransfer.ALLGATHER or opts.resident_layers
+            if needs_dlo and strategy is not OffloadStrategy.DISTRIBUTED_LAYER_WISE:
+                raise ValueError(
+                    f"layer_options[{name!r}] ({opts}) needs the distributed_layer_wise strategy, "
+                    f"got {strategy.value}"
+                )
+        if self.use_hsdp and strategy is OffloadStrategy.DISTRIBUTED_LAYER_WISE and any(
+            o.weight_transfer is WeightTransfer.ALLGATHER for o in options.values()
+        ):
+            raise ValueError(
+                "distributed layerwise offload with weight_transfer='allgather' is incompatible "
+                "with HSDP (weights would be sharded twice); use weight_transfer='rank-local' or "
+                "disable HSDP"
+            )
+
+    # -- queries -------------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.strategy is not OffloadStrategy.NONE
+
+    def selects(self, component: str) -> bool:
+        return component in self.components
+
+    def options_for(self, component: str) -> LayerOptions:
+        return self.layer_options.get(component, LayerOptions())
+
+    def __hash__(self) -> int:
+        return hash(
+            (
+                self.strategy,
+                self.components,
+                self.pin_memory,
+                tuple(sorted(self.layer_options.items())),
+                self.world_size,
+                self.use_hsdp,
+                self.explicit,
+            )
+        )
+
+    def __reduce__(self):  # MappingProxyType does not pickle
+        return (
+            _rebuild,
+            (
+                self.strategy,
+                self.components,
+                self.pin_memory,
+                dict(self.layer_options),
+                self.world_size,
+                self.use_hsdp,
+                self.explicit,
+            ),
+        )
+
+    # -- parsing -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_od_config(cls, od_config: Any) -> OffloadConfig:
+        """Build the config from a diffusion config object (any object with the attributes).
+
+        Missing attributes take their defaults.  See the module docstring for the schema.
+        """
+        return _from_od_config(od_config)
+
+    @classmethod
+    def from_mapping(
+        cls, mapping: Mapping[str, Any], *, world_size: int = 1, use_hsdp: bool = False
+    ) -> OffloadConfig:
+        """Parse a compact ``diffusion_offload_config`` mapping (full schema validation)."""
+        return _parse_compact(mapping, world_size=world_size, use_hsdp=use_hsdp)
+
+
+def _rebuild(strategy, components, pin_memory, layer_options, world_size, use_hsdp, explicit):
+    return OffloadConfig(
+        strategy=strategy,
+        components=components,
+        pin_memory=pin_memory,
+        layer_options=layer_options,
+        world_size=world_size,
+        use_hsdp=use_hsdp,
+        explicit=explicit,
+    )
+
+
+def _key(path: str, value: Any) -> str:
+    return f"diffusion_offload_config{path} = {value!r}"
+
+
+def _require_str_keys(mapping: Mapping, path: str, accepted: list[str]) -> None:
+    for k in mapping:
+        if not isinstance(k, str):
+            raise TypeError(
+                f"{_key(path, mapping)}: keys must be strings, got key {k!r}; accepted: {accepted}"
+            )
+
+
+def _parse_compact(mapping: Any, *, world_size: int, use_hsdp: bool) -> OffloadConfig:
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"{_key('', mapping)}: must be a mapping with keys {list(_TOP_LEVEL_KEYS)}")
+    _require_str_keys(mapping, "", list(_TOP_LEVEL_KEYS))
+    unknown = sorted(set(mapping) - set(_TOP_LEVEL_KEYS))
+    if unknown:
+        raise ValueError(
+            f"diffusion_offload_config: unknown key(s) {unknown}; accepted: {list(_TOP_LEVEL_KEYS)}"
+        )
+    for required, accepted in (("mode", list(_MODES)), ("components", list(COMPONENTS))):
+        if required not in mapping:
+            raise ValueError(
+                f"diffusion_offload_config: missing required key {required!r} "
+                f"(accepted values: {accepted})"
+            )
+
+    mode = mapping["mode"]
+    if not isinstance(mode, str):
+        raise TypeError(f"{_key('[mode]', mode)}: must be a string, one of {list(_MODES)}")
+    if mode not in _MODES:
+        raise ValueError(f"{_key('[mode]', mode)}: unknown mode; accepted: {list(_MODES)}")
+
+    components = mapping["components"]
+    if isinstance(components, (str, bytes, Mapping)) or not isinstance(
+        components, (list, tuple)
+    ):
+        raise TypeError(
+            f"{_key('[components]', components)}: must be a non-empty list of names from "
+            f"{list(COMPONENTS)}"
+        )
+    for c in components:
+        if not isinstance(c, str):
+            raise TypeError(
+                f"{_key('[components]', components)}: entries must be strings, got {c!r}; "
+                f"accepted: {list(COMPONENTS)}"
+            )
+    if not components:
+        raise ValueError(
+            f"{_key('[components]', components)}: must not be empty; accepted names: "
+            f"{list(COMPONENTS)}"
+        )
+    for c in components:
+        if c not in COMPONENTS:
+            raise ValueError(
+                f"{_key('[components]', components)}: unknown component {c!r}; accepted: "
+                f"{list(COMPONENTS)}"
+            )
+    if len(set(components)) != len(components):
+        raise ValueError(f"{_key('[components]', components)}: a component is listed twice")
+
+    raw_options = mapping.get("layer_options", {})
+    if not isinstance(raw_options, Mapping):
+        raise TypeError(
+            f"{_key('[layer_options]', raw_options)}: must be a mapping of component name to "
+            f"options {list(_LAYER_OPTION_KEYS)}"
+        )
+    _require_str_keys(raw_options, "[layer_options]", list(COMPONENTS))
+    if raw_options and mode != "layer":
+        raise ValueError(
+            f"{_key('[layer_options]', dict(raw_options))}: layer_options requires "
+            f"mode='layer' (got mode={mode!r})"
+        )
+    options: dict[str, LayerOptions] = {}
+    for name, opts in raw_options.items():
+        path = f"[layer_options][{name!r}]"
+        if name not in COMPONENTS:
+            raise ValueError(f"{_key(path, opts)}: unknown component; accepted: {list(COMPONENTS)}")
+        if name not in components:
+            raise ValueError(
+                f"{_key(path, opts)}: requires selecting the same component in components "
+                f"(selected: {list(components)})"
+            )
+        if not isinstance(opts, Mapping):
+            raise TypeError(
+                f"{_key(path, opts)}: must be a mapping with keys {list(_LAYER_OPTION_KEYS)}"
+            )
+        _require_str_keys(opts, path, list(_LAYER_OPTION_KEYS))
+        bad = sorted(set(opts) - set(_LAYER_OPTION_KEYS))
+        if bad:
+            raise ValueError(
+                f"{_key(path, dict(opts))}: unknown option(s) {bad}; accepted: "
+                f"{list(_LAYER_OPTION_KEYS)}"
+            )
+        transfer = opts.get("weight_transfer", WeightTransfer.RANK_LOCAL.value)
+        accepted_transfers = [t.value for t in WeightTransfer]
+        if not isinstance(transfer, str) or transfer not in accepted_transfers:
+            raise ValueError(
+                f"{_key(path + '[weight_transfer]', transfer)}: accepted: {accepted_transfers}"
+            )
+        resident = opts.get("resident_layers", 0)
+        if type(resident) is not int or resident < 0:
+            raise ValueError(
+                f"{_key(path + '[resident_layers]', resident)}: must be an int >= 0"
+            )
+        if resident and name != "dit":
+            raise ValueError(
+                f"{_key(path + '[resident_layers]', resident)}: resident_layers is only "
+                "accepted for 'dit'"
+            )
+        if resident and transfer == WeightTransfer.ALLGATHER.value:
+            raise ValueError(
+                f"{_key(path, dict(opts))}: resident_layers cannot be combined with "
+                "weight_transfer='allgather'; use weight_transfer='rank-local'"
+            )
+        options[name] = LayerOptions(WeightTransfer(transfer), resident)
+
+    pin_memory = mapping.get("pin_memory", True)
+    if type(pin_memory) is not bool:
+        raise TypeError(f"{_key('[pin_memory]', pin_memory)}: must be True or False")
+
+    if mode == "module":
+        strategy = OffloadStrategy.MODEL_LEVEL
+    elif any(
+        o.weight_transfer is WeightTransfer.ALLGATHER or o.resident_layers for o in options.values()
+    ):
+        strategy = OffloadStrategy.DISTRIBUTED_LAYER_WISE
+    else:
+        strategy = OffloadStrategy.LAYER_WISE
+    return OffloadConfig(
+        strategy=strategy,
+        components=tuple(components),
+        pin_memory=pin_memory,
+        layer_options=options,
+        world_size=world_size,
+        use_hsdp=use_hsdp,
+        explicit=True,
+    )
+
+
+def _flag(od_config: Any, name: str, default: Any) -> Any:
+    value = getattr(od_config, name, default)
+    return default if value is None else value
+
+
+def _legacy_strategy(od_config: Any) -> OffloadStrategy:
+    if _flag(od_config, "enable_distributed_layerwise_offload", False):
+        return OffloadStrategy.DISTRIBUTED_LAYER_WISE
+    if _flag(od_config, "enable_layerwise_offload", False):
+        return OffloadStrategy.LAYER_WISE
+    if _flag(od_config, "enable_cpu_offload", False):
+        return OffloadStrategy.MODEL_LEVEL
+    return OffloadStrategy.NONE
+
+
+def _from_od_config(od_config: Any) -> OffloadConfig:
+    world_size = _flag(od_config, "data_parallel_size", 1)
+    if type(world_size) is not int or world_size < 1:
+        raise ValueError(f"data_parallel_size = {world_size!r}: must be an int >= 1")
+    use_hsdp = bool(_flag(od_config, "use_hsdp", False))
+    legacy_strategy = _legacy_strategy(od_config)
+    use_allgather = _flag(od_config, "dlo_use_allgather", True)
+    resident = _flag(od_config, "dlo_resident_layers", 0)
+    if type(use_allgather) is not bool:
+        raise TypeError(f"dlo_use_allgather = {use_allgather!r}: must be True or False")
+    if type(resident) is not int or resident < 0:
+        raise ValueError(f"dlo_resident_layers = {resident!r}: must be an int >= 0")
+
+    compact = getattr(od_config, "diffusion_offload_config", None)
+    if compact is not None:
+        config = _parse_compact(compact, world_size=world_size, use_hsdp=use_hsdp)
+        if legacy_strategy is not OffloadStrategy.NONE and legacy_strategy is not config.strategy:
+            flag = {
+                OffloadStrategy.DISTRIBUTED_LAYER_WISE: "enable_distributed_layerwise_offload",
+                OffloadStrategy.LAYER_WISE: "enable_layerwise_offload",
+                OffloadStrategy.MODEL_LEVEL: "enable_cpu_offload",
+            }[legacy_strategy]
+            raise ValueError(
+                f"diffusion_offload_config (strategy {config.strategy.value}) cannot be combined "
+                f"with the legacy flag {flag}=True (strategy {legacy_strategy.value}); remove "
+                "the legacy flag"
+            )
+        non_default = [
+            f"{name}={_flag(od_config, name, default)!r}"
+            for name, default in _LEGACY_DLO_DEFAULTS.items()
+            if _flag(od_config, name, default) != default
+        ]
+        if non_default:
+            raise ValueError(
+                f"diffusion_offload_config cannot be combined with legacy DLO tuning "
+                f"{', '.join(non_default)}; express it as layer_options "
+                "{'dit': {'weight_transfer': ..., 'resident_layers': ...}}"
+            )
+        if "pin_memory" not in compact and getattr(od_config, "pin_cpu_memory", None) is False:
+            return _rebuild(
+                config.strategy, config.components, False, dict(config.layer_options),
+                config.world_size, config.use_hsdp, config.explicit,
+            )
+        return config
+
+    pin_memory = _flag(od_config, "pin_cpu_memory", True)
+    if type(pin_memory) is not bool:
+        raise TypeError(f"pin_cpu_memory = {pin_memory!r}: must be True or False")
+    if legacy_strategy is OffloadStrategy.NONE:
+        return OffloadConfig(world_size=world_size, use_hsdp=use_hsdp, pin_memory=pin_memory,
+                             explicit=False)
+    if legacy_strategy is OffloadStrategy.MODEL_LEVEL:
+        return OffloadConfig(
+            strategy=legacy_strategy, components=COMPONENTS, pin_memory=pin_memory,
+            world_size=world_size, use_hsdp=use_hsdp, explicit=False,
+        )
+    if legacy_strategy is OffloadStrategy.LAYER_WISE:
+        return OffloadConfig(
+            strategy=legacy_strategy, components=("dit",), pin_memory=pin_memory,
+            world_size=world_size, use_hsdp=use_hsdp, explicit=False,
+        )
+    if resident and use_allgather:
+        raise ValueError(
+            f"dlo_resident_layers={resident} cannot be combined with dlo_use_allgather=True; "
+            "use rank-local transfer (dlo_use_allgather=False, CLI --dlo-no-use-allgather)"
+        )
+    if use_hsdp and use_allgather:
+        raise ValueError(
+            "enable_distributed_layerwise_offload with dlo_use_allgather=True is incompatible "
+            "with HSDP (use_hsdp=True): weights would be sharded twice; set "
+            "dlo_use_allgather=False or disable HSDP"
+        )
+    transfer = WeightTransfer.ALLGATHER if use_allgather else WeightTransfer.RANK_LOCAL
+    return OffloadConfig(
+        strategy=legacy_strategy,
+        components=("dit",),
+        pin_memory=pin_memory,
+        layer_options={"dit": LayerOptions(transfer, resident)},
+        world_size=world_size,
+        use_hsdp=use_hsdp,
+        explicit=False,
+    )

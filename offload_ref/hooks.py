@@ -1,0 +1,134 @@
+"""Named forward hooks on torch's native hook handles.
+
+A :class:`ModelHook` is a pair of small callbacks; :class:`HookRegistry` installs it on a module
+under a name with ``register_forward_pre_hook`` / ``register_forward_hook`` and keeps the handles.
+Nothing wraps or replaces ``module.forward``.  A module with hooks carries one attribute,
+``_offload_ref_hooks`` (name -> entry), so leaks are findable; removing its last hook deletes it and
+leaves the module exactly as it was.  Each backend owns one registry and removes only the hooks it
+registered, so backends with distinct hook names never disturb one another.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["HOOKS_ATTR", "HookRegistry", "ModelHook", "hook_names"]
+
+HOOKS_ATTR = "_offload_ref_hooks"
+
+
+class ModelHook:
+    """Callbacks around one module's forward.  Override what you need.
+
+    ``pre_forward`` may return replacement ``(args, kwargs)``; ``post_forward`` may return a
+    replacement output.  ``None`` keeps the originals.
+    """
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        return None
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        return None
+
+
+@dataclass
+class _Entry:
+    hook: ModelHook
+    handles: tuple[RemovableHandle, ...]
+    owner: int  # id() of the registry that installed it
+
+
+def _overrides(hook: ModelHook, name: str) -> bool:
+    return getattr(type(hook), name) is not getattr(ModelHook, name)
+
+
+def hook_names(module: nn.Module) -> tuple[str, ...]:
+    """Names of the offload hooks currently installed on ``module`` (any registry)."""
+    return tuple(module.__dict__.get(HOOKS_ATTR, {}))
+
+
+class HookRegistry:
+    """Installs and removes named :class:`ModelHook` s; remembers what it installed."""
+
+    def __init__(self) -> None:
+        self._installed: list[tuple[weakref.ref[nn.Module], str]] = []
+
+    def register_hook(self, module: nn.Module, name: str, hook: ModelHook) -> None:
+        table: dict[str, _Entry] = module.__dict__.get(HOOKS_ATTR, {})
+        if name in table:
+            raise ValueError(
+                f"a hook named {name!r} is already installed on {type(module).__name__}; "
+                "remove it first (each backend uses distinct hook names)"
+            )
+        handles = []
+        hook_ref = hook  # the closures below keep the hook alive exactly as long as the handles
+        try:
+            if _overrides(hook, "pre_forward"):
+
+                def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+                    return hook_ref.pre_forward(mod, args, kwargs)
+
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            if _overrides(hook, "post_forward"):
+
+                def post(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+                    return hook_ref.post_forward(mod, args, kwargs, output)
+
+                handles.append(
+                    module.register_forward_hook(post, with_kwargs=True, always_call=True))
+        except BaseException:
+            for h in handles:
+                h.remove()
+            raise
+        if not table:
+            module.__dict__[HOOKS_ATTR] = table
+        table[name] = _Entry(hook, tuple(handles), id(self))
+        self._installed.append((weakref.ref(module), name))
+
+    def get_hook(self, module: nn.Module, name: str) -> ModelHook | None:
+        entry = module.__dict__.get(HOOKS_ATTR, {}).get(name)
+        return None if entry is None else entry.hook
+
+    def remove_hook(self, module: nn.Module, name: str) -> None:
+        table: dict[str, _Entry] = module.__dict__.get(HOOKS_ATTR, {})
+        entry = table.get(name)
+        if entry is None:
+            return
+        if entry.owner != id(self):
+            raise RuntimeError(
+                f"hook {name!r} on {type(module).__name__} belongs to another registry; a backend "
+                "removes only its own hooks"
+            )
+        for handle in entry.handles:
+            handle.remove()
+        del table[name]
+        if not table:
+            del module.__dict__[HOOKS_ATTR]
+        self._installed = [
+            (ref, n) for ref, n in self._installed if not (ref() is module and n == name)
+        ]
+
+    def installed(self) -> list[tuple[nn.Module, str]]:
+        """The hooks this registry installed that are still in place, in installation order."""
+        out = []
+        for ref, name in self._installed:
+            module = ref()
+            if module is not None and name in module.__dict__.get(HOOKS_ATTR, {}):
+                out.append((module, name))
+        return out
+
+    def remove_all(self) -> None:
+        """Remove every hook this registry installed (newest first); raise after trying all."""
+        errors = []
+        for module, name in reversed(self.installed()):
+            try:
+                self.remove_hook(module, name)
+            except Exception as exc:  # keep going: a partial removal is worse than a late error
+                errors.append(exc)
+        if errors:
+            raise RuntimeError(f"failed to remove {len(errors)} hook(s): {errors}") from errors[0]

@@ -1,0 +1,670 @@
+"""Offload topology: what a model declares (:class:`OffloadPlan`) and what the offloader will do
+(:class:`ResolvedOffloadPlan`, from the pure :func:`resolve_offload_plan`).
+
+Note [Resolution is pure]
+    ``resolve_offload_plan`` moves no tensor, installs no hook, writes no attribute and reads no
+    process group: multi-rank facts come from :class:`OffloadConfig`.  Every topology error is
+    raised here, so a pipeline the offloader cannot serve is rejected before its first component
+    is placed.  Backends consume the resolved plan alone; they never rediscover containers by name.
+
+Note [Ownership by identity]
+    Blocks are identified by object identity, tensors by storage.  A block reachable from two
+    components is rejected ("claimed by both").  A tensor of the ring's owner outside the blocks
+    that shares storage with one block's tensor is recorded as a ring alias and travels with that
+    block.  A block tensor that something else also uses (a second block, another component: a
+    tied weight) is recorded in ``BlockStack.shared`` and kept resident once.  Either way no
+    storage ever gets two masters or two independent device copies.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+import dataclasses
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import OffloadConfig, OffloadStrategy, WeightTransfer
+from .discovery import (
+    _MISSING,
+    OffloadDeclarationWarning,
+    discover_components,
+    get_submodule_path,
+    supports_model_cpu_offload,
+)
+
+__all__ = [
+    "BlockStack",
+    "OffloadPlan",
+    "OffloadTopologyError",
+    "ResolvedComponent",
+    "ResolvedOffloadPlan",
+    "RingAlias",
+    "resolve_offload_plan",
+]
+
+
+class OffloadTopologyError(ValueError):
+    """The pipeline's declarations cannot serve the requested strategy.
+
+    The message names the dotted path and what to declare.
+    """
+
+
+def _frozen_map(mapping: Mapping | None, value_kind: str) -> Mapping:
+    result = {}
+    for key, value in dict(mapping or {}).items():
+        if not isinstance(key, str):
+            raise TypeError(f"OffloadPlan: keys must be dotted paths (str), got {key!r}")
+        if value_kind == "tuple":
+            value = (value,) if isinstance(value, str) else tuple(value)
+            if not all(isinstance(v, str) for v in value):
+                raise TypeError(f"OffloadPlan[{key!r}] must be attribute names, got {value!r}")
+        elif not isinstance(value, str):
+            raise TypeError(f"OffloadPlan[{key!r}] must be an attribute name, got {value!r}")
+        result[key] = value
+    return MappingProxyType(result)
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Model-declared offload topology (a class attribute ``_offload_plan`` of the pipeline).
+
+    * ``block_attrs``: DiT path -> ordered block containers (beats ``_layerwise_offload_blocks_attrs``);
+    * ``encoder_block_attrs``: encoder path -> block containers that stream during conditioning;
+    * ``offload_submodules``: path of a DiT submodule that owns its residency -> its container;
+    * ``resident_dit_paths``: DiTs that may keep ``resident_layers`` leading blocks on the device;
+    * ``on_demand_component_paths``: components whose residency the pipeline manages through
+      ``load_to_device()`` / ``offload_to_cpu()``;
+    * ``encoder_dlo_weight_replication``: encoders whose loaded weights are identical on every rank
+      (required before their blocks may be sharded and rebuilt by AllGather).
+
+    Paths are dotted, relative to the pipeline; container names are relative to their owner.
+    """
+
+    block_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    encoder_block_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    offload_submodules: Mapping[str, str] = field(default_factory=dict)
+    resident_dit_paths: tuple[str, ...] = ()
+    on_demand_component_paths: tuple[str, ...] = ()
+    encoder_dlo_weight_replication: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_attrs", _frozen_map(self.block_attrs, "tuple"))
+        object.__setattr__(
+            self, "encoder_block_attrs", _frozen_map(self.encoder_block_attrs, "tuple")
+        )
+        object.__setattr__(self, "offload_submodules", _frozen_map(self.offload_submodules, "str"))
+        for name in ("resident_dit_paths", "on_demand_component_paths",
+                     "encoder_dlo_weight_replication"):
+            value = getattr(self, name)
+            value = (value,) if isinstance(value, str) else tuple(value)
+            object.__setattr__(self, name, value)
+
+    def __hash__(self) -> int:
+        return hash((
+            tuple(self.block_attrs.items()), tuple(self.encoder_block_attrs.items()),
+            tuple(self.offload_submodules.items()), self.resident_dit_paths,
+            self.on_demand_component_paths, self.encoder_dlo_weight_replication,
+        ))
+
+
+@dataclass(frozen=True)
+class RingAlias:
+    """A tensor outside the blocks that shares storage with a streamed block's tensor."""
+
+    path: str  # qualified name of the aliasing parameter/buffer, relative to the pipeline
+    block_path: str  # the block whose host master owns the storage
+    tensor_path: str  # the block tensor it aliases
+
+
+@dataclass(frozen=True, eq=False)
+class BlockStack:
+    """One ring of blocks streamed in order (the concatenation of its containers)."""
+
+    owner_path: str
+    container_paths: tuple[str, ...]
+    blocks: tuple[nn.Module, ...]
+    block_paths: tuple[str, ...]
+    resident_head: int = 0  # leading blocks kept on the device (distributed layerwise)
+    transfer: WeightTransfer = WeightTransfer.RANK_LOCAL
+    aliases: tuple[RingAlias, ...] = ()
+    #: Block tensors also used outside their block (another block, another component): kept
+    #: resident once instead of streamed with two masters.
+    shared: tuple[str, ...] = ()
+
+    @property
+    def streamed_blocks(self) -> tuple[nn.Module, ...]:
+        return self.blocks[self.resident_head:]
+
+    def _key(self) -> tuple:
+        return (self.owner_path, self.container_paths, tuple(map(id, self.blocks)),
+                self.block_paths, self.resident_head, self.transfer, self.aliases, self.shared)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockStack) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+@dataclass(frozen=True, eq=False)
+class ResolvedComponent:
+    path: str
+    module: nn.Module
+    role: str  # "dit" | "encoder" | "vae" | "resident"
+    selected: bool  # offloaded by the strategy (otherwise kept on the device)
+    on_demand: bool = False  # residency owned by the pipeline (load_to_device / offload_to_cpu)
+    stacks: tuple[BlockStack, ...] = ()
+
+    def _key(self) -> tuple:
+        return (self.path, id(self.module), self.role, self.selected, self.on_demand, self.stacks)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ResolvedComponent) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+@dataclass(frozen=True)
+class ResolvedOffloadPlan:
+    """What a backend will do to a pipeline.  ``skip_reason`` set means: nothing at all."""
+
+    strategy: OffloadStrategy
+    components: tuple[ResolvedComponent, ...] = ()
+    skip_reason: str | None = None
+    delegated: bool = False  # split model: the pipeline's enable_omni_model_cpu_offload owns it
+    warnings: tuple[str, ...] = ()
+
+    def by_role(self, role: str) -> tuple[ResolvedComponent, ...]:
+        return tuple(c for c in self.components if c.role == role)
+
+    @property
+    def dits(self) -> tuple[ResolvedComponent, ...]:
+        return self.by_role("dit")
+
+    @property
+    def encoders(self) -> tuple[ResolvedComponent, ...]:
+        return self.by_role("encoder")
+
+    @property
+    def stacks(self) -> tuple[BlockStack, ...]:
+        return tuple(s for c in self.components for s in c.stacks)
+
+    def component(self, path: str) -> ResolvedComponent:
+        for c in self.components:
+            if c.path == path:
+                return c
+        raise KeyError(path)
+
+    def describe(self) -> str:
+        """A human-readable account of the topology (used by ``offload-ref plan``)."""
+        lines = [f"strategy: {self.strategy.value}"]
+        if self.skip_reason:
+            lines.append(f"skipped: {self.skip_reason}")
+        if self.delegated:
+            lines.append("delegated to the pipeline's enable_omni_model_cpu_offload")
+        for c in self.components:
+            flags = [c.role, "offloaded" if c.selected else "resident"]
+            if c.on_demand:
+                flags.append("on-demand")
+            lines.append(f"  {c.path} ({', '.join(flags)}): {_nbytes_of(c.module)} bytes")
+            for s in c.stacks:
+                sizes = [_nbytes_of(b) for b in s.blocks]
+                lines.append(
+                    f"    ring {'+'.join(s.container_paths)}: {len(s.blocks)} blocks, largest "
+                    f"{max(sizes)} bytes, resident head {s.resident_head}, transfer "
+                    f"{s.transfer.value}"
+                )
+                for a in s.aliases:
+                    lines.append(f"      alias {a.path} -> {a.tensor_path}")
+                for name in s.shared:
+                    lines.append(f"      shared (kept resident) {name}")
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
+        return "\n".join(lines)
+
+
+def _nbytes_of(module: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+# -- resolution ------------------------------------------------------------------------------------
+
+
+class _Resolver:
+    def __init__(self, pipeline: Any, config: OffloadConfig) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        self.cls_name = type(pipeline).__name__
+        self.warnings: list[str] = []
+        plan = getattr(pipeline, "_offload_plan", None)
+        if plan is not None and not isinstance(plan, OffloadPlan):
+            raise TypeError(
+                f"{self.cls_name}._offload_plan must be an offload_ref.OffloadPlan, got "
+                f"{type(plan).__name__}"
+            )
+        self.plan = plan or OffloadPlan()
+
+    @property
+    def explicit(self) -> bool:
+        return self.config.explicit
+
+    def fail_or_warn(self, message: str) -> None:
+        """Explicit selections turn declaration problems into errors; legacy ones warn."""
+        if self.explicit:
+            raise OffloadTopologyError(message)
+        self.warnings.append(message)
+
+    def resolve(self) -> ResolvedOffloadPlan:
+        strategy = self.config.strategy
+        if strategy is OffloadStrategy.NONE:
+            return ResolvedOffloadPlan(strategy, skip_reason="offloading is disabled")
+        if strategy is OffloadStrategy.MODEL_LEVEL and supports_model_cpu_offload(self.pipeline):
+            return ResolvedOffloadPlan(strategy, delegated=True)
+
+        found = discover_components(self.pipeline, warn=self._warn_scan)
+        for role, path in found.missing:
+            wanted = {"dit": "dit", "encoder": "text_encoder"}.get(role)
+            message = (
+                f"{self.cls_name}: declared {role} path {path!r} does not exist on the pipeline; "
+                "fix the declaration in _" + role + "_modules"
+            )
+            if wanted is not None and self.config.selects(wanted):
+                self.fail_or_warn(message)
+            else:
+                self.warnings.append(message)
+
+        if strategy is OffloadStrategy.MODEL_LEVEL:
+            components = self._model_level(found)
+        else:
+            components = self._layerwise(found)
+        if isinstance(components, str):
+            return ResolvedOffloadPlan(strategy, skip_reason=components,
+                                       warnings=tuple(self.warnings))
+        self._check_unique_ownership(components)
+        components = _with_shared(components)
+        return ResolvedOffloadPlan(strategy, tuple(components), warnings=tuple(self.warnings))
+
+    def _warn_scan(self, message: str) -> None:
+        warnings.warn(message, OffloadDeclarationWarning, stacklevel=5)
+        self.warnings.append(message)
+
+    # -- model level ---------------------------------------------------------------------------
+
+    def _model_level(self, found) -> list[ResolvedComponent] | str:
+        wants_dit = self.config.selects("dit")
+        wants_encoder = self.config.selects("text_encoder")
+        if not found.dits:
+            message = (
+                f"{self.cls_name}: model-level offload requires a DiT/transformer module; declare "
+                "it in _dit_modules (offload_ref.SupportsComponentDiscovery)"
+            )
+            if self.explicit:
+                raise OffloadTopologyError(message)
+            return "no DiT module found; model-level offload has nothing to swap"
+        dits_swap_each_other = wants_dit and not wants_encoder and len(found.dits) > 1
+        if not found.encoders and self.explicit and not dits_swap_each_other:
+            raise OffloadTopologyError(
+                f"{self.cls_name}: model-level offload requires an encoder execution stage to "
+                "swap against; declare it in _encoder_modules (or select only 'dit' on a "
+                "pipeline with at least two DiTs)"
+            )
+        comps = [ResolvedComponent(p, m, "dit", wants_dit) for p, m in found.dits]
+        comps += [ResolvedComponent(p, m, "encoder", wants_encoder) for p, m in found.encoders]
+        comps += [ResolvedComponent(p, m, "vae", False) for p, m in found.vaes]
+        comps += [ResolvedComponent(p, m, "resident", False) for p, m in found.residents]
+        return comps
+
+    # -- layerwise -----------------------------------------------------------------------------
+
+    def _layerwise(self, found) -> list[ResolvedComponent] | str:
+        wants_dit = self.config.selects("dit")
+        wants_encoder = self.config.selects("text_encoder")
+        if not found.dits:
+            if wants_dit and self.explicit:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: No DiT/transformer modules found for layerwise offload; "
+                    "declare them in _dit_modules (offload_ref.SupportsComponentDiscovery)"
+                )
+            if not wants_encoder or not self.explicit:
+                return "no DiT module found; layerwise offload is a no-op for this pipeline"
+        on_demand = set(self.plan.on_demand_component_paths)
+        comps: list[ResolvedComponent] = []
+        for path, module in found.dits:
+            stacks: list[BlockStack] = []
+            if wants_dit:
+                stacks = self._dit_stacks(path, module)
+            comps.append(ResolvedComponent(path, module, "dit", bool(stacks), False, tuple(stacks)))
+        for path, module in found.encoders:
+            stacks, staged = [], False
+            if wants_encoder:
+                stacks = self._encoder_stacks(path, module)
+                staged = path in on_demand
+                if staged:
+                    self._require_lifecycle(path, module)
+                if staged and not stacks and self._transfer("text_encoder") is \
+                        WeightTransfer.ALLGATHER and self.config.world_size > 1:
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: on-demand encoder {path!r} cannot use AllGather "
+                        "without a model-declared streamable block plan; declare "
+                        "OffloadPlan.encoder_block_attrs or use weight_transfer='rank-local'"
+                    )
+                if not stacks and not staged:
+                    self.fail_or_warn(
+                        f"{self.cls_name}: selected text encoder {path!r} requires a "
+                        "model-declared streamable or on-demand plan; declare "
+                        f"OffloadPlan(encoder_block_attrs={{{path!r}: (<container>,)}}) or list "
+                        "it in OffloadPlan.on_demand_component_paths"
+                    )
+            comps.append(ResolvedComponent(path, module, "encoder", bool(stacks) or staged,
+                                           staged, tuple(stacks)))
+        for path, module in found.vaes:
+            staged = path in on_demand
+            if staged:
+                self._require_lifecycle(path, module)
+            comps.append(ResolvedComponent(path, module, "vae", False, staged))
+        for path, module in found.residents:
+            comps.append(ResolvedComponent(path, module, "resident", False))
+        for path, container in self.plan.offload_submodules.items():
+            comps.append(self._submodule(path, container))
+        if self.explicit and not any(c.selected for c in comps):
+            raise OffloadTopologyError(
+                f"{self.cls_name}: none of the selected components {list(self.config.components)} "
+                "has a model-declared streamable or on-demand plan"
+            )
+        return comps
+
+    def _transfer(self, component: str) -> WeightTransfer:
+        if self.config.strategy is not OffloadStrategy.DISTRIBUTED_LAYER_WISE:
+            return WeightTransfer.RANK_LOCAL
+        return self.config.options_for(component).weight_transfer
+
+    def _require_lifecycle(self, path: str, module: nn.Module) -> None:
+        missing = [
+            name for name in ("load_to_device", "offload_to_cpu")
+            if not callable(getattr(module, name, None))
+        ]
+        if missing:
+            raise OffloadTopologyError(
+                f"{self.cls_name}: on-demand component {path!r} ({type(module).__name__}) must "
+                f"implement load_to_device() and offload_to_cpu(); missing: {missing}"
+            )
+
+    def _container_names(self, path: str, module: nn.Module) -> tuple[tuple[str, ...], str]:
+        if path in self.plan.block_attrs:
+            return tuple(self.plan.block_attrs[path]), f"OffloadPlan.block_attrs[{path!r}]"
+        names = getattr(module, "_layerwise_offload_blocks_attrs", None)
+        if names is None:
+            single = getattr(module, "_layerwise_offload_blocks_attr", None)
+            names = None if single is None else [single]
+        if names is None:
+            return (), ""
+        if isinstance(names, str):
+            names = [names]
+        return tuple(names), f"{type(module).__name__}._layerwise_offload_blocks_attrs"
+
+    def _blocks_of(
+        self, owner_path: str, owner: nn.Module, names: Iterable[str], source: str
+    ) -> tuple[list[nn.Module], list[str], list[str]]:
+        blocks, block_paths, container_paths = [], [], []
+        for name in names:
+            container = get_submodule_path(owner, name)
+            full = f"{owner_path}.{name}"
+            if container is _MISSING or container is None:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: container {full!r} declared in {source} does not exist on "
+                    f"{type(owner).__name__}; fix the declaration or add the attribute"
+                )
+            container_paths.append(full)
+            if isinstance(container, (nn.ModuleList, nn.Sequential)):
+                for i, block in enumerate(container):
+                    blocks.append(block)
+                    block_paths.append(f"{full}.{i}")
+            elif isinstance(container, nn.ModuleDict):
+                for key, block in container.items():
+                    blocks.append(block)
+                    block_paths.append(f"{full}.{key}")
+            elif isinstance(container, nn.Module):
+                blocks.append(container)  # a single module is one block
+                block_paths.append(full)
+            else:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: {full!r} declared in {source} is a "
+                    f"{type(container).__name__}, not a module container; point it at an "
+                    "nn.ModuleList of blocks"
+                )
+        return blocks, block_paths, container_paths
+
+    def _dit_stacks(self, path: str, module: nn.Module) -> list[BlockStack]:
+        names, source = self._container_names(path, module)
+        if not names:
+            self.fail_or_warn(
+                f"{self.cls_name}: DiT {path!r} ({type(module).__name__}) has no streamable "
+                "layerwise-offload blocks; declare _layerwise_offload_blocks_attrs on "
+                f"{type(module).__name__} or OffloadPlan(block_attrs={{{path!r}: (...)}})"
+            )
+            return []
+        blocks, block_paths, container_paths = self._blocks_of(path, module, names, source)
+        head = 0
+        options = self.config.options_for("dit")
+        strategy = self.config.strategy
+        if strategy is OffloadStrategy.DISTRIBUTED_LAYER_WISE and options.resident_layers:
+            if path not in self.plan.resident_dit_paths:
+                self.fail_or_warn(
+                    f"{self.cls_name}: resident_layers={options.resident_layers} needs DiT "
+                    f"{path!r} in OffloadPlan.resident_dit_paths"
+                )
+            else:
+                head = min(options.resident_layers, len(blocks))
+                if len(blocks) - head == 1:
+                    if self.explicit:
+                        raise OffloadTopologyError(
+                            f"{self.cls_name}: DiT {path!r} has {len(blocks)} blocks; "
+                            f"resident_layers={options.resident_layers} leaves only one streaming "
+                            "block; lower resident_layers or keep every block resident"
+                        )
+                    head = len(blocks)
+        streaming = len(blocks) - head
+        if streaming == 0 and head:
+            pass  # every block resident: nothing streams, nothing to check
+        elif streaming < 2:
+            self.fail_or_warn(
+                f"{self.cls_name}: layerwise offload requires at least two blocks; DiT {path!r} "
+                f"has {len(blocks)} in {list(container_paths)} ({source})"
+            )
+            return []
+        return [self._stack(path, module, container_paths, blocks, block_paths, head,
+                            self._transfer("dit"))]
+
+    def _encoder_stacks(self, path: str, module: nn.Module) -> list[BlockStack]:
+        names = self.plan.encoder_block_attrs.get(path)
+        if not names:
+            return []
+        transfer = self._transfer("text_encoder")
+        if transfer is WeightTransfer.ALLGATHER and self.config.world_size > 1 and \
+                path not in self.plan.encoder_dlo_weight_replication:
+            raise OffloadTopologyError(
+                f"{self.cls_name}: encoder {path!r} with weight_transfer='allgather' needs its "
+                "loaded weights declared identical on every rank: add it to "
+                "OffloadPlan.encoder_dlo_weight_replication, or use weight_transfer='rank-local'"
+            )
+        stacks = []
+        source = f"OffloadPlan.encoder_block_attrs[{path!r}]"
+        for name in names:  # each declared encoder container streams as its own ring
+            blocks, block_paths, container_paths = self._blocks_of(path, module, [name], source)
+            if len(blocks) < 2:
+                self.fail_or_warn(
+                    f"{self.cls_name}: {container_paths[0]!r} declared in {source} is not a "
+                    f"streamable block list (it has {len(blocks)} block)"
+                )
+                continue
+            stacks.append(self._stack(path, module, container_paths, blocks, block_paths, 0,
+                                      transfer))
+        return stacks
+
+    def _submodule(self, path: str, container: str) -> ResolvedComponent:
+        module = get_submodule_path(self.pipeline, path)
+        if not isinstance(module, nn.Module):
+            raise OffloadTopologyError(
+                f"{self.cls_name}: OffloadPlan.offload_submodules names {path!r}, which is not a "
+                "module of the pipeline"
+            )
+        target = get_submodule_path(module, container)
+        if isinstance(target, (nn.ModuleList, nn.Sequential)) and len(target) >= 2:
+            blocks, block_paths, container_paths = self._blocks_of(
+                path, module, [container], f"OffloadPlan.offload_submodules[{path!r}]")
+            stack = self._stack(path, module, container_paths, blocks, block_paths, 0,
+                                self._transfer("dit"))
+            return ResolvedComponent(path, module, "dit", True, False, (stack,))
+        self.warnings.append(
+            f"{self.cls_name}: {path}.{container} is not a streamable block list; {path!r} is "
+            "treated as an on-demand component"
+        )
+        self._require_lifecycle(path, module)
+        return ResolvedComponent(path, module, "dit", True, True)
+
+    def _stack(self, owner_path, owner, container_paths, blocks, block_paths, head, transfer):
+        aliases = _ring_aliases(owner_path, owner, blocks, block_paths)
+        return BlockStack(owner_path, tuple(container_paths), tuple(blocks), tuple(block_paths),
+                          head, transfer, aliases)
+
+    # -- ownership -----------------------------------------------------------------------------
+
+    def _check_unique_ownership(self, components: list[ResolvedComponent]) -> None:
+        owners: dict[int, str] = {}
+        for comp in components:
+            for stack in comp.stacks:
+                for block, bpath in zip(stack.blocks, stack.block_paths):
+                    for sub_name, sub in block.named_modules():
+                        where = f"{bpath}.{sub_name}" if sub_name else bpath
+                        other = owners.get(id(sub))
+                        if other is not None and other != where:
+                            raise OffloadTopologyError(
+                                f"{self.cls_name}: module {where!r} is claimed by both "
+                                f"{other!r} and {where!r}; a block may belong to one ring only"
+                            )
+                        owners[id(sub)] = where
+        # A streamed block must not also be a whole component of another role.
+        for comp in components:
+            if id(comp.module) in owners and not comp.stacks:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: component {comp.path!r} is claimed by both its own "
+                    f"declaration and the ring block {owners[id(comp.module)]!r}"
+                )
+
+
+def _tensors_of(module: nn.Module, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
+    for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
+        yield name, p
+    for name, b in module.named_buffers(prefix=prefix, remove_duplicate=False):
+        if b is not None:
+            yield name, b
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    if t.device.type == "meta":
+        return ("meta", id(t))
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _ring_aliases(owner_path, owner, blocks, block_paths) -> tuple[RingAlias, ...]:
+    """Tensors of ``owner`` outside the blocks that share storage with a block's tensor."""
+    in_block: dict[tuple, tuple[str, str]] = {}
+    block_tensor_ids: set[int] = set()
+    for block, bpath in zip(blocks, block_paths):
+        for name, t in _tensors_of(block, bpath):
+            block_tensor_ids.add(id(t))
+            if t.numel():
+                in_block.setdefault(_storage_key(t), (bpath, name))
+    block_ids = {id(b) for b in blocks}
+    aliases = []
+    seen: set[str] = set()
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        if id(module) in block_ids:
+            return
+        for registry in ("_parameters", "_buffers"):
+            for name, t in module.__dict__.get(registry, {}).items():
+                if t is None or not t.numel():
+                    continue
+                qual = f"{prefix}.{name}"
+                hit = in_block.get(_storage_key(t))
+                if hit is not None and qual not in seen:
+                    seen.add(qual)
+                    aliases.append(RingAlias(qual, hit[0], hit[1]))
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}.{name}")
+
+    walk(owner, owner_path)
+    return tuple(aliases)
+
+
+def _shared_storages(components: list[ResolvedComponent]) -> dict[tuple, list[str]]:
+    """Storages of streamed-block tensors that something outside their block also uses: another
+    block (of any ring) or another component.  See Note [Ownership by identity]."""
+    users: dict[tuple, list[str]] = {}  # storage -> tensor paths, one per distinct user
+    block_of: dict[tuple, set[str]] = {}
+    for comp in components:
+        for stack in comp.stacks:
+            for block, bpath in zip(stack.blocks, stack.block_paths):
+                for name, t in _tensors_of(block, bpath):
+                    if t.numel():
+                        key = _storage_key(t)
+                        block_of.setdefault(key, set()).add(bpath)
+                        users.setdefault(key, []).append(name)
+    shared = {k: sorted(set(v)) for k, v in users.items() if len(block_of[k]) > 1}
+    for comp in components:
+        owners = {s.owner_path for s in comp.stacks}
+        for name, t in _tensors_of(comp.module, comp.path):
+            key = _storage_key(t) if t.numel() else None
+            if key not in block_of or any(name.startswith(o + ".") for o in owners):
+                continue  # not a block storage, or a same-owner alias (a RingAlias)
+            shared.setdefault(key, sorted(set(users[key])))
+            if name not in shared[key]:
+                shared[key].append(name)
+    return shared
+
+
+def _with_shared(components: list[ResolvedComponent]) -> list[ResolvedComponent]:
+    shared = _shared_storages(components)
+    if not shared:
+        return components
+    out = []
+    for comp in components:
+        stacks = []
+        for stack in comp.stacks:
+            mine = set()
+            for block, bpath in zip(stack.blocks, stack.block_paths):
+                for name, t in _tensors_of(block, bpath):
+                    if t.numel() and _storage_key(t) in shared:
+                        mine.add(name)
+            if not mine:
+                stacks.append(stack)
+                continue
+            keys = {k for k, names in shared.items() if mine & set(names)}
+            aliases = tuple(a for a in stack.aliases
+                            if not any(a.tensor_path in shared[k] for k in keys))
+            stacks.append(dataclasses.replace(stack, shared=tuple(sorted(mine)),
+                                              aliases=aliases))
+        out.append(dataclasses.replace(comp, stacks=tuple(stacks)))
+    return out
+
+
+def resolve_offload_plan(pipeline: Any, config: OffloadConfig) -> ResolvedOffloadPlan:
+    """Resolve ``pipeline``'s topology for ``config``.  Pure; see Note [Resolution is pure]."""
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
+    return _Resolver(pipeline, config).resolve()

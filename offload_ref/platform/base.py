@@ -1,0 +1,105 @@
+"""The platform abstraction: every stream, event, synchronization, device allocation, pinning and
+memory statistic of the offloader goes through a :class:`Platform`.
+
+Note [Stream semantics]
+    Work issued while a stream is current runs in issue order on that stream.  ``event.record(s)``
+    completes once everything issued on ``s`` before it has run; ``s.wait_event(e)`` makes work
+    issued on ``s`` afterwards wait for ``e``.  The compute stream is the platform's current stream
+    outside any ``platform.stream(...)`` context.  Device storage must not be written before the
+    work that reads it has completed, nor read before the work that writes it has completed; the
+    offloader expresses both orders with events only (never a host-side synchronize in steady
+    state).  ``record_use`` declares that the current stream reads a device tensor, so platforms
+    that check stream order (the CPU platform) can report a missing wait as a
+    :class:`StreamOrderError` at the offending call instead of a wrong number later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Event", "Platform", "Stream", "StreamOrderError"]
+
+
+class StreamOrderError(RuntimeError):
+    """Device storage was accessed without the event wait that orders it after a conflicting
+    access on another stream (a data race on a real accelerator)."""
+
+
+@runtime_checkable
+class Stream(Protocol):
+    def wait_event(self, event: Event) -> None: ...
+
+    def wait_stream(self, other: Stream) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+@runtime_checkable
+class Event(Protocol):
+    def record(self, stream: Stream | None = None) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+    def elapsed_time(self, end: Event) -> float: ...
+
+
+@runtime_checkable
+class Platform(Protocol):
+    """What the offloader needs from a device.  See Note [Stream semantics]."""
+
+    name: str  # "cpu" | "cuda"
+    device: torch.device  # where compute runs and device storage lives
+    pin_memory_supported: bool
+
+    def Stream(self) -> Stream: ...  # noqa: N802 (a constructor, as in torch.cuda.Stream)
+
+    def Event(self, enable_timing: bool = False) -> Event: ...  # noqa: N802
+
+    def current_stream(self) -> Stream: ...
+
+    def stream(self, stream: Stream) -> AbstractContextManager[Any]: ...
+
+    def synchronize(self) -> None: ...
+
+    # -- work ---------------------------------------------------------------------------------
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into ``dst`` on the current stream (asynchronously where possible)."""
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the current stream (for collectives issued on a communication stream)."""
+
+    def record_use(self, tensor: torch.Tensor) -> None:
+        """Declare that work on the current stream reads device ``tensor`` (order checking)."""
+
+    # -- device storage -----------------------------------------------------------------------
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat device tensor of exactly ``numel`` elements, counted in ``memory_allocated``."""
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Release a tensor from :meth:`empty` (the caller drops its references)."""
+
+    def discard(self, tensor: torch.Tensor) -> None:
+        """The contents of device ``tensor`` are dead (debug platforms poison them)."""
+
+    def memory_allocated(self) -> int:
+        """Device bytes currently held (the CPU ledger, or CUDA's allocator)."""
+
+    def is_resident(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage is device storage of this platform."""
+
+    # -- host storage -------------------------------------------------------------------------
+    def host_empty(self, numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+        """A flat host tensor of exactly ``numel`` elements; page-locked when ``pin`` and the
+        platform can pin (exact size: never the power-of-two rounding of a caching allocator)."""
+
+    def host_free(self, tensor: torch.Tensor) -> None:
+        """Release a tensor from :meth:`host_empty` (unregisters pinned memory)."""
+
+    def pinned_bytes(self) -> int:
+        """Host bytes currently page-locked through :meth:`host_empty`."""

@@ -1,0 +1,201 @@
+"""The CUDA platform: a thin layer over ``torch.cuda`` streams, events and the caching allocator,
+plus exact-size pinned host memory.
+
+Importing this module makes no CUDA call, so it imports on a CPU-only torch; constructing a
+:class:`CudaPlatform` needs CUDA.
+
+Pinned memory is page-locked with ``cudaHostRegister`` over an ordinary (pageable) allocation of
+exactly the requested size.  ``tensor.pin_memory()`` and ``torch.empty(pin_memory=True)`` go
+through the caching host allocator, which rounds every block up to a power of two: up to twice the
+page-locked memory, invisible in our accounting.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+__all__ = ["CudaPlatform"]
+
+_HOST_REGISTER_DEFAULT = 0  # cudaHostRegisterDefault
+
+
+def _cuda_error_text(cudart: Any, code: Any) -> str:
+    """``cudaGetErrorString`` of a return code, without failing on an unknown code."""
+    try:
+        return f"{cudart.cudaGetErrorString(code)} (cudaError {int(code)})"
+    except Exception:  # noqa: BLE001 (the numeric code is still worth reporting)
+        return f"cudaError {int(code)}"
+
+
+class CudaPlatform:
+    """Streams, events and device storage of one CUDA device, through ``torch.cuda``.
+
+    Streams and events are plain ``torch.cuda.Stream`` / ``torch.cuda.Event`` objects, so they
+    work with ``torch.cuda.stream`` and any torch API that takes them.  ``record_use`` and
+    ``discard`` are no-ops: the hardware neither checks nor poisons (the CPU platform does)."""
+
+    name = "cuda"
+    pin_memory_supported = True
+
+    def __init__(self, device: str | torch.device = "cuda") -> None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"CudaPlatform needs a CUDA device, got {str(device)!r}")
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"cannot create a CUDA platform for {str(device)!r}: CUDA is not available "
+                f"(torch.cuda.is_available() is False)"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise ValueError(
+                f"CUDA device {str(device)!r} does not exist: this process sees {count} CUDA "
+                f"device(s) (cuda:0 .. cuda:{count - 1})"
+            )
+        self.device = device
+        self._lock = threading.Lock()
+        # data_ptr -> (tensor, nbytes): the registry keeps page-locked memory alive until
+        # host_free unregisters it (freeing registered memory would leave the pages locked).
+        self._pinned: dict[int, tuple[torch.Tensor, int]] = {}
+        self._pinned_total = 0
+        self._live: dict[int, int] = {}  # device allocations from empty(): data_ptr -> nbytes
+
+    def __repr__(self) -> str:
+        return f"CudaPlatform(device={str(self.device)!r})"
+
+    def __enter__(self) -> CudaPlatform:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Unregister the pinned memory still registered (after the device is idle, since
+        in-flight copies may read it).  The platform stays usable.  Idempotent."""
+        with self._lock:
+            entries = list(self._pinned.items())
+            self._pinned.clear()
+            self._pinned_total = 0
+        if not entries:
+            return
+        torch.cuda.synchronize(self.device)
+        cudart = torch.cuda.cudart()
+        for ptr, _ in entries:
+            cudart.cudaHostUnregister(ptr)  # best effort: the tensors are being dropped anyway
+
+    # -- streams and events -------------------------------------------------------------------
+    def Stream(self, priority: int = 0) -> torch.cuda.Stream:  # noqa: N802
+        return torch.cuda.Stream(device=self.device, priority=priority)
+
+    def Event(self, enable_timing: bool = False) -> torch.cuda.Event:  # noqa: N802
+        return torch.cuda.Event(enable_timing=enable_timing)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def stream(self, stream: torch.cuda.Stream | None) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    # -- work ---------------------------------------------------------------------------------
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Asynchronous with respect to the host when the host side is pinned."""
+        dst.copy_(src, non_blocking=True)
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Call ``fn`` now: the kernels it launches go to the stream the caller made current."""
+        fn()
+
+    def record_use(self, tensor: torch.Tensor) -> None:
+        """No-op: CUDA does not check stream order (see the CPU platform)."""
+
+    # -- device storage -----------------------------------------------------------------------
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor from the caching allocator, on the current stream of the device."""
+        tensor = torch.empty(numel, dtype=dtype, device=self.device)
+        if tensor.numel():
+            with self._lock:
+                self._live[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Forget ``tensor``; its memory returns to the caching allocator when the caller drops
+        its references.  The caller must have ordered every stream that used it before."""
+        if not self.is_resident(tensor):
+            raise ValueError(
+                f"free: the tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} on "
+                f"{tensor.device} is not device storage of {self!r}"
+            )
+        ptr = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            found = self._live.pop(ptr, None)
+        if found is None and tensor.untyped_storage().nbytes():
+            raise ValueError(
+                f"free: the tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} "
+                f"(storage at 0x{ptr:x}) was not returned by empty() or was already freed"
+            )
+
+    def discard(self, tensor: torch.Tensor) -> None:
+        """No-op on CUDA (the CPU platform poisons dead storage)."""
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def is_resident(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cuda" and tensor.device.index == self.device.index
+
+    # -- host storage -------------------------------------------------------------------------
+    def host_empty(self, numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+        """Exactly ``numel`` elements of host memory, page-locked in place when ``pin``."""
+        tensor = torch.empty(numel, dtype=dtype)
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if not pin or nbytes == 0:
+            return tensor
+        ptr = storage.data_ptr()
+        cudart = torch.cuda.cudart()
+        code = cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_DEFAULT)
+        if int(code) != 0:
+            raise RuntimeError(
+                f"host_empty: cudaHostRegister of {nbytes} bytes at 0x{ptr:x} failed: "
+                f"{_cuda_error_text(cudart, code)}; lower the pinned-memory demand (or pass "
+                f"pin=False) and check the locked-memory limit (ulimit -l)"
+            )
+        with self._lock:
+            self._pinned[ptr] = (tensor, nbytes)
+            self._pinned_total += nbytes
+        return tensor
+
+    def host_free(self, tensor: torch.Tensor) -> None:
+        """Unregister pinned memory from :meth:`host_empty` (no-op for pageable memory).
+
+        Synchronizes the device first: a copy still in flight may read the pages.  Called at
+        teardown only, never in steady state."""
+        ptr = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            entry = self._pinned.pop(ptr, None)
+            if entry is not None:
+                self._pinned_total -= entry[1]
+        if entry is None:
+            return
+        torch.cuda.synchronize(self.device)
+        cudart = torch.cuda.cudart()
+        code = cudart.cudaHostUnregister(ptr)
+        if int(code) != 0:
+            raise RuntimeError(
+                f"host_free: cudaHostUnregister at 0x{ptr:x} failed: "
+                f"{_cuda_error_text(cudart, code)}"
+            )
+
+    def pinned_bytes(self) -> int:
+        with self._lock:
+            return self._pinned_total

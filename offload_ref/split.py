@@ -1,0 +1,134 @@
+"""Component swapping for split models (the Cosmos3 shape).
+
+A split model runs mutually exclusive components in different phases of one forward pass (a
+reasoner once per generation, a generator every denoising step).  It owns a
+:class:`ComponentGroups` and wraps each phase in ``with groups.context(name):``; while enabled,
+exactly the named group is device-resident and every other group lives in its host master.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ComponentGroups"]
+
+
+class ComponentGroups:
+    """Named groups of modules of one model, at most one of which is device-resident.
+
+    ``groups`` maps a component name to its modules; ``resident`` modules (e.g. the VAE the
+    pipeline pins) are placed on the device while enabled and never swapped.
+    """
+
+    def __init__(
+        self,
+        groups: Mapping[str, Sequence[nn.Module]],
+        *,
+        resident: Sequence[nn.Module] = (),
+    ) -> None:
+        if not groups:
+            raise ValueError("ComponentGroups needs at least one named group")
+        self._groups = {str(name): tuple(mods) for name, mods in groups.items()}
+        self._resident = tuple(resident)
+        self._swapper: Any = None  # set while enabled
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._groups)
+
+    @property
+    def enabled(self) -> bool:
+        return self._swapper is not None
+
+    def _check_name(self, name: str) -> None:
+        if name not in self._groups:
+            raise ValueError(
+                f"unknown offload component {name!r}; this model's components are "
+                f"{list(self._groups)}"
+            )
+
+    def enable(
+        self,
+        *,
+        device: Any = None,
+        pin_memory: bool = True,
+        platform: Any = None,
+        resident: Sequence[nn.Module] = (),
+    ) -> None:
+        """Build a host master per group and place ``resident`` modules on the device.
+
+        Every group starts on the host; the first ``context(name)`` loads it.  A failure rolls
+        every change back (the same transaction as the model-level backend).
+        """
+        from .backends.base import OffloadEnableError, OffloadStats, Transaction
+        from .backends.model_level import ComponentSwapper, _named_tensors
+        from .hooks import HookRegistry
+        from .platform import get_platform
+
+        if self._swapper is not None:
+            return
+        platform = platform if platform is not None else get_platform(device)
+        stats = OffloadStats()
+        swapper = ComponentSwapper(platform, stats)
+        txn = Transaction(platform, HookRegistry())
+        residents = [("resident", _named_tensors(m)) for m in (*self._resident, *resident)]
+        swappable = [
+            (name, _Group(mods)) for name, mods in self._groups.items()
+        ]
+        try:
+            swapper.prepare(txn, swappable, residents, pin=pin_memory)
+            platform.synchronize()
+        except Exception as exc:
+            txn.rollback()
+            raise OffloadEnableError(f"ComponentGroups.enable failed: {exc}") from exc
+        txn.commit()
+        self._swapper = _Active(swapper, tuple(self._groups))
+        self.stats = stats
+
+    def disable(self) -> None:
+        """Rebuild every tensor at its original placement.  Idempotent."""
+        active, self._swapper = self._swapper, None
+        if active is not None:
+            try:
+                active.swapper.restore()
+            except Exception:
+                self._swapper = active  # still enabled: the caller can retry
+                raise
+
+    def active(self) -> str | None:
+        """The group currently on the device, if any."""
+        if self._swapper is None:
+            return None
+        loaded = [n for n in self._groups if self._swapper.swapper.is_loaded(n)]
+        return loaded[0] if loaded else None
+
+    @contextmanager
+    def context(self, name: str) -> Iterator[None]:
+        """Make ``name`` the resident group for the duration of the block (no-op if disabled)."""
+        self._check_name(name)
+        if self._swapper is not None:
+            with torch.inference_mode(False):  # Note [Hooks leave inference mode]
+                self._swapper.activate(name)
+        yield
+
+
+class _Group(nn.Module):
+    """A throwaway container so a group of several modules is one swappable unit."""
+
+    def __init__(self, modules: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.members = nn.ModuleList(modules)
+
+
+class _Active:
+    def __init__(self, swapper: Any, names: tuple[str, ...]) -> None:
+        self.swapper = swapper
+        self.names = names
+
+    def activate(self, name: str) -> None:
+        self.swapper.activate(name, self.names)
