@@ -132,36 +132,25 @@ def _element_size(dtype: torch.dtype) -> int:
 
 
 class HostMaster:
-    """An immutable host copy of a set of tensors, laid out per Note [Host master layout]."""
+    """An immutable host copy of the tensors of a :class:`Layout` (Note [Host master layout])."""
 
-    def __init__(
-        self,
-        tensors: Sequence[tuple[str, torch.Tensor]],
-        platform: Platform,
-        *,
-        pin: bool,
-    ) -> None:
-        self.layout = Layout(tensors)
+    def __init__(self, layout: Layout, platform: Platform, *, pin: bool) -> None:
+        self.layout = layout
         self.platform = platform
         self.pinned = bool(pin and platform.pin_memory_supported)
         self.flats: dict[torch.dtype, torch.Tensor] = {}
         try:
-            for dtype, numel in self.layout.numel.items():
+            for dtype, numel in layout.numel.items():
                 self.flats[dtype] = platform.host_empty(numel, dtype, pin=self.pinned)
             # Setup copy (may be device -> host when the pipeline started on the device).
-            self.layout.pack_into(self.flats, lambda dst, src: dst.copy_(src))
+            layout.pack_into(self.flats, lambda dst, src: dst.copy_(src))
         except BaseException:
             self.release()
             raise
-        self.layout.drop_sources()  # never keep the caller's original storage alive
 
     @property
     def nbytes(self) -> int:
         return self.layout.nbytes
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(r.name for r in self.layout.records)
 
     def host_views(self) -> list[torch.Tensor]:
         return self.layout.views(self.flats)

@@ -9,7 +9,7 @@ exactly the named group is device-resident and every other group lives in its ho
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ class ComponentGroups:
         self._groups = {str(name): tuple(mods) for name, mods in groups.items()}
         self._resident = tuple(resident)
         self._swapper: Any = None  # set while enabled
+        self.stats: Any = None  # OffloadStats of the current (or last) enable
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -107,10 +108,15 @@ class ComponentGroups:
         loaded = [n for n in self._groups if self._swapper.swapper.is_loaded(n)]
         return loaded[0] if loaded else None
 
-    @contextmanager
-    def context(self, name: str) -> Iterator[None]:
-        """Make ``name`` the resident group for the duration of the block (no-op if disabled)."""
+    def context(self, name: str) -> AbstractContextManager[None]:
+        """Make ``name`` the resident group for the duration of the block (no-op if disabled).
+
+        An unknown name raises ValueError here, before the block is entered."""
         self._check_name(name)
+        return self._activated(name)
+
+    @contextmanager
+    def _activated(self, name: str) -> Iterator[None]:
         if self._swapper is not None:
             with torch.inference_mode(False):  # Note [Hooks leave inference mode]
                 self._swapper.activate(name)

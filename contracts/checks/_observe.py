@@ -46,13 +46,15 @@ def is_offloaded(platform: Any, module: nn.Module) -> bool:
 
 
 def module_bytes(module: nn.Module) -> int:
-    seen, total = set(), 0
+    """Bytes an offloader must hold for ``module``: per storage, the span its tensors touch."""
+    spans: dict[int, list[int]] = {}
     for t in tensors_of(module):
+        lo = t.storage_offset()
+        hi = lo + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
         key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
+        span = spans.setdefault(key, [lo, hi, t.element_size()])
+        span[0], span[1] = min(span[0], lo), max(span[1], hi)
+    return sum((hi - lo) * size for lo, hi, size in spans.values())
 
 
 @contextmanager

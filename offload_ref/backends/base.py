@@ -94,10 +94,9 @@ class Transaction:
     def on_rollback(self, undo: Callable[[], None]) -> None:
         self._undo.append(undo)
 
-    def host_master(self, label: str, tensors: Sequence[tuple[str, torch.Tensor]],
-                    pin: bool) -> HostMaster:
+    def host_master(self, label: str, layout: Layout, pin: bool) -> HostMaster:
         self.step(f"host master {label}")
-        master = HostMaster(tensors, self.platform, pin=pin)
+        master = HostMaster(layout, self.platform, pin=pin)
         self.on_rollback(master.release)
         return master
 
@@ -160,10 +159,14 @@ class TensorGroup:
     @classmethod
     def of(cls, label: str, named: Sequence[tuple[str, torch.Tensor]],
            platform: Platform) -> TensorGroup:
-        named = unique_tensors(named)
+        named = unique_tensors(named)  # Parameters reachable twice are one tensor
         layout = Layout(named)
         was_resident = [platform.is_resident(src) for src in layout._sources]
         return cls(label, [t for _, t in named], layout, was_resident)
+
+    def drop_sources(self) -> None:
+        """Forget the original tensors' storage once it is copied (commit releases it)."""
+        self.layout.drop_sources()
 
     @property
     def nbytes(self) -> int:
@@ -198,6 +201,7 @@ class OffloadBackend:
 
     strategy: ClassVar[OffloadStrategy]
     hook_name: ClassVar[str]
+    transaction_class: ClassVar[type[Transaction]] = Transaction
 
     def __init__(self, config: OffloadConfig, platform: Platform) -> None:
         self.config = config
@@ -244,7 +248,7 @@ class OffloadBackend:
         self.skip_reason = plan.skip_reason
         if plan.skip_reason is not None:
             return
-        txn = Transaction(self.platform, self.registry, self.fault_injector)
+        txn = self.transaction_class(self.platform, self.registry, self.fault_injector)
         self._stats = OffloadStats()
         try:
             self._enable(pipeline, plan, txn)

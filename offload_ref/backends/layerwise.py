@@ -117,7 +117,8 @@ class BlockRing:
                      if not t.numel() or storage_key(t) not in shared]
             named += aliases.get(path, [])
             group = TensorGroup.of(path, named, self.platform)
-            group.master = txn.host_master(path, named, self.pin)
+            group.master = txn.host_master(path, group.layout, self.pin)
+            group.drop_sources()
             self.stats.host_bytes += group.nbytes
             self.groups.append(group)
             sections, offset = {}, 0
@@ -308,6 +309,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
 
     strategy = OffloadStrategy.LAYER_WISE
     hook_name = "offload_ref.layerwise"
+    ring_class: type[BlockRing] = BlockRing
 
     def __init__(self, config, platform, *, prefetch: bool = True) -> None:
         super().__init__(config, platform)
@@ -323,7 +325,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
             for stack in comp.stacks:
                 if len(stack.streamed_blocks) < 2:
                     continue
-                ring = BlockRing(stack, self.platform, self._stats, copy_stream, placeholders,
+                ring = self.ring_class(stack, self.platform, self._stats, copy_stream, placeholders,
                                  pin=self.config.pin_memory, prefetch=self.prefetch)
                 self.rings.append(ring)
                 ring.prepare(txn, pipeline)

@@ -84,7 +84,7 @@ class ComponentSwapper:
         # Build everything first: nothing the pipeline sees changes until the rebinds below.
         for label, named in swap_named:
             group = TensorGroup.of(label, named, self.platform)
-            group.master = txn.host_master(label, named, pin)
+            group.master = txn.host_master(label, group.layout, pin)
             self.swappable[label] = group
             self.stats.host_bytes += group.nbytes
         for label, named in resident_named:
@@ -97,6 +97,8 @@ class ComponentSwapper:
             txn.step(f"copy {label} to the device")
             group.layout.pack_into(group.device_flats, self.platform.copy_)
             self.resident.append(group)
+        for group in [*self.swappable.values(), *self.resident]:
+            group.drop_sources()
             self.stats.device_weight_bytes += group.nbytes
         self.stats.peak_device_weight_bytes = self.stats.device_weight_bytes
         # Commit: swappable components start on the host, resident state on the device.
@@ -290,6 +292,20 @@ class ModelLevelOffloadBackend(OffloadBackend):
                 return
         known = [c.path for c in self._components]
         raise ValueError(f"unknown component {path!r}; the plan's components are {known}")
+
+    def stats(self) -> OffloadStats:
+        if not self._delegated or self.pipeline is None:
+            return super().stats()
+        from ..split import ComponentGroups  # a split model keeps its own counters
+
+        total = OffloadStats()
+        for module in self.pipeline.modules():
+            for value in list(module.__dict__.values()):
+                if isinstance(value, ComponentGroups) and value.stats is not None:
+                    for key, n in value.stats.as_dict().items():
+                        setattr(total, key, getattr(total, key) + n)
+        total.pinned_bytes = self.platform.pinned_bytes() if total.host_bytes else 0
+        return total
 
     def loaded_components(self) -> tuple[str, ...]:
         """Paths of the swappable components currently on the device."""

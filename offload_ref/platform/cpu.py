@@ -25,10 +25,10 @@ Note [Stream-order checking]
     platform, a stream or an event, or a ``query`` that returned True) merge into a host clock that
     orders everything issued afterwards on any stream.  Each ledger allocation remembers its last
     write and, per stream, its last read.  A write on ``w`` is legal when the last write and every
-    last read are on ``w`` or covered by ``w``'s clock (or the host clock); a read needs the same for
-    the last write.  ``copy_`` writes ``dst`` and reads ``src``; ``record_use`` reads; ``discard``
-    and ``free`` write (poisoning or releasing storage another stream still uses is a race too).
-    Host tensors are not tracked.  The granularity is a whole allocation (one slot).
+    last read are on ``w`` or covered by ``w``'s clock (or the host clock); a read needs the same
+    for the last write.  ``copy_`` writes ``dst`` and reads ``src``; ``record_use`` reads;
+    ``discard`` and ``free`` write (poisoning or releasing storage another stream still uses is a
+    race too).  Host tensors are not tracked.  The granularity is a whole allocation (one slot).
 """
 
 from __future__ import annotations
@@ -157,6 +157,7 @@ class _Worker:
         self._stream_ref = weakref.ref(stream)
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.failure: BaseException | None = None
+        self.failure_reported = False  # by CpuPlatform.synchronize, which reports it once
         self.stopping = False
         self.pending = 0
         self.cond = threading.Condition()
@@ -295,7 +296,8 @@ class _CpuEvent:
         self._recording: _Recording | None = None
 
     def __repr__(self) -> str:
-        state = "unrecorded" if self._recording is None else f"recorded on '{self._recording.stream_name}'"
+        recording = self._recording
+        state = "unrecorded" if recording is None else f"recorded on '{recording.stream_name}'"
         return f"<CpuEvent {state}>"
 
     def record(self, stream: _CpuStream | None = None) -> None:
@@ -469,7 +471,9 @@ class CpuPlatform:
             self._tls.stream = previous
 
     def synchronize(self) -> None:
-        """Block until every stream has run its queued work; re-raise the first failure."""
+        """Block until every stream has run its queued work; re-raise the first failure not
+        reported by an earlier call (a broken stream keeps raising from its own synchronize and
+        events, but does not fail every later platform-wide synchronize of a shared platform)."""
         with self._lock:
             workers = list(self._workers)
             snapshot = dict(self._seq)
@@ -489,7 +493,8 @@ class CpuPlatform:
         with self._lock:
             self._merge_clock(None, snapshot)
         for worker in workers:
-            if worker.failure is not None:
+            if worker.failure is not None and not worker.failure_reported:
+                worker.failure_reported = True
                 raise _failure(worker.name, worker.failure)
 
     # -- work ---------------------------------------------------------------------------------
@@ -502,7 +507,8 @@ class CpuPlatform:
             if stream._runs_inline():
                 work = None
             else:
-                work = self._amplified_copy(dst, src) if self.race_amplifier else _plain_copy(dst, src)
+                amplify = self.race_amplifier
+                work = self._amplified_copy(dst, src) if amplify else _plain_copy(dst, src)
                 stream._put("work", work)
         if work is None:
             dst.copy_(src)
@@ -610,7 +616,8 @@ class CpuPlatform:
         while not recording.done.wait(_WAIT_SLICE_S):
             if self._abort.is_set():
                 raise RuntimeError(
-                    f"CpuPlatform was closed while waiting for an event on '{recording.stream_name}'"
+                    f"CpuPlatform was closed while waiting for an event on "
+                    f"'{recording.stream_name}'"
                 )
 
     def _snapshot(self, sid: int) -> dict[int, int]:
@@ -639,7 +646,9 @@ class CpuPlatform:
     def _require_allocation(self, tensor: torch.Tensor, what: str) -> _Allocation:
         allocation = self._lookup(tensor)
         if allocation is None:
-            described = f"tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} on {tensor.device}"
+            described = (
+                f"tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} on {tensor.device}"
+            )
             if tensor.device.type == "cpu" and not tensor.is_sparse:
                 described += f" (storage at 0x{tensor.untyped_storage().data_ptr():x})"
             raise ValueError(
