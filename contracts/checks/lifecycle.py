@@ -64,7 +64,7 @@ def _chain(exc: BaseException | None) -> list[BaseException]:
     out = []
     while exc is not None and exc not in out:
         out.append(exc)
-        exc = exc.__cause__ or exc.__context__
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return out
 
 

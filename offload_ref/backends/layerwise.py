@@ -217,13 +217,17 @@ class BlockRing:
             s = self._recovery_slot(k)
             self._load(k, s)
             self.stats.sync_recoveries += 1
-        self.platform.current_stream().wait_event(self.ready[s])
+        self._wait_ready(s)
         self.platform.record_use(self.slots[s])
         self.running = k
         if self.prefetch_enabled:
             q = self.successor[k]
             if q != k and self.slot_of[q] is None:
                 self._load(q, 1 - s)
+
+    def _wait_ready(self, s: int) -> None:
+        """Order compute after the copy that filled slot s (a device-side wait)."""
+        self.platform.current_stream().wait_event(self.ready[s])
 
     def after(self, k: int) -> None:
         s = self.slot_of[k]

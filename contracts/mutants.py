@@ -1,0 +1,677 @@
+"""Deliberately broken offloaders: the kit proves each check can fail.
+
+Every mutant is the real implementation with one defect that other offloaders have shipped (see
+``shared/reference``).  ``tests/test_mutants.py`` runs the catalogue against each one and asserts
+exactly which checks fail; a check that no mutant kills is itself a failing test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from offload_ref import discovery
+from offload_ref.backends.base import OffloadEnableError, Transaction, get_offload_backend
+from offload_ref.backends.layerwise import BlockRing, LayerWiseOffloadBackend
+from offload_ref.backends.model_level import ComponentSwapper, ModelLevelOffloadBackend
+from offload_ref.discovery import FALLBACK_NAMES, get_submodule_path
+from offload_ref.plan import (
+    OffloadTopologyError,
+    ResolvedComponent,
+    ResolvedOffloadPlan,
+    _Resolver,
+    resolve_offload_plan,
+)
+
+from .case import DEFAULT_IMPLEMENTATION, Implementation
+
+__all__ = ["MUTANTS", "Mutant"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One defect, where to run the catalogue against it, and exactly which checks it fails.
+
+    ``pipelines`` are fixture names; ``sections`` select checks by CONTRACTS.md section prefix;
+    ``patch`` (optional) is entered around the run for defects in shared helpers; ``factory``
+    (optional) replaces the pipelines' factory for defects in the pipeline itself.
+    """
+
+    name: str
+    defect: str
+    impl: Implementation
+    pipelines: tuple[str, ...]
+    sections: tuple[str, ...]
+    strategies: tuple[str, ...]
+    kills: frozenset[str]
+    patch: Callable[[], Any] | None = None
+    factory: Callable[..., Any] | None = None
+
+    def specs(self) -> list[Any]:
+        from offload_ref.fixtures import get_spec
+
+        specs = [get_spec(name) for name in self.pipelines]
+        if self.factory is not None:
+            specs = [dataclasses.replace(s, factory=self.factory) for s in specs]
+        return specs
+
+    def checks(self) -> list[str]:
+        from .runner import load_catalogue
+
+        return sorted(i.id for i in load_catalogue().values()
+                      if i.scope == "spec" and i.section.startswith(self.sections))
+
+    def run(self) -> set[str]:
+        """The ids of the checks that fail (or error) against this mutant."""
+        from .runner import run_checks
+
+        with (self.patch() if self.patch else contextlib.nullcontext()):
+            results = run_checks(self.specs(), checks=self.checks(), strategies=self.strategies,
+                                 impl=self.impl, include_global=False)
+        return {r.id.check for r in results if not r.ok}
+
+
+# -- resolver mutants (§A) ----------------------------------------------------------------------
+
+
+def _impure(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    plan = resolve_offload_plan(pipeline, config)
+    pipeline.__dict__["_kit_resolved_here"] = True  # a resolver that caches on the model
+    return plan
+
+
+_resolutions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _unstable(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    plan = resolve_offload_plan(pipeline, config)
+    count = _resolutions.get(pipeline, 0)
+    _resolutions[pipeline] = count + 1
+    if count % 2:  # every second resolution of a pipeline lists its components backwards
+        return dataclasses.replace(plan, components=plan.components[::-1])
+    return plan
+
+
+class _ClassAttrsWin(_Resolver):
+    def _container_names(self, path: str, module: nn.Module) -> tuple[tuple[str, ...], str]:
+        names = getattr(module, "_layerwise_offload_blocks_attrs", None)
+        if names:
+            return tuple(names), f"{type(module).__name__}._layerwise_offload_blocks_attrs"
+        return super()._container_names(path, module)
+
+
+def _class_attrs_win(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    return _ClassAttrsWin(pipeline, config).resolve()
+
+
+def _scan_always(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    plan = resolve_offload_plan(pipeline, config)
+    known = {id(c.module) for c in plan.components}
+    extra = []
+    for role, names in FALLBACK_NAMES.items():
+        for name in names:
+            module = get_submodule_path(pipeline, name)
+            if isinstance(module, nn.Module) and id(module) not in known:
+                known.add(id(module))
+                extra.append(ResolvedComponent(name, module, role, False))
+    return dataclasses.replace(plan, components=plan.components + tuple(extra))
+
+
+def _warn_every_time(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    discovery._warned_classes.clear()
+    return resolve_offload_plan(pipeline, config)
+
+
+def _no_dotted_paths(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    plan = resolve_offload_plan(pipeline, config)
+    return dataclasses.replace(
+        plan, components=tuple(c for c in plan.components if "." not in c.path))
+
+
+def _swallow_topology_errors(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    try:
+        return resolve_offload_plan(pipeline, config)
+    except OffloadTopologyError as exc:
+        return ResolvedOffloadPlan(config.strategy, skip_reason=f"skipped: {exc}")
+
+
+def _vague_topology_errors(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    try:
+        return resolve_offload_plan(pipeline, config)
+    except OffloadTopologyError:
+        raise OffloadTopologyError("invalid offload topology") from None
+
+
+def _legacy_as_explicit(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    return resolve_offload_plan(pipeline, dataclasses.replace(config, explicit=True))
+
+
+def _no_ring_aliases(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    plan = resolve_offload_plan(pipeline, config)
+    components = tuple(
+        dataclasses.replace(c, stacks=tuple(dataclasses.replace(s, aliases=()) for s in c.stacks))
+        for c in plan.components)
+    return dataclasses.replace(plan, components=components)
+
+
+# -- backend mutants (§B, §C, §E, §F.1) ---------------------------------------------------------
+
+
+def _backend_with(**classes: type) -> Callable[[Any, Any], Any]:
+    """``make_backend`` that swaps the class of the backend the real factory would build."""
+
+    def make(config: Any, platform: Any) -> Any:
+        backend = get_offload_backend(config, platform=platform)
+        cls = classes.get(type(backend).__name__)
+        if cls is not None:
+            backend.__class__ = cls
+        return backend
+
+    return make
+
+
+class _ForgetsOneHookTransaction(Transaction):
+    _forgotten = False
+
+    def register_hook(self, module, name, hook, label):
+        if self._forgotten:
+            return super().register_hook(module, name, hook, label)
+        self._forgotten = True
+        self.step(f"hook {name} on {label}")
+        self.registry.register_hook(module, name, hook)  # no undo recorded
+
+
+class _RollbackMissesAHook(ModelLevelOffloadBackend):
+    transaction_class = _ForgetsOneHookTransaction
+
+
+class _LeavesAHook(ModelLevelOffloadBackend):
+    def _disable(self, pipeline):
+        installed = self.registry.installed()
+        kept = installed[0] if installed else None
+        self._swapper.restore()
+        for module, name in installed[1:]:
+            self.registry.remove_hook(module, name)
+        if kept is not None:  # forget it: the registry will never remove it
+            self.registry._installed = [(weakref.ref(kept[0]), "lost")]
+
+
+class _LeakyTransaction(Transaction):
+    def device_empty(self, label, numel, dtype):
+        self.step(f"device alloc {label}")
+        return self.platform.empty(numel, dtype)  # no undo: a failed enable keeps the bytes
+
+
+class _RollbackLeaksDeviceMemory(ModelLevelOffloadBackend):
+    transaction_class = _LeakyTransaction
+
+
+class _LosesTheCause(ModelLevelOffloadBackend):
+    def enable(self, pipeline):
+        try:
+            super().enable(pipeline)
+        except OffloadEnableError as exc:
+            raise OffloadEnableError(str(exc)) from None
+
+
+class _DisableNotIdempotent(ModelLevelOffloadBackend):
+    def disable(self):
+        pipeline = self.pipeline or self.__dict__.get("_kit_last")
+        super().disable()
+        if pipeline is not None:  # re-materializes on every call, enabled or not
+            self.__dict__["_kit_last"] = pipeline
+            for p in pipeline.parameters():
+                p.data = p.data.clone()
+
+
+class _TwoGroupsResident(ModelLevelOffloadBackend):
+    def _activate(self, comp):
+        if self._swapper is not None:
+            self._swapper.activate(comp.path, [])  # loads, never evicts
+
+
+class _VaeOffloaded(ModelLevelOffloadBackend):
+    def _enable(self, pipeline, plan, txn):
+        comps = tuple(dataclasses.replace(c, role="encoder", selected=True) if c.role == "vae"
+                      else c for c in plan.components)
+        super()._enable(pipeline, dataclasses.replace(plan, components=comps), txn)
+
+
+class _CopyBackSwapper(ComponentSwapper):
+    def offload(self, label):
+        group = self.swappable[label]
+        for dtype, flat in group.device_flats.items():  # "save" the device copy to the host
+            self.platform.copy_(group.master.flats[dtype], flat)
+        super().offload(label)
+
+
+class _D2HOnSwap(ModelLevelOffloadBackend):
+    def _enable(self, pipeline, plan, txn):
+        super()._enable(pipeline, plan, txn)
+        if self._swapper is not None:
+            self._swapper.__class__ = _CopyBackSwapper
+
+
+class _ForgetsPlacement(ModelLevelOffloadBackend):
+    def _disable(self, pipeline):
+        self.registry.remove_all()  # tensors stay where the offloader put them
+
+
+class _DelegatesWithoutDisable(ModelLevelOffloadBackend):
+    def _enable_delegated(self, pipeline, txn):
+        txn.step("delegate")
+        pipeline.enable_omni_model_cpu_offload(
+            device=self.platform.device, pin_memory=self.config.pin_memory,
+            components=self.config.components, platform=self.platform)
+        self._delegated = True
+
+
+# -- layerwise mutants (§D, §F.2, §F.4) ---------------------------------------------------------
+
+
+class _NoReadyWait(BlockRing):
+    def _wait_ready(self, s):
+        pass
+
+
+class _NoFreeWait(BlockRing):
+    def _issue_copy(self, k, s):
+        master = self.groups[k].master
+        with self.platform.stream(self.copy_stream):
+            for dtype, flat in self._slot_flats(k, s).items():
+                self.platform.copy_(flat, master.flats[dtype])
+            self.ready[s].record(self.copy_stream)
+        self.slot_of[k] = s
+        self.occupant[s] = k
+
+
+class _NoWrapAround(BlockRing):
+    def before(self, k):
+        if k == len(self.blocks) - 1:
+            self.prefetch_enabled = False
+            try:
+                super().before(k)
+            finally:
+                self.prefetch_enabled = True
+        else:
+            super().before(k)
+
+
+class _NameBasedRing(BlockRing):
+    def __init__(self, stack, *args, **kwargs):
+        super().__init__(dataclasses.replace(stack, aliases=()), *args, **kwargs)
+
+    def storage_keys(self):
+        return set()  # non-block state is then chosen by module, not by storage
+
+
+class _NameBasedPlacement(LayerWiseOffloadBackend):
+    ring_class = _NameBasedRing
+
+
+class _TwoMastersRing(BlockRing):
+    def __init__(self, stack, *args, **kwargs):
+        super().__init__(dataclasses.replace(stack, shared=()), *args, **kwargs)
+
+
+class _NoRecoveryRing(BlockRing):
+    def before(self, k):
+        if self.slot_of[k] is None:  # run on whatever the slot holds
+            s = 0 if self.occupant[0] is not None else 1
+            self.slot_of[k] = s
+            self.occupant[s] = k
+            self._rebind(k, self._slot_views(k, s))
+        super().before(k)
+
+
+class _ThreeSlotsRing(BlockRing):
+    def prepare(self, txn, pipeline):
+        super().prepare(txn, pipeline)
+        self.slots.append(txn.device_empty(f"{self.label} spare slot", self.slot_bytes,
+                                           self.slots[0].dtype))
+        self._build_flats()
+
+
+# -- split-model mutants (§E): defects in the shared helper, the delegation, the pipeline ------
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _unchecked_component_names() -> Any:
+    from offload_ref.split import ComponentGroups
+
+    return _patched(ComponentGroups, "_check_name", lambda self, name: None)
+
+
+def _copies_when_disabled() -> Any:
+    from offload_ref.split import ComponentGroups
+
+    original = ComponentGroups._activated
+
+    def activated(self, name):
+        if self._swapper is None:  # a "defensive copy" of the phase's weights
+            for module in self._groups[name]:
+                for p in module.parameters():
+                    p.data = p.data.clone()
+        return original(self, name)
+
+    return _patched(ComponentGroups, "_activated", activated)
+
+
+def _keeps_both_resident() -> Any:
+    from offload_ref import split
+
+    return _patched(split._Active, "activate",
+                    lambda self, name: self.swapper.activate(name, []))
+
+
+class _DelegationDropsComponents(ModelLevelOffloadBackend):
+    def _enable_delegated(self, pipeline, txn):
+        txn.step("delegate")
+        txn.on_rollback(pipeline.disable_omni_model_cpu_offload)
+        pipeline.enable_omni_model_cpu_offload(device=self.platform.device,
+                                               pin_memory=self.config.pin_memory)
+        self._delegated = True
+
+
+def _cosmos3_reasoner_every_step(seed: int = 0) -> Any:
+    """A split pipeline that forgets the reasoner's context, so the reasoner reruns each step."""
+    from offload_ref.fixtures.cosmos3 import build_pipeline
+
+    pipeline = build_pipeline(seed)
+    predict = pipeline.predict
+
+    def forgetful(latents, sigma, step, cond):
+        cond["context"] = None
+        return predict(latents, sigma, step, cond)
+
+    pipeline.predict = forgetful
+    return pipeline
+
+
+def _layerwise(ring: type[BlockRing], base: type = LayerWiseOffloadBackend) -> type:
+    return type(f"Mutant{ring.__name__}", (base,), {"ring_class": ring})
+
+
+_RESOLVER = dict(pipelines=("flux2",), sections=("A",),
+                 strategies=("model_level", "layer_wise", "distributed_layer_wise"))
+_MODEL_LEVEL = dict(pipelines=("wan22_t2v",), sections=("B", "C", "D", "F"),
+                    strategies=("model_level",))
+_LAYERWISE = dict(pipelines=("flux2",), sections=("B", "C", "D", "F"),
+                  strategies=("layer_wise",))
+_SPLIT = dict(pipelines=("cosmos3",), sections=("E",), strategies=("model_level",))
+
+
+def _m(name: str, defect: str, scope: dict, kills: set[str], *, patch: Any = None,
+       factory: Any = None, **changes: Any) -> Mutant:
+    impl = DEFAULT_IMPLEMENTATION.replace(name=name, **changes)
+    return Mutant(name, defect, impl, kills=frozenset(kills), patch=patch, factory=factory,
+                  **scope)
+
+
+#: Exactly the checks each mutant fails (asserted by tests/test_mutants.py).
+KILLS: dict[str, set[str]] = {
+    "rollback_leaks_device_memory": {
+        "check_failed_enable_releases_memory_and_chains_the_cause",
+    },
+    "enable_error_loses_cause": {
+        "check_failed_enable_releases_memory_and_chains_the_cause",
+    },
+    "disable_not_idempotent": {
+        "check_second_disable_is_a_noop",
+    },
+    'impure_resolver': {
+        'check_plan_resolution_is_pure',
+    },
+    'unstable_resolver': {
+        'check_plan_resolution_is_repeatable',
+    },
+    'class_attrs_beat_plan': {
+        'check_missing_block_container_is_rejected',
+        'check_plan_block_attrs_beat_class_attributes',
+        'check_single_block_dit_is_rejected',
+    },
+    'scan_despite_declarations': {
+        'check_declared_components_beat_attribute_scan',
+    },
+    'warns_every_time': {
+        'check_attribute_scan_warns_once_per_pipeline_class',
+    },
+    'no_dotted_paths': {
+        'check_dotted_paths_resolve_nested_components',
+    },
+    'swallows_topology_errors': {
+        'check_block_claimed_by_two_components_is_rejected',
+        'check_encoder_allgather_requires_declared_replication',
+        'check_missing_block_container_is_rejected',
+        'check_model_level_without_dit_is_rejected',
+        'check_model_level_without_encoder_is_rejected',
+        'check_on_demand_component_without_lifecycle_is_rejected',
+        'check_resident_layers_leaving_one_streaming_block_are_rejected',
+        'check_resident_layers_need_a_resident_dit_path',
+        'check_single_block_dit_is_rejected',
+    },
+    'vague_topology_errors': {
+        'check_block_claimed_by_two_components_is_rejected',
+        'check_encoder_allgather_requires_declared_replication',
+        'check_missing_block_container_is_rejected',
+        'check_model_level_without_dit_is_rejected',
+        'check_model_level_without_encoder_is_rejected',
+        'check_on_demand_component_without_lifecycle_is_rejected',
+        'check_resident_layers_leaving_one_streaming_block_are_rejected',
+        'check_resident_layers_need_a_resident_dit_path',
+        'check_single_block_dit_is_rejected',
+    },
+    'legacy_is_strict': {
+        'check_legacy_topology_without_dit_is_a_recorded_noop',
+    },
+    'name_based_aliases': {
+        'check_tensors_aliasing_a_block_belong_to_its_ring',
+    },
+    'rollback_misses_a_hook': {
+        'check_failed_enable_can_be_retried',
+        'check_failed_enable_restores_the_pipeline',
+    },
+    'hook_left_after_disable': {
+        'check_cycles_do_not_grow_memory',
+        'check_disable_removes_every_trace',
+        'check_enable_disable_cycles_match_the_reference',
+        'check_random_lifecycle_sequences_keep_invariants',
+    },
+    'two_groups_resident': {
+        'check_model_level_keeps_one_group_resident',
+    },
+    'vae_offloaded': {
+        'check_model_level_keeps_one_group_resident',
+    },
+    'd2h_copy_on_swap': {
+        'check_model_level_swaps_move_component_bytes_host_to_device_only',
+    },
+    'disable_forgets_placement': {
+        'check_cycles_do_not_grow_memory',
+        'check_disable_restores_parameters_and_placement',
+        'check_random_lifecycle_sequences_keep_invariants',
+        'check_views_keep_strides_and_sharing',
+    },
+    'delegation_without_disable': {
+        'check_split_model_failed_enable_calls_disable',
+    },
+    'delegation_drops_components': {
+        'check_split_model_enable_and_disable_are_delegated',
+        'check_split_model_keeps_exactly_one_component_resident',
+    },
+    'split_keeps_both_resident': {
+        'check_split_model_keeps_exactly_one_component_resident',
+    },
+    'split_accepts_unknown_names': {
+        'check_split_model_rejects_unknown_component',
+    },
+    'split_copies_when_disabled': {
+        'check_split_model_context_is_a_noop_when_offload_is_off',
+    },
+    'reasoner_every_step': {
+        'check_split_model_runs_reasoner_once_and_generator_every_step',
+    },
+    'missing_ready_wait': {
+        'check_block_alias_follows_its_block',
+        'check_cycles_do_not_grow_memory',
+        'check_disable_removes_every_trace',
+        'check_disable_restores_parameters_and_placement',
+        'check_enable_disable_cycles_match_the_reference',
+        'check_failed_enable_can_be_retried',
+        'check_layerwise_keeps_at_most_two_blocks_resident',
+        'check_layerwise_materializes_only_block_zero_between_passes',
+        'check_layerwise_prefetches_the_next_block_before_it_runs',
+        'check_layerwise_streams_every_block_of_every_ring',
+        'check_offloaded_output_matches_reference_bitwise',
+        'check_offloaded_output_matches_reference_without_race_amplifier',
+        'check_parameter_shared_by_two_blocks_is_never_copied_twice',
+        'check_random_lifecycle_sequences_keep_invariants',
+        'check_second_enable_is_idempotent_and_exclusive',
+        'check_skipped_block_is_recovered',
+        'check_views_keep_strides_and_sharing',
+    },
+    'slot_reused_before_free': {
+        'check_block_alias_follows_its_block',
+        'check_cycles_do_not_grow_memory',
+        'check_disable_removes_every_trace',
+        'check_disable_restores_parameters_and_placement',
+        'check_enable_disable_cycles_match_the_reference',
+        'check_failed_enable_can_be_retried',
+        'check_layerwise_keeps_at_most_two_blocks_resident',
+        'check_layerwise_materializes_only_block_zero_between_passes',
+        'check_layerwise_prefetches_the_next_block_before_it_runs',
+        'check_layerwise_streams_every_block_of_every_ring',
+        'check_offloaded_output_matches_reference_bitwise',
+        'check_offloaded_output_matches_reference_without_race_amplifier',
+        'check_parameter_shared_by_two_blocks_is_never_copied_twice',
+        'check_random_lifecycle_sequences_keep_invariants',
+        'check_second_enable_is_idempotent_and_exclusive',
+        'check_skipped_block_is_recovered',
+        'check_views_keep_strides_and_sharing',
+    },
+    'no_wraparound_prefetch': {
+        'check_layerwise_materializes_only_block_zero_between_passes',
+        'check_layerwise_prefetches_the_next_block_before_it_runs',
+    },
+    'alias_placed_as_non_block_state': {
+        'check_block_alias_follows_its_block',
+        'check_layerwise_keeps_at_most_two_blocks_resident',
+    },
+    'tied_parameter_two_masters': {
+        'check_parameter_shared_by_two_blocks_is_never_copied_twice',
+    },
+    'skipped_block_not_recovered': {
+        'check_skipped_block_is_recovered',
+    },
+    'three_slots': {
+        'check_layerwise_keeps_at_most_two_blocks_resident',
+    },
+}
+
+MUTANTS: tuple[Mutant, ...] = (
+    # §A
+    _m("impure_resolver", "resolution writes an attribute on the pipeline", _RESOLVER,
+       KILLS["impure_resolver"], resolve_offload_plan=_impure),
+    _m("unstable_resolver", "every second resolution lists components in another order",
+       _RESOLVER, KILLS["unstable_resolver"], resolve_offload_plan=_unstable),
+    _m("class_attrs_beat_plan", "_layerwise_offload_blocks_attrs wins over OffloadPlan",
+       _RESOLVER, KILLS["class_attrs_beat_plan"],
+       resolve_offload_plan=_class_attrs_win),
+    _m("scan_despite_declarations", "the name scan runs even when components are declared",
+       _RESOLVER, KILLS["scan_despite_declarations"],
+       resolve_offload_plan=_scan_always),
+    _m("warns_every_time", "the fallback-scan warning repeats for every resolution",
+       _RESOLVER, KILLS["warns_every_time"], resolve_offload_plan=_warn_every_time),
+    _m("no_dotted_paths", "nested (dotted) components are dropped", _RESOLVER,
+       KILLS["no_dotted_paths"], resolve_offload_plan=_no_dotted_paths),
+    _m("swallows_topology_errors", "invalid topologies are skipped instead of rejected",
+       _RESOLVER, KILLS["swallows_topology_errors"],
+       resolve_offload_plan=_swallow_topology_errors),
+    _m("vague_topology_errors", "topology errors name no path and no fix", _RESOLVER,
+       KILLS["vague_topology_errors"], resolve_offload_plan=_vague_topology_errors),
+    _m("legacy_is_strict", "legacy flags get the explicit, erroring topology rules", _RESOLVER,
+       KILLS["legacy_is_strict"], resolve_offload_plan=_legacy_as_explicit),
+    _m("name_based_aliases", "the plan records no ring aliases", _RESOLVER,
+       KILLS["name_based_aliases"], resolve_offload_plan=_no_ring_aliases),
+    # §B, §C, §F.1 (model level)
+    _m("rollback_misses_a_hook", "a failed enable leaves one hook installed", _MODEL_LEVEL,
+       KILLS["rollback_misses_a_hook"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_RollbackMissesAHook)),
+    _m("rollback_leaks_device_memory", "a failed enable keeps its device allocations",
+       _MODEL_LEVEL, KILLS["rollback_leaks_device_memory"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_RollbackLeaksDeviceMemory)),
+    _m("enable_error_loses_cause", "a failed enable re-raises without its cause", _MODEL_LEVEL,
+       KILLS["enable_error_loses_cause"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_LosesTheCause)),
+    _m("disable_not_idempotent", "every disable call re-materializes the weights",
+       _MODEL_LEVEL, KILLS["disable_not_idempotent"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_DisableNotIdempotent)),
+    _m("hook_left_after_disable", "disable forgets one hook", _MODEL_LEVEL,
+       KILLS["hook_left_after_disable"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_LeavesAHook)),
+    _m("two_groups_resident", "a DiT runs with the encoders still on the device", _MODEL_LEVEL,
+       KILLS["two_groups_resident"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_TwoGroupsResident)),
+    _m("vae_offloaded", "the VAE is swapped like an encoder", _MODEL_LEVEL,
+       KILLS["vae_offloaded"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_VaeOffloaded)),
+    _m("d2h_copy_on_swap", "offloading copies the device weights back to the host",
+       _MODEL_LEVEL, KILLS["d2h_copy_on_swap"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_D2HOnSwap)),
+    _m("disable_forgets_placement", "disable removes hooks but leaves tensors offloaded",
+       _MODEL_LEVEL, KILLS["disable_forgets_placement"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_ForgetsPlacement)),
+    # §E (split models)
+    _m("delegation_without_disable", "a failed split-model enable is not undone", _SPLIT,
+       KILLS["delegation_without_disable"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_DelegatesWithoutDisable)),
+    _m("delegation_drops_components", "the split model's enable gets no component selection",
+       _SPLIT, KILLS["delegation_drops_components"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_DelegationDropsComponents)),
+    _m("split_keeps_both_resident", "a phase swap loads without evicting the other phase",
+       _SPLIT, KILLS["split_keeps_both_resident"], patch=_keeps_both_resident),
+    _m("split_accepts_unknown_names", "an unknown component name is silently accepted",
+       _SPLIT, KILLS["split_accepts_unknown_names"],
+       patch=_unchecked_component_names),
+    _m("split_copies_when_disabled", "a disabled phase context still copies weights", _SPLIT,
+       KILLS["split_copies_when_disabled"], patch=_copies_when_disabled),
+    _m("reasoner_every_step", "the pipeline reruns its reasoner at every step", _SPLIT,
+       KILLS["reasoner_every_step"], factory=_cosmos3_reasoner_every_step),
+    # §D, §F.2, §F.4 (layerwise)
+    _m("missing_ready_wait", "compute reads a slot without waiting for its copy", _LAYERWISE,
+       KILLS["missing_ready_wait"],
+       make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoReadyWait))),
+    _m("slot_reused_before_free", "a prefetch overwrites a slot before its reader finished",
+       _LAYERWISE, KILLS["slot_reused_before_free"],
+       make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoFreeWait))),
+    _m("no_wraparound_prefetch", "the last block does not prefetch block 0", _LAYERWISE,
+       KILLS["no_wraparound_prefetch"],
+       make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoWrapAround))),
+    _m("alias_placed_as_non_block_state", "an alias of a block tensor gets its own device copy",
+       _LAYERWISE, KILLS["alias_placed_as_non_block_state"],
+       make_backend=_backend_with(LayerWiseOffloadBackend=_NameBasedPlacement)),
+    _m("tied_parameter_two_masters", "a weight shared by two blocks streams with each",
+       _LAYERWISE, KILLS["tied_parameter_two_masters"],
+       make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_TwoMastersRing))),
+    _m("skipped_block_not_recovered", "a block that was not prefetched runs on stale weights",
+       _LAYERWISE, KILLS["skipped_block_not_recovered"],
+       make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoRecoveryRing))),
+    _m("three_slots", "the ring keeps a third device slot", _LAYERWISE,
+       KILLS["three_slots"],
+       make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_ThreeSlotsRing))),
+)
