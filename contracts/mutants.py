@@ -230,6 +230,13 @@ class _DisableNotIdempotent(ModelLevelOffloadBackend):
                 p.data = p.data.clone()
 
 
+class _StatsCountHostAsDevice(ModelLevelOffloadBackend):
+    def stats(self):
+        s = super().stats()
+        s.device_weight_bytes += s.host_bytes
+        return s
+
+
 class _TwoGroupsResident(ModelLevelOffloadBackend):
     def _activate(self, comp):
         if self._swapper is not None:
@@ -425,6 +432,9 @@ def _m(name: str, defect: str, scope: dict, kills: set[str], *, patch: Any = Non
 
 #: Exactly the checks each mutant fails (asserted by tests/test_mutants.py).
 KILLS: dict[str, set[str]] = {
+    "stats_count_host_as_device": {
+        "check_stats_match_what_the_platform_saw",
+    },
     "rollback_leaks_device_memory": {
         "check_failed_enable_releases_memory_and_chains_the_cause",
     },
@@ -621,6 +631,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("disable_not_idempotent", "every disable call re-materializes the weights",
        _MODEL_LEVEL, KILLS["disable_not_idempotent"],
        make_backend=_backend_with(ModelLevelOffloadBackend=_DisableNotIdempotent)),
+    _m("stats_count_host_as_device", "stats() adds host master bytes to device bytes",
+       _MODEL_LEVEL, KILLS["stats_count_host_as_device"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_StatsCountHostAsDevice)),
     _m("hook_left_after_disable", "disable forgets one hook", _MODEL_LEVEL,
        KILLS["hook_left_after_disable"],
        make_backend=_backend_with(ModelLevelOffloadBackend=_LeavesAHook)),

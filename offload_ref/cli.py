@@ -125,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     selection(p_plan)
     p_plan.set_defaults(func=_cmd_plan)
 
+    from offload_ref.bench import add_bench_parser
+
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

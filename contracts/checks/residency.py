@@ -355,3 +355,44 @@ def check_layerwise_streams_every_block_of_every_ring(case) -> None:
     if missing or not_resident or kept:
         fail(f"blocks not run {missing[:3]}, run while not resident {not_resident[:3]}, kept on "
              f"the device after their forward {kept[:3]}")
+
+
+# -- statistics -------------------------------------------------------------------------------
+
+
+@check("F.1", strategies=BACKENDS)
+def check_stats_match_what_the_platform_saw(case) -> None:
+    """stats() reports the device bytes the platform holds for the backend, the pinned bytes,
+    and exactly the host -> device bytes copied (and no device -> host bytes)."""
+    pipeline = case.build()
+    platform = CopySpy(case.platform())
+    backend = case.backend(platform=platform)
+    base = platform.memory_allocated()
+    backend.enable(pipeline)
+    problems: list[str] = []
+
+    def compare(moment: str, *_: Any) -> None:
+        s = backend.stats()
+        held = platform.memory_allocated() - base
+        if s.device_weight_bytes != held:
+            problems.append(f"{moment}: stats().device_weight_bytes={s.device_weight_bytes} but "
+                            f"the platform holds {held} bytes")
+        if s.pinned_bytes != platform.pinned_bytes():
+            problems.append(f"{moment}: stats().pinned_bytes={s.pinned_bytes} but the platform "
+                            f"has {platform.pinned_bytes()} pinned bytes")
+
+    compare("after enable")
+    platform.copies.clear()
+    h2d_before = backend.stats().h2d_bytes
+    with observe(list(pipeline.named_children()), lambda p, m: compare(f"while {p} runs")):
+        case.run(pipeline)
+    platform.synchronize()
+    s = backend.stats()
+    if s.h2d_bytes - h2d_before != platform.bytes("h2d"):
+        problems.append(f"a generation moved {platform.bytes('h2d')} bytes host -> device but "
+                        f"stats().h2d_bytes grew by {s.h2d_bytes - h2d_before}")
+    if s.d2h_bytes != platform.bytes("d2h"):
+        problems.append(f"stats().d2h_bytes={s.d2h_bytes}, observed {platform.bytes('d2h')}")
+    backend.disable()
+    if problems:
+        fail(sorted(set(problems))[0])

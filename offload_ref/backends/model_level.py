@@ -97,9 +97,9 @@ class ComponentSwapper:
             txn.step(f"copy {label} to the device")
             group.layout.pack_into(group.device_flats, self.platform.copy_)
             self.resident.append(group)
+            self.stats.device_weight_bytes += group.nbytes
         for group in [*self.swappable.values(), *self.resident]:
             group.drop_sources()
-            self.stats.device_weight_bytes += group.nbytes
         self.stats.peak_device_weight_bytes = self.stats.device_weight_bytes
         # Commit: swappable components start on the host, resident state on the device.
         for label, group in self.swappable.items():
