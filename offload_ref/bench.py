@@ -29,23 +29,58 @@ from .platform import CpuPlatform, get_platform
 __all__ = ["add_bench_parser", "run_bench"]
 
 
-def _median_time(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int,
+                 sync: Callable[[], None]) -> dict[str, float]:
+    """Median seconds per call of each function, measured round-robin so that drift in the
+    machine's speed affects every strategy alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up: first swaps, the ring learns the caller's order
         fn()
         sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _parallel_speedup(threads: int = 2) -> float:
+    """Throughput of ``threads`` concurrent matmul threads over one (1.0: no parallelism).
+
+    What bounds overlap on a CPU platform: the copy worker and the compute thread only overlap
+    as far as the machine runs two threads at once."""
+    import threading
+
+    a = torch.randn(256, 512)
+    b = torch.randn(2048, 512)
+
+    def work() -> None:
+        for _ in range(20):
+            torch.nn.functional.linear(a, b)
+
+    work()
+    start = time.perf_counter()
+    work()
+    one = time.perf_counter() - start
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return threads * one / (time.perf_counter() - start)
 
 
 def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: int = 4,
-              repeats: int = 5, device: str = "cpu", threads: int = 1) -> dict[str, Any]:
+              repeats: int = 7, device: str = "cpu", threads: int = 1) -> dict[str, Any]:
     """Measure resident, model-level and layerwise offload on the heavy fixture pipeline."""
     from offload_ref.fixtures.heavy import HeavyConfig, build_pipeline, make_inputs
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    backends: list[Any] = []
     try:
         config = HeavyConfig(hidden=hidden, blocks=blocks, tokens=tokens, steps=steps)
         platform = CpuPlatform() if device == "cpu" else get_platform(device)
@@ -53,74 +88,59 @@ def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: i
         results: dict[str, Any] = {
             "machine": {"platform": platform.name, "cpus": os.cpu_count(),
                         "torch_threads": threads, "torch": torch.__version__,
-                        "python": pyplatform.python_version()},
+                        "python": pyplatform.python_version(),
+                        "parallel_speedup_2_threads": round(_parallel_speedup(), 3)},
             "config": {"hidden": hidden, "blocks": blocks, "tokens": tokens, "steps": steps,
                        "repeats": repeats, "block_bytes": config.block_bytes},
         }
+        pipes = {name: build_pipeline(0, config) for name in
+                 ("resident", "model_level", "layerwise", "layerwise_serial")}
+        backends = [
+            _backend(OffloadStrategy.MODEL_LEVEL, platform),
+            LayerWiseOffloadBackend(OffloadConfig(strategy=OffloadStrategy.LAYER_WISE),
+                                    platform),
+            LayerWiseOffloadBackend(OffloadConfig(strategy=OffloadStrategy.LAYER_WISE),
+                                    platform, prefetch=False),
+        ]
+        for backend, name in zip(backends, ("model_level", "layerwise", "layerwise_serial")):
+            backend.enable(pipes[name])
+        named_backends = dict(zip(("model_level", "layerwise", "layerwise_serial"), backends))
         with torch.inference_mode():
-            reference = build_pipeline(0, config)
-            context = reference.text_encoder(inputs["prompt"])
-        t = torch.tensor([0.5])
-        x = inputs["latents"]
-
-        def generation(pipe):
-            return lambda: pipe(**inputs)
-
-        def step(pipe):
-            return lambda: pipe.transformer(x, t, context)
-
-        def timed(pipe, fn_of):
-            with torch.inference_mode():
-                fn_of(pipe)()  # warm-up (first swaps, the ring learns the order)
-                return _median_time(fn_of(pipe), repeats, platform.synchronize)
-
-        resident = build_pipeline(0, config)
-        results["resident"] = {
-            "generation_s": timed(resident, generation),
-            "step_s": timed(resident, step),
-            "h2d_bytes_per_generation": 0,
-        }
-
-        pipe = build_pipeline(0, config)
-        backend = _backend(OffloadStrategy.MODEL_LEVEL, platform)
-        backend.enable(pipe)
-        gen_s = timed(pipe, generation)
-        before = backend.stats().h2d_bytes
-        with torch.inference_mode():
-            pipe(**inputs)
-        results["model_level"] = {
-            "generation_s": gen_s,
-            "h2d_bytes_per_generation": backend.stats().h2d_bytes - before,
-            "peak_device_weight_bytes": backend.stats().peak_device_weight_bytes,
-        }
-        backend.disable()
-
-        for name, prefetch in (("layerwise", True), ("layerwise_serial", False)):
-            pipe = build_pipeline(0, config)
-            backend = LayerWiseOffloadBackend(
-                OffloadConfig(strategy=OffloadStrategy.LAYER_WISE), platform, prefetch=prefetch)
-            backend.enable(pipe)
-            entry = {"generation_s": timed(pipe, generation), "step_s": timed(pipe, step)}
-            before = backend.stats().h2d_bytes
-            with torch.inference_mode():
-                pipe(**inputs)
-            entry["h2d_bytes_per_generation"] = backend.stats().h2d_bytes - before
-            entry["peak_device_weight_bytes"] = backend.stats().peak_device_weight_bytes
-            if prefetch:
-                entry["copy_only_step_s"] = _copy_only(backend, platform, repeats)
-            results[name] = entry
-            backend.disable()
+            context = pipes["resident"].text_encoder(inputs["prompt"])
+            t = torch.tensor([0.5])
+            x = inputs["latents"]
+            generations = {name: (lambda p=p: p(**inputs)) for name, p in pipes.items()}
+            dit_steps = {name: (lambda p=p: p.transformer(x, t, context))
+                         for name, p in pipes.items() if name != "model_level"}
+            dit_steps["copy_only"] = lambda: _copy_all(named_backends["layerwise"], platform)
+            gen_s = _interleaved(generations, repeats, platform.synchronize)
+            step_s = _interleaved(dit_steps, repeats, platform.synchronize)
+            for name, p in pipes.items():
+                backend = named_backends.get(name)
+                before = backend.stats().h2d_bytes if backend else 0
+                p(**inputs)
+                platform.synchronize()
+                entry = {"generation_s": gen_s[name],
+                         "h2d_bytes_per_generation":
+                             backend.stats().h2d_bytes - before if backend else 0}
+                if name in step_s:
+                    entry["step_s"] = step_s[name]
+                if backend is not None:
+                    entry["peak_device_weight_bytes"] = backend.stats().peak_device_weight_bytes
+                results[name] = entry
 
         lw, serial = results["layerwise"], results["layerwise_serial"]
+        lw["copy_only_step_s"] = step_s["copy_only"]
         bound = max(results["resident"]["step_s"], lw["copy_only_step_s"])
         lw["overlap_ratio"] = lw["step_s"] / bound
         lw["serial_ratio"] = serial["step_s"] / bound
         lw["exposed_stall_per_block_s"] = max(
             0.0, (lw["step_s"] - results["resident"]["step_s"]) / blocks)
-        step_bytes = blocks * config.block_bytes
-        lw["copy_gbps"] = step_bytes / lw["copy_only_step_s"] / 1e9
+        lw["copy_gbps"] = blocks * config.block_bytes / lw["copy_only_step_s"] / 1e9
         return results
     finally:
+        for backend in backends:
+            backend.disable()
         torch.set_num_threads(previous_threads)
 
 
@@ -132,18 +152,14 @@ def _backend(strategy: OffloadStrategy, platform: Any) -> Any:
                                platform=platform)
 
 
-def _copy_only(backend: LayerWiseOffloadBackend, platform: Any, repeats: int) -> float:
-    """Stream every block of every ring once through the ring's copy stream, no compute."""
-    def copy_all() -> None:
-        for r in backend.rings:
-            with platform.stream(r.copy_stream):
-                for k, group in enumerate(r.groups):
-                    for dtype, flat in r._slot_flats(k, k % 2).items():
-                        platform.copy_(flat, group.master.flats[dtype])
-
-    platform.synchronize()
-    copy_all()  # warm-up
-    return _median_time(copy_all, repeats, platform.synchronize)
+def _copy_all(backend: LayerWiseOffloadBackend, platform: Any) -> None:
+    """Stream every block of every ring once through the ring's copy stream, no compute (the
+    slots' events are not involved: nothing reads them)."""
+    for ring in backend.rings:
+        with platform.stream(ring.copy_stream):
+            for k, group in enumerate(ring.groups):
+                for dtype, flat in ring._slot_flats(k, k % 2).items():
+                    platform.copy_(flat, group.master.flats[dtype])
 
 
 def format_table(results: dict[str, Any]) -> str:
@@ -170,6 +186,8 @@ def format_table(results: dict[str, Any]) -> str:
         f"overlap ratio (layerwise / max(resident, copy-only)): {lw['overlap_ratio']:.3f}  "
         f"(serial, prefetch off: {lw['serial_ratio']:.3f}; limit 1.0)",
         f"exposed stall per block: {lw['exposed_stall_per_block_s'] * 1e3:.3f} ms",
+        f"two-thread parallel speedup of this machine: "
+        f"{results['machine']['parallel_speedup_2_threads']:.2f} (2.0 = two real cores)",
     ]
     return "\n".join(lines)
 
@@ -181,7 +199,7 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--tokens", type=int, default=256,
                    help="activation rows: more tokens = more compute per copied byte")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_bench)
