@@ -40,7 +40,7 @@ class ModelHook:
 class _Entry:
     hook: ModelHook
     handles: tuple[RemovableHandle, ...]
-    owner: int  # id() of the registry that installed it
+    owner: object  # the installing registry's token (an id() could be reused after GC)
 
 
 def _overrides(hook: ModelHook, name: str) -> bool:
@@ -57,6 +57,7 @@ class HookRegistry:
 
     def __init__(self) -> None:
         self._installed: list[tuple[weakref.ref[nn.Module], str]] = []
+        self._token = object()
 
     def register_hook(self, module: nn.Module, name: str, hook: ModelHook) -> None:
         table: dict[str, _Entry] = module.__dict__.get(HOOKS_ATTR, {})
@@ -87,7 +88,7 @@ class HookRegistry:
             raise
         if not table:
             module.__dict__[HOOKS_ATTR] = table
-        table[name] = _Entry(hook, tuple(handles), id(self))
+        table[name] = _Entry(hook, tuple(handles), self._token)
         self._installed.append((weakref.ref(module), name))
 
     def get_hook(self, module: nn.Module, name: str) -> ModelHook | None:
@@ -99,7 +100,7 @@ class HookRegistry:
         entry = table.get(name)
         if entry is None:
             return
-        if entry.owner != id(self):
+        if entry.owner is not self._token:
             raise RuntimeError(
                 f"hook {name!r} on {type(module).__name__} belongs to another registry; a backend "
                 "removes only its own hooks"

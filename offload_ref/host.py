@@ -77,7 +77,10 @@ class Layout:
                 )
             if t.is_sparse or t.layout is not torch.strided:
                 raise ValueError(f"cannot offload {name!r}: only strided dense tensors are supported")
-            by_storage.setdefault(storage_key(t), []).append(i)
+            # An empty tensor touches no element: it shares nothing, whatever its data_ptr says
+            # (every storage-less tensor reports 0), and it must not widen a neighbour's span.
+            key = storage_key(t) if t.numel() else ("empty", i)
+            by_storage.setdefault(key, []).append(i)
         self.segments: list[_Segment] = []
         self.numel: dict[torch.dtype, int] = {}
         records: list[TensorRecord | None] = [None] * len(tensors)
@@ -92,6 +95,8 @@ class Layout:
                 )
             dtype = dtypes.pop()
             extents = [tensor_extent(tensors[i][1]) for i in indices]
+            if all(tensors[i][1].numel() == 0 for i in indices):
+                extents = [(0, 0)]
             lo = min(e[0] for e in extents)
             hi = max(e[1] for e in extents)
             offset = self.numel.get(dtype, 0)
@@ -101,10 +106,9 @@ class Layout:
             self._sources.append(tensors[indices[0]][1])
             for i in indices:
                 name, t = tensors[i]
+                local = t.storage_offset() - lo if t.numel() else 0
                 records[i] = TensorRecord(
-                    name, seg_index, tuple(t.shape), tuple(t.stride()),
-                    offset + t.storage_offset() - lo,
-                )
+                    name, seg_index, tuple(t.shape), tuple(t.stride()), offset + local)
         self.records: tuple[TensorRecord, ...] = tuple(r for r in records if r is not None)
 
     @property

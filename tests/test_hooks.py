@@ -47,12 +47,10 @@ class _Recorder(ModelHook):
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.log.append(f"pre:{self.tag}")
-        return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         self.log.append(f"post:{self.tag}")
         self.outputs.append(output)
-        return None
 
 
 class _PreOnly(ModelHook):
@@ -175,9 +173,6 @@ def test_removing_a_hook_of_another_registry_raises() -> None:
     assert hook_names(module) == ()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: hook ownership is id(registry); a registry created after the owner was collected can "
-    "reuse its id() and remove the dead registry's hooks instead of raising RuntimeError"))
 def test_a_new_registry_reusing_a_dead_owners_id_cannot_remove_its_hooks() -> None:
     module = _Scale()
     hook = _PreOnly()

@@ -23,11 +23,16 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from offload_ref.contracts.checks._util import (
+    hook_residue,
+    offload_attributes,
+    snapshot,
+    storage_groups,
+)
+from offload_ref.fixtures import get_spec
 
 from offload_ref.backends.base import get_offload_backend
 from offload_ref.config import OffloadConfig, OffloadStrategy
-from offload_ref.contracts.checks._util import hook_residue, offload_attributes, snapshot
-from offload_ref.fixtures import get_spec
 from offload_ref.platform import CpuPlatform
 
 _SETTINGS = settings(
@@ -49,9 +54,10 @@ class _Shared:
         with torch.inference_mode():
             self.reference = spec.build()(**spec.make_inputs())
         self.pipeline = spec.build()
-        pristine = snapshot(self.pipeline)
-        self.identities = {name: entry[0] for name, entry in pristine.tensors.items()}
-        self.hook_counts = pristine.hooks
+        self.pristine = snapshot(self.pipeline, values=True)
+        self.sharing = storage_groups(self.pipeline)
+        self.identities = {name: entry[0] for name, entry in self.pristine.tensors.items()}
+        self.hook_counts = self.pristine.hooks
 
 
 class _LifecycleMachine(RuleBasedStateMachine):
@@ -72,9 +78,7 @@ class _LifecycleMachine(RuleBasedStateMachine):
         self.backend = get_offload_backend(config, platform=self.platform)
         assert self.backend is not None, f"no backend for {config}"
         self.ops: list[str] = []
-        self.healthy = False
         self._check_disabled("start of the example")  # the previous example left it clean
-        self.healthy = True
 
     @property
     def where(self) -> str:
@@ -82,17 +86,30 @@ class _LifecycleMachine(RuleBasedStateMachine):
 
     # -- rules ------------------------------------------------------------------------------------
 
-    @rule()
-    def enable(self) -> None:
-        self.ops.append("enable")
+    @rule(twice=st.booleans())
+    def enable(self, twice: bool) -> None:
+        self.ops.append("enable x2" if twice else "enable")
         self.backend.enable(self.pipeline)
         assert self.backend.is_enabled(), f"{self.where}: enable left the backend disabled"
+        if twice:
+            before = (self._hooks(), self._placement())
+            self.backend.enable(self.pipeline)  # a no-op on the same pipeline
+            assert self.backend.is_enabled()
+            assert (self._hooks(), self._placement()) == before, (
+                f"{self.where}: a second enable changed the hooks or the device placement")
 
-    @rule()
-    def disable(self) -> None:
-        self.ops.append("disable")
+    @rule(twice=st.booleans())
+    def disable(self, twice: bool) -> None:
+        self.ops.append("disable x2" if twice else "disable")
         self.backend.disable()
         assert not self.backend.is_enabled(), f"{self.where}: disable left the backend enabled"
+        if twice:
+            before = snapshot(self.pipeline)
+            self.backend.disable()  # idempotent
+            assert not self.backend.is_enabled()
+            problems = before.diff(snapshot(self.pipeline))
+            assert not problems, f"{self.where}: a second disable changed the pipeline: {problems}"
+        self._after_disable()
 
     @rule()
     def forward(self) -> None:
@@ -103,25 +120,8 @@ class _LifecycleMachine(RuleBasedStateMachine):
             out, self.shared.reference, rtol=0, atol=0,
             msg=lambda m: f"{self.where}: output differs from the un-offloaded reference: {m}")
 
-    @rule()
-    def enable_twice(self) -> None:
-        self.ops.append("enable x2")
-        self.backend.enable(self.pipeline)
-        before = (self._hooks(), self._placement())
-        self.backend.enable(self.pipeline)  # a no-op on the same pipeline
-        assert self.backend.is_enabled()
-        assert (self._hooks(), self._placement()) == before, (
-            f"{self.where}: a second enable changed the hooks or the device placement")
-
-    @rule()
-    def disable_twice(self) -> None:
-        self.ops.append("disable x2")
-        self.backend.disable()
-        before = snapshot(self.pipeline)
-        self.backend.disable()  # idempotent
-        assert not self.backend.is_enabled()
-        problems = before.diff(snapshot(self.pipeline))
-        assert not problems, f"{self.where}: a second disable changed the pipeline: {problems}"
+    def _after_disable(self) -> None:
+        """Strategy-specific checks of a disabled backend."""
 
     # -- invariants -------------------------------------------------------------------------------
 
@@ -163,13 +163,19 @@ class _LifecycleMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         try:
             self.backend.disable()
-            self._check_disabled(f"{self.where} + teardown disable")
+            where = f"{self.where} + teardown disable"
+            self._check_disabled(where)
+            # Restored exactly (values, dtype, shape, stride, offset, sharing), on new storage.
+            problems = self.shared.pristine.diff(snapshot(self.pipeline, values=True),
+                                                 pointers=False)
+            assert not problems, f"{where}: the pipeline is not restored: {problems[:5]}"
+            sharing = storage_groups(self.pipeline)
+            assert sharing == self.shared.sharing, (
+                f"{where}: storage sharing {self.shared.sharing} -> {sharing}")
         except BaseException:
-            self.healthy = False
+            type(self)._shared = None  # the next example must not inherit a damaged pipeline
             raise
         finally:
-            if not self.healthy:  # the next example must not inherit a damaged pipeline
-                type(self)._shared = None
             self.platform.close()
 
 
@@ -178,24 +184,24 @@ class ModelLevelLifecycle(_LifecycleMachine):
     STRATEGY = OffloadStrategy.MODEL_LEVEL
     COMPONENTS = ("dit", "text_encoder")
 
+    @precondition(lambda self: self.backend.is_enabled())
     @rule(data=st.data())
     def phase(self, data: st.DataObject) -> None:
-        if not self.backend.is_enabled():
-            self.ops.append("phase (disabled)")
-            try:
-                with self.backend.use_component("transformer"):
-                    pass
-            except RuntimeError:
-                return
-            raise AssertionError(f"{self.where}: use_component on a disabled backend did not raise")
-        components = self.backend.plan.components
-        comp = data.draw(st.sampled_from(components), label="component")
+        comp = data.draw(st.sampled_from(self.backend.plan.components), label="component")
         self.ops.append(f"phase {comp.path}")
         with self.backend.use_component(comp.path):
             self._check_enabled(f"{self.where} (inside)")
             loaded = self.backend.loaded_components()
             if comp.role in ("dit", "encoder"):
                 assert comp.path in loaded, f"{self.where}: {comp.path} not loaded inside"
+
+    def _after_disable(self) -> None:
+        try:
+            with self.backend.use_component("transformer"):
+                pass
+        except RuntimeError:
+            return
+        raise AssertionError(f"{self.where}: use_component on a disabled backend did not raise")
 
     def _roles(self) -> dict[str, str]:
         return {c.path: c.role for c in self.backend.plan.components}

@@ -21,7 +21,6 @@ import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[1]
 _TIMEOUT_S = 120
 
@@ -98,8 +97,8 @@ def _clean_env() -> dict[str, str]:
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=cwd, env=_clean_env(), capture_output=True, text=True,
-                          timeout=_TIMEOUT_S)
+    return subprocess.run(args, check=False, cwd=cwd, env=_clean_env(), capture_output=True,
+                          text=True, timeout=_TIMEOUT_S)
 
 
 def _report(proc: subprocess.CompletedProcess, what: str):

@@ -256,7 +256,8 @@ class OffloadBackend:
             self.platform.synchronize()
         except BaseException as exc:
             self.last_steps = list(txn.steps)
-            failed_at = txn.steps[-1] if txn.steps else "plan resolution"
+            where = (f"step {len(txn.steps) - 1} ({txn.steps[-1]})" if txn.steps
+                     else "preparation, before its first mutation")
             try:
                 try:  # let in-flight copies land before their buffers are released
                     self.platform.synchronize()
@@ -268,8 +269,8 @@ class OffloadBackend:
             if not isinstance(exc, Exception):
                 raise
             raise OffloadEnableError(
-                f"{type(self).__name__}.enable failed at step {len(txn.steps) - 1} "
-                f"({failed_at}): {exc}; every change was rolled back and the backend is "
+                f"{type(self).__name__}.enable failed at {where}: {exc}; every change was "
+                "rolled back and the backend is "
                 "disabled (enable can be retried)"
             ) from exc
         self.last_steps = list(txn.steps)
