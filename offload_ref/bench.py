@@ -129,6 +129,7 @@ def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: i
                     entry["peak_device_weight_bytes"] = backend.stats().peak_device_weight_bytes
                 results[name] = entry
 
+        results["enable"] = _enable_cost(pipes["resident"], platform, repeats)
         lw, serial = results["layerwise"], results["layerwise_serial"]
         lw["copy_only_step_s"] = step_s["copy_only"]
         bound = max(results["resident"]["step_s"], lw["copy_only_step_s"])
@@ -150,6 +151,32 @@ def _backend(strategy: OffloadStrategy, platform: Any) -> Any:
     components = ("dit", "text_encoder") if strategy is OffloadStrategy.MODEL_LEVEL else ("dit",)
     return get_offload_backend(OffloadConfig(strategy=strategy, components=components),
                                platform=platform)
+
+
+def _enable_cost(pipeline: Any, platform: Any, repeats: int) -> dict[str, Any]:
+    """enable() time per strategy against one plain memcpy of the same host-master bytes."""
+    out: dict[str, Any] = {}
+    for strategy in (OffloadStrategy.MODEL_LEVEL, OffloadStrategy.LAYER_WISE):
+        backend = _backend(strategy, platform)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            backend.enable(pipeline)
+            platform.synchronize()
+            times.append(time.perf_counter() - start)
+            nbytes = backend.stats().host_bytes
+            backend.disable()
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        copies = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            copies.append(time.perf_counter() - start)
+        enable_s, memcpy_s = statistics.median(times), statistics.median(copies)
+        out[strategy.value] = {"enable_s": enable_s, "host_bytes": nbytes,
+                               "memcpy_s": memcpy_s, "ratio": enable_s / memcpy_s}
+    return out
 
 
 def _copy_all(backend: LayerWiseOffloadBackend, platform: Any) -> None:
@@ -186,6 +213,9 @@ def format_table(results: dict[str, Any]) -> str:
         f"overlap ratio (layerwise / max(resident, copy-only)): {lw['overlap_ratio']:.3f}  "
         f"(serial, prefetch off: {lw['serial_ratio']:.3f}; limit 1.0)",
         f"exposed stall per block: {lw['exposed_stall_per_block_s'] * 1e3:.3f} ms",
+        *(f"enable {name}: {e['enable_s'] * 1e3:.1f} ms for {e['host_bytes'] / 2**20:.1f} MiB of "
+          f"host masters = {e['ratio']:.1f} x one memcpy of those bytes "
+          f"({e['memcpy_s'] * 1e3:.1f} ms)" for name, e in results["enable"].items()),
         f"two-thread parallel speedup of this machine: "
         f"{results['machine']['parallel_speedup_2_threads']:.2f} (2.0 = two real cores)",
     ]

@@ -48,6 +48,7 @@ class ComponentSwapper:
         self.stats = stats
         self.swappable: dict[str, TensorGroup] = {}
         self.resident: list[TensorGroup] = []
+        self.log: list[tuple[str, int]] = []  # (component, bytes) of every load, in order
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -125,6 +126,7 @@ class ComponentSwapper:
             t.data = v
         self.stats.h2d_bytes += group.nbytes
         self.stats.swaps += 1
+        self.log.append((label, group.nbytes))
         self.stats.device_weight_bytes += group.nbytes
         self.stats.peak_device_weight_bytes = max(
             self.stats.peak_device_weight_bytes, self.stats.device_weight_bytes)
@@ -306,6 +308,10 @@ class ModelLevelOffloadBackend(OffloadBackend):
                         setattr(total, key, getattr(total, key) + n)
         total.pinned_bytes = self.platform.pinned_bytes() if total.host_bytes else 0
         return total
+
+    def swap_log(self) -> list[tuple[str, int]]:
+        """``(component path, bytes moved host -> device)`` of every load since enable."""
+        return list(self._swapper.log) if self._swapper is not None else []
 
     def loaded_components(self) -> tuple[str, ...]:
         """Paths of the swappable components currently on the device."""
