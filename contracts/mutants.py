@@ -444,152 +444,156 @@ KILLS: dict[str, set[str]] = {
     "disable_not_idempotent": {
         "check_second_disable_is_a_noop",
     },
-    'impure_resolver': {
-        'check_plan_resolution_is_pure',
+    "impure_resolver": {
+        "check_plan_resolution_is_pure",
     },
-    'unstable_resolver': {
-        'check_plan_resolution_is_repeatable',
+    "unstable_resolver": {
+        "check_plan_resolution_is_repeatable",
     },
-    'class_attrs_beat_plan': {
-        'check_missing_block_container_is_rejected',
-        'check_plan_block_attrs_beat_class_attributes',
-        'check_single_block_dit_is_rejected',
+    "class_attrs_beat_plan": {
+        "check_missing_block_container_is_rejected",
+        "check_plan_block_attrs_beat_class_attributes",
+        "check_single_block_dit_is_rejected",
     },
-    'scan_despite_declarations': {
-        'check_declared_components_beat_attribute_scan',
+    "scan_despite_declarations": {
+        "check_declared_components_beat_attribute_scan",
     },
-    'warns_every_time': {
-        'check_attribute_scan_warns_once_per_pipeline_class',
+    "warns_every_time": {
+        "check_attribute_scan_warns_once_per_pipeline_class",
     },
-    'no_dotted_paths': {
-        'check_dotted_paths_resolve_nested_components',
+    "no_dotted_paths": {
+        "check_dotted_paths_resolve_nested_components",
     },
-    'swallows_topology_errors': {
-        'check_block_claimed_by_two_components_is_rejected',
-        'check_encoder_allgather_requires_declared_replication',
-        'check_missing_block_container_is_rejected',
-        'check_model_level_without_dit_is_rejected',
-        'check_model_level_without_encoder_is_rejected',
-        'check_on_demand_component_without_lifecycle_is_rejected',
-        'check_resident_layers_leaving_one_streaming_block_are_rejected',
-        'check_resident_layers_need_a_resident_dit_path',
-        'check_single_block_dit_is_rejected',
+    "swallows_topology_errors": {
+        "check_block_claimed_by_two_components_is_rejected",
+        "check_encoder_allgather_requires_declared_replication",
+        "check_missing_block_container_is_rejected",
+        "check_model_level_without_dit_is_rejected",
+        "check_model_level_without_encoder_is_rejected",
+        "check_on_demand_component_without_lifecycle_is_rejected",
+        "check_resident_layers_leaving_one_streaming_block_are_rejected",
+        "check_resident_layers_need_a_resident_dit_path",
+        "check_single_block_dit_is_rejected",
     },
-    'vague_topology_errors': {
-        'check_block_claimed_by_two_components_is_rejected',
-        'check_encoder_allgather_requires_declared_replication',
-        'check_missing_block_container_is_rejected',
-        'check_model_level_without_dit_is_rejected',
-        'check_model_level_without_encoder_is_rejected',
-        'check_on_demand_component_without_lifecycle_is_rejected',
-        'check_resident_layers_leaving_one_streaming_block_are_rejected',
-        'check_resident_layers_need_a_resident_dit_path',
-        'check_single_block_dit_is_rejected',
+    "vague_topology_errors": {
+        "check_block_claimed_by_two_components_is_rejected",
+        "check_encoder_allgather_requires_declared_replication",
+        "check_missing_block_container_is_rejected",
+        "check_model_level_without_dit_is_rejected",
+        "check_model_level_without_encoder_is_rejected",
+        "check_on_demand_component_without_lifecycle_is_rejected",
+        "check_resident_layers_leaving_one_streaming_block_are_rejected",
+        "check_resident_layers_need_a_resident_dit_path",
+        "check_single_block_dit_is_rejected",
     },
-    'legacy_is_strict': {
-        'check_legacy_topology_without_dit_is_a_recorded_noop',
+    "legacy_is_strict": {
+        "check_legacy_topology_without_dit_is_a_recorded_noop",
     },
-    'name_based_aliases': {
-        'check_tensors_aliasing_a_block_belong_to_its_ring',
+    "name_based_aliases": {
+        "check_tensors_aliasing_a_block_belong_to_its_ring",
     },
-    'rollback_misses_a_hook': {
-        'check_failed_enable_can_be_retried',
-        'check_failed_enable_restores_the_pipeline',
+    "rollback_misses_a_hook": {
+        "check_failed_enable_can_be_retried",
+        "check_failed_enable_restores_the_pipeline",
     },
-    'hook_left_after_disable': {
-        'check_cycles_do_not_grow_memory',
-        'check_disable_removes_every_trace',
-        'check_enable_disable_cycles_match_the_reference',
-        'check_random_lifecycle_sequences_keep_invariants',
+    "hook_left_after_disable": {
+        "check_cycles_do_not_grow_memory",
+        "check_disable_removes_every_trace",
+        "check_enable_disable_cycles_match_the_reference",
+        "check_random_lifecycle_sequences_keep_invariants",
     },
-    'two_groups_resident': {
-        'check_model_level_keeps_one_group_resident',
+    "two_groups_resident": {
+        "check_model_level_keeps_one_group_resident",
     },
-    'vae_offloaded': {
-        'check_model_level_keeps_one_group_resident',
+    "vae_offloaded": {
+        "check_model_level_keeps_one_group_resident",
     },
-    'd2h_copy_on_swap': {
-        'check_model_level_swaps_move_component_bytes_host_to_device_only',
+    "d2h_copy_on_swap": {
+        "check_model_level_swaps_move_component_bytes_host_to_device_only",
+        "check_stats_match_what_the_platform_saw",
     },
-    'disable_forgets_placement': {
-        'check_cycles_do_not_grow_memory',
-        'check_disable_restores_parameters_and_placement',
-        'check_random_lifecycle_sequences_keep_invariants',
-        'check_views_keep_strides_and_sharing',
+    "disable_forgets_placement": {
+        "check_cycles_do_not_grow_memory",
+        "check_disable_restores_parameters_and_placement",
+        "check_random_lifecycle_sequences_keep_invariants",
+        "check_views_keep_strides_and_sharing",
     },
-    'delegation_without_disable': {
-        'check_split_model_failed_enable_calls_disable',
+    "delegation_without_disable": {
+        "check_split_model_failed_enable_calls_disable",
     },
-    'delegation_drops_components': {
-        'check_split_model_enable_and_disable_are_delegated',
-        'check_split_model_keeps_exactly_one_component_resident',
+    "delegation_drops_components": {
+        "check_split_model_enable_and_disable_are_delegated",
+        "check_split_model_keeps_exactly_one_component_resident",
     },
-    'split_keeps_both_resident': {
-        'check_split_model_keeps_exactly_one_component_resident',
+    "split_keeps_both_resident": {
+        "check_split_model_keeps_exactly_one_component_resident",
     },
-    'split_accepts_unknown_names': {
-        'check_split_model_rejects_unknown_component',
+    "split_accepts_unknown_names": {
+        "check_split_model_rejects_unknown_component",
     },
-    'split_copies_when_disabled': {
-        'check_split_model_context_is_a_noop_when_offload_is_off',
+    "split_copies_when_disabled": {
+        "check_split_model_context_is_a_noop_when_offload_is_off",
     },
-    'reasoner_every_step': {
-        'check_split_model_runs_reasoner_once_and_generator_every_step',
+    "reasoner_every_step": {
+        "check_split_model_runs_reasoner_once_and_generator_every_step",
     },
-    'missing_ready_wait': {
-        'check_block_alias_follows_its_block',
-        'check_cycles_do_not_grow_memory',
-        'check_disable_removes_every_trace',
-        'check_disable_restores_parameters_and_placement',
-        'check_enable_disable_cycles_match_the_reference',
-        'check_failed_enable_can_be_retried',
-        'check_layerwise_keeps_at_most_two_blocks_resident',
-        'check_layerwise_materializes_only_block_zero_between_passes',
-        'check_layerwise_prefetches_the_next_block_before_it_runs',
-        'check_layerwise_streams_every_block_of_every_ring',
-        'check_offloaded_output_matches_reference_bitwise',
-        'check_offloaded_output_matches_reference_without_race_amplifier',
-        'check_parameter_shared_by_two_blocks_is_never_copied_twice',
-        'check_random_lifecycle_sequences_keep_invariants',
-        'check_second_enable_is_idempotent_and_exclusive',
-        'check_skipped_block_is_recovered',
-        'check_views_keep_strides_and_sharing',
+    "missing_ready_wait": {
+        "check_block_alias_follows_its_block",
+        "check_cycles_do_not_grow_memory",
+        "check_disable_removes_every_trace",
+        "check_disable_restores_parameters_and_placement",
+        "check_enable_disable_cycles_match_the_reference",
+        "check_failed_enable_can_be_retried",
+        "check_layerwise_keeps_at_most_two_blocks_resident",
+        "check_layerwise_materializes_only_block_zero_between_passes",
+        "check_layerwise_prefetches_the_next_block_before_it_runs",
+        "check_layerwise_streams_every_block_of_every_ring",
+        "check_offloaded_output_matches_reference_bitwise",
+        "check_offloaded_output_matches_reference_without_race_amplifier",
+        "check_parameter_shared_by_two_blocks_is_never_copied_twice",
+        "check_random_lifecycle_sequences_keep_invariants",
+        "check_second_enable_is_idempotent_and_exclusive",
+        "check_skipped_block_is_recovered",
+        "check_stats_match_what_the_platform_saw",
+        "check_views_keep_strides_and_sharing",
     },
-    'slot_reused_before_free': {
-        'check_block_alias_follows_its_block',
-        'check_cycles_do_not_grow_memory',
-        'check_disable_removes_every_trace',
-        'check_disable_restores_parameters_and_placement',
-        'check_enable_disable_cycles_match_the_reference',
-        'check_failed_enable_can_be_retried',
-        'check_layerwise_keeps_at_most_two_blocks_resident',
-        'check_layerwise_materializes_only_block_zero_between_passes',
-        'check_layerwise_prefetches_the_next_block_before_it_runs',
-        'check_layerwise_streams_every_block_of_every_ring',
-        'check_offloaded_output_matches_reference_bitwise',
-        'check_offloaded_output_matches_reference_without_race_amplifier',
-        'check_parameter_shared_by_two_blocks_is_never_copied_twice',
-        'check_random_lifecycle_sequences_keep_invariants',
-        'check_second_enable_is_idempotent_and_exclusive',
-        'check_skipped_block_is_recovered',
-        'check_views_keep_strides_and_sharing',
+    "slot_reused_before_free": {
+        "check_block_alias_follows_its_block",
+        "check_cycles_do_not_grow_memory",
+        "check_disable_removes_every_trace",
+        "check_disable_restores_parameters_and_placement",
+        "check_enable_disable_cycles_match_the_reference",
+        "check_failed_enable_can_be_retried",
+        "check_layerwise_keeps_at_most_two_blocks_resident",
+        "check_layerwise_materializes_only_block_zero_between_passes",
+        "check_layerwise_prefetches_the_next_block_before_it_runs",
+        "check_layerwise_streams_every_block_of_every_ring",
+        "check_offloaded_output_matches_reference_bitwise",
+        "check_offloaded_output_matches_reference_without_race_amplifier",
+        "check_parameter_shared_by_two_blocks_is_never_copied_twice",
+        "check_random_lifecycle_sequences_keep_invariants",
+        "check_second_enable_is_idempotent_and_exclusive",
+        "check_skipped_block_is_recovered",
+        "check_stats_match_what_the_platform_saw",
+        "check_views_keep_strides_and_sharing",
     },
-    'no_wraparound_prefetch': {
-        'check_layerwise_materializes_only_block_zero_between_passes',
-        'check_layerwise_prefetches_the_next_block_before_it_runs',
+    "no_wraparound_prefetch": {
+        "check_layerwise_materializes_only_block_zero_between_passes",
+        "check_layerwise_prefetches_the_next_block_before_it_runs",
     },
-    'alias_placed_as_non_block_state': {
-        'check_block_alias_follows_its_block',
-        'check_layerwise_keeps_at_most_two_blocks_resident',
+    "alias_placed_as_non_block_state": {
+        "check_block_alias_follows_its_block",
+        "check_layerwise_keeps_at_most_two_blocks_resident",
     },
-    'tied_parameter_two_masters': {
-        'check_parameter_shared_by_two_blocks_is_never_copied_twice',
+    "tied_parameter_two_masters": {
+        "check_parameter_shared_by_two_blocks_is_never_copied_twice",
     },
-    'skipped_block_not_recovered': {
-        'check_skipped_block_is_recovered',
+    "skipped_block_not_recovered": {
+        "check_skipped_block_is_recovered",
     },
-    'three_slots': {
-        'check_layerwise_keeps_at_most_two_blocks_resident',
+    "three_slots": {
+        "check_layerwise_keeps_at_most_two_blocks_resident",
+        "check_stats_match_what_the_platform_saw",
     },
 }
 
