@@ -225,9 +225,28 @@ class ResolvedOffloadPlan:
                     lines.append(f"      alias {a.path} -> {a.tensor_path}")
                 for name in s.shared:
                     lines.append(f"      shared (kept resident) {name}")
+        if self.components:
+            lines.append(f"predicted peak device weight bytes: {self.predicted_device_bytes()} "
+                         "(declared components; other pipeline state comes on top)")
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
+
+    def predicted_device_bytes(self) -> int:
+        """The strategy's residency bound over the declared components: model level keeps the
+        resident components plus the largest swap group (one DiT, or the encoders); layerwise
+        keeps everything but the streamed blocks, plus two of each ring's largest block."""
+        if self.strategy is OffloadStrategy.MODEL_LEVEL:
+            swapped = [c for c in self.components if c.selected and c.role in ("dit", "encoder")]
+            kept = sum(_nbytes_of(c.module) for c in self.components if c not in swapped)
+            groups = [_nbytes_of(c.module) for c in swapped if c.role == "dit"]
+            groups.append(sum(_nbytes_of(c.module) for c in swapped if c.role == "encoder"))
+            return kept + max(groups)
+        total = sum(_nbytes_of(c.module) for c in self.components if not c.on_demand)
+        for stack in self.stacks:
+            sizes = [_nbytes_of(b) for b in stack.streamed_blocks]
+            total += 2 * max(sizes) - sum(sizes) if len(sizes) >= 2 else 0
+        return total
 
 
 def _nbytes_of(module: nn.Module) -> int:
