@@ -212,6 +212,35 @@ class _RollbackLeaksDeviceMemory(ModelLevelOffloadBackend):
     transaction_class = _LeakyTransaction
 
 
+class _LeakyHostTransaction(Transaction):
+    def host_master(self, label, layout, pin):
+        self.step(f"host master {label}")
+        from offload_ref.host import HostMaster
+
+        return HostMaster(layout, self.platform, pin=pin)  # no undo: masters outlive a rollback
+
+
+class _RollbackLeaksHostMasters(ModelLevelOffloadBackend):
+    transaction_class = _LeakyHostTransaction
+
+
+class _DoubleCopySwapper(ComponentSwapper):
+    def load(self, label):
+        group = self.swappable[label]
+        loading = not group.device_flats
+        super().load(label)
+        if loading:  # a redundant second upload of the same bytes
+            for dtype, flat in group.device_flats.items():
+                self.platform.copy_(flat, group.master.flats[dtype])
+
+
+class _DoubleCopyOnSwap(ModelLevelOffloadBackend):
+    def _enable(self, pipeline, plan, txn):
+        super()._enable(pipeline, plan, txn)
+        if self._swapper is not None:
+            self._swapper.__class__ = _DoubleCopySwapper
+
+
 class _LosesTheCause(ModelLevelOffloadBackend):
     def enable(self, pipeline):
         try:
@@ -337,6 +366,19 @@ class _NoRecoveryRing(BlockRing):
         super().before(k)
 
 
+class _SilentlySerialRing(BlockRing):
+    """Loads every block when it runs (no prefetch) and does not count it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prefetch_enabled = False
+
+    def before(self, k):
+        recoveries = self.stats.sync_recoveries
+        super().before(k)
+        self.stats.sync_recoveries = recoveries
+
+
 class _ThreeSlotsRing(BlockRing):
     def prepare(self, txn, pipeline):
         super().prepare(txn, pipeline)
@@ -432,6 +474,17 @@ def _m(name: str, defect: str, scope: dict, kills: set[str], *, patch: Any = Non
 
 #: Exactly the checks each mutant fails (asserted by tests/test_mutants.py).
 KILLS: dict[str, set[str]] = {
+    "rollback_leaks_host_masters": {
+        "check_failed_enable_releases_memory_and_chains_the_cause",
+    },
+    "double_copy_on_swap": {
+        "check_model_level_swaps_move_component_bytes_host_to_device_only",
+        "check_stats_match_what_the_platform_saw",
+    },
+    "silently_serial": {
+        "check_layerwise_materializes_only_block_zero_between_passes",
+        "check_layerwise_prefetches_the_next_block_before_it_runs",
+    },
     "stats_count_host_as_device": {
         "check_stats_match_what_the_platform_saw",
     },
@@ -620,6 +673,12 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("disable_not_idempotent", "every disable call re-materializes the weights",
        _MODEL_LEVEL, KILLS["disable_not_idempotent"],
        make_backend=_backend_with(ModelLevelOffloadBackend=_DisableNotIdempotent)),
+    _m("rollback_leaks_host_masters", "a failed enable keeps its host masters", _MODEL_LEVEL,
+       KILLS["rollback_leaks_host_masters"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_RollbackLeaksHostMasters)),
+    _m("double_copy_on_swap", "every swap uploads the component twice", _MODEL_LEVEL,
+       KILLS["double_copy_on_swap"],
+       make_backend=_backend_with(ModelLevelOffloadBackend=_DoubleCopyOnSwap)),
     _m("stats_count_host_as_device", "stats() adds host master bytes to device bytes",
        _MODEL_LEVEL, KILLS["stats_count_host_as_device"],
        make_backend=_backend_with(ModelLevelOffloadBackend=_StatsCountHostAsDevice)),
@@ -673,6 +732,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("skipped_block_not_recovered", "a block that was not prefetched runs on stale weights",
        _LAYERWISE, KILLS["skipped_block_not_recovered"],
        make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoRecoveryRing))),
+    _m("silently_serial", "no prefetch, and the synchronous loads are not counted", _LAYERWISE,
+       KILLS["silently_serial"],
+       make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_SilentlySerialRing))),
     _m("three_slots", "the ring keeps a third device slot", _LAYERWISE,
        KILLS["three_slots"],
        make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_ThreeSlotsRing))),

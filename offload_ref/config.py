@@ -375,6 +375,19 @@ def _flag(od_config: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+_BOOL_FLAGS = ("enable_cpu_offload", "enable_layerwise_offload",
+               "enable_distributed_layerwise_offload", "pin_cpu_memory", "dlo_use_allgather",
+               "use_hsdp")
+
+
+def _check_bool_flags(od_config: Any) -> None:
+    """A string such as "false" is truthy: legacy flags must be real booleans (or None)."""
+    for name in _BOOL_FLAGS:
+        value = getattr(od_config, name, None)
+        if value is not None and type(value) is not bool:
+            raise TypeError(f"{name} = {value!r}: must be True, False or None")
+
+
 def _legacy_strategy(od_config: Any) -> OffloadStrategy:
     if _flag(od_config, "enable_distributed_layerwise_offload", False):
         return OffloadStrategy.DISTRIBUTED_LAYER_WISE
@@ -386,6 +399,7 @@ def _legacy_strategy(od_config: Any) -> OffloadStrategy:
 
 
 def _from_od_config(od_config: Any) -> OffloadConfig:
+    _check_bool_flags(od_config)
     world_size = _flag(od_config, "data_parallel_size", 1)
     if type(world_size) is not int or world_size < 1:
         raise ValueError(f"data_parallel_size = {world_size!r}: must be an int >= 1")

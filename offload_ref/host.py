@@ -146,8 +146,9 @@ class HostMaster:
         try:
             for dtype, numel in layout.numel.items():
                 self.flats[dtype] = platform.host_empty(numel, dtype, pin=self.pinned)
-            # Setup copy (may be device -> host when the pipeline started on the device).
-            layout.pack_into(self.flats, lambda dst, src: dst.copy_(src))
+            # Setup copy (may be device -> host when the pipeline started on the device); never
+            # part of an autograd graph.
+            layout.pack_into(self.flats, lambda dst, src: dst.copy_(src.detach()))
         except BaseException:
             self.release()
             raise

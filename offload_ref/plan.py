@@ -285,6 +285,7 @@ class _Resolver:
         if self.explicit:
             raise OffloadTopologyError(message)
         self.warnings.append(message)
+        warnings.warn(message, OffloadDeclarationWarning, stacklevel=4)
 
     def resolve(self) -> ResolvedOffloadPlan:
         strategy = self.config.strategy
@@ -313,7 +314,7 @@ class _Resolver:
             return ResolvedOffloadPlan(strategy, skip_reason=components,
                                        warnings=tuple(self.warnings))
         self._check_unique_ownership(components)
-        components = _with_shared(components)
+        components = _with_shared(self.pipeline, components)
         return ResolvedOffloadPlan(strategy, tuple(components), warnings=tuple(self.warnings))
 
     def _warn_scan(self, message: str) -> None:
@@ -398,6 +399,9 @@ class _Resolver:
             comps.append(ResolvedComponent(path, module, "resident", False))
         for path, container in self.plan.offload_submodules.items():
             comps.append(self._submodule(path, container))
+        if not self.explicit and not any(c.selected for c in comps):
+            return ("nothing to stream: no selected component has a streamable block plan "
+                    f"({'; '.join(self.warnings) or 'see the declarations'})")
         if self.explicit and not any(c.selected for c in comps):
             raise OffloadTopologyError(
                 f"{self.cls_name}: none of the selected components {list(self.config.components)} "
@@ -562,19 +566,20 @@ class _Resolver:
     # -- ownership -----------------------------------------------------------------------------
 
     def _check_unique_ownership(self, components: list[ResolvedComponent]) -> None:
+        """A block belongs to one ring.  (Submodules or tensors shared between blocks are
+        handled by storage, see Note [Ownership by identity]: a stateless module such as one
+        GELU reused by every block is harmless.)"""
         owners: dict[int, str] = {}
         for comp in components:
             for stack in comp.stacks:
                 for block, bpath in zip(stack.blocks, stack.block_paths):
-                    for sub_name, sub in block.named_modules():
-                        where = f"{bpath}.{sub_name}" if sub_name else bpath
-                        other = owners.get(id(sub))
-                        if other is not None and other != where:
-                            raise OffloadTopologyError(
-                                f"{self.cls_name}: module {where!r} is claimed by both "
-                                f"{other!r} and {where!r}; a block may belong to one ring only"
-                            )
-                        owners[id(sub)] = where
+                    other = owners.get(id(block))
+                    if other is not None and other != bpath:
+                        raise OffloadTopologyError(
+                            f"{self.cls_name}: block {bpath!r} is claimed by both {other!r} and "
+                            f"{bpath!r}; a block may belong to one ring only"
+                        )
+                    owners[id(block)] = bpath
         # A streamed block must not also be a whole component of another role.
         for comp in components:
             if id(comp.module) in owners and not comp.stacks:
@@ -631,34 +636,64 @@ def _ring_aliases(owner_path, owner, blocks, block_paths) -> tuple[RingAlias, ..
     return tuple(aliases)
 
 
-def _shared_storages(components: list[ResolvedComponent]) -> dict[tuple, list[str]]:
+def _shared_storages(pipeline: Any,
+                     components: list[ResolvedComponent]) -> dict[tuple, list[str]]:
     """Storages of streamed-block tensors that something outside their block also uses: another
-    block (of any ring) or another component.  See Note [Ownership by identity]."""
-    users: dict[tuple, list[str]] = {}  # storage -> tensor paths, one per distinct user
-    block_of: dict[tuple, set[str]] = {}
+    block (of any ring), another component, or any other module of the pipeline.  Only the
+    ring owner's own non-block tensors are exempt (they are ring aliases).  Modules are told
+    apart by identity, so a block or DiT reachable under several paths is one module.  See
+    Note [Ownership by identity]."""
+    users: dict[tuple, list[str]] = {}  # storage -> tensor paths
+    block_of: dict[tuple, set[int]] = {}  # storage -> ids of the blocks holding it
+    owner_blocks: dict[int, set[int]] = {}  # ring owner id -> ids of its blocks
+    block_ids: set[int] = set()
     for comp in components:
         for stack in comp.stacks:
+            owner = get_submodule_path(pipeline, stack.owner_path)
+            mine = owner_blocks.setdefault(id(owner), set())
             for block, bpath in zip(stack.blocks, stack.block_paths):
+                mine.add(id(block))
+                block_ids.add(id(block))
                 for name, t in _tensors_of(block, bpath):
                     if t.numel():
                         key = _storage_key(t)
-                        block_of.setdefault(key, set()).add(bpath)
+                        block_of.setdefault(key, set()).add(id(block))
                         users.setdefault(key, []).append(name)
     shared = {k: sorted(set(v)) for k, v in users.items() if len(block_of[k]) > 1}
-    for comp in components:
-        owners = {s.owner_path for s in comp.stacks}
-        for name, t in _tensors_of(comp.module, comp.path):
-            key = _storage_key(t) if t.numel() else None
-            if key not in block_of or any(name.startswith(o + ".") for o in owners):
-                continue  # not a block storage, or a same-owner alias (a RingAlias)
-            shared.setdefault(key, sorted(set(users[key])))
-            if name not in shared[key]:
-                shared[key].append(name)
+    visited: set[int] = set()
+
+    def walk(module: nn.Module, prefix: str, owners: frozenset[int]) -> None:
+        if id(module) in visited or id(module) in block_ids:
+            return
+        visited.add(id(module))
+        if id(module) in owner_blocks:
+            owners = owners | {id(module)}
+        for registry in ("_parameters", "_buffers"):
+            for name, t in module.__dict__.get(registry, {}).items():
+                key = _storage_key(t) if t is not None and t.numel() else None
+                if key not in block_of:
+                    continue
+                blocks = block_of[key]
+                if len(blocks) == 1 and any(blocks <= owner_blocks[o] for o in owners):
+                    continue  # a same-owner alias: travels with its block (a RingAlias)
+                shared.setdefault(key, sorted(set(users[key])))
+                qual = f"{prefix}{name}"
+                if qual not in shared[key]:
+                    shared[key].append(qual)
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.", owners)
+
+    roots = [(pipeline, "")] if isinstance(pipeline, nn.Module) else [
+        (c.module, f"{c.path}.") for c in components]
+    for root, prefix in roots:
+        walk(root, prefix, frozenset())
     return shared
 
 
-def _with_shared(components: list[ResolvedComponent]) -> list[ResolvedComponent]:
-    shared = _shared_storages(components)
+def _with_shared(pipeline: Any,
+                 components: list[ResolvedComponent]) -> list[ResolvedComponent]:
+    shared = _shared_storages(pipeline, components)
     if not shared:
         return components
     out = []

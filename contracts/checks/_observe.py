@@ -45,16 +45,22 @@ def is_offloaded(platform: Any, module: nn.Module) -> bool:
     return not any(platform.is_resident(t) for t in tensors_of(module))
 
 
-def module_bytes(module: nn.Module) -> int:
-    """Bytes an offloader must hold for ``module``: per storage, the span its tensors touch."""
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes an offloader must hold for ``tensors``: per storage, the span they touch."""
     spans: dict[int, list[int]] = {}
-    for t in tensors_of(module):
+    for t in tensors:
+        if not t.numel():
+            continue
         lo = t.storage_offset()
         hi = lo + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
         key = t.untyped_storage().data_ptr()
         span = spans.setdefault(key, [lo, hi, t.element_size()])
         span[0], span[1] = min(span[0], lo), max(span[1], hi)
     return sum((hi - lo) * size for lo, hi, size in spans.values())
+
+
+def module_bytes(module: nn.Module) -> int:
+    return tensor_bytes(tensors_of(module))
 
 
 @contextmanager

@@ -212,6 +212,8 @@ def dit_blocks(pipeline: nn.Module, dit_path: str, dit: nn.Module) -> list[nn.Mo
         container = get_submodule_path(dit, name)
         if isinstance(container, (nn.ModuleList, nn.Sequential)):
             blocks.extend(container)
+        elif isinstance(container, nn.ModuleDict):
+            blocks.extend(container.values())
         elif isinstance(container, nn.Module):
             blocks.append(container)
     return blocks

@@ -98,9 +98,9 @@ def check_failed_enable_releases_memory_and_chains_the_cause(case) -> None:
             fail(f"{where}: the raised {type(error).__name__} does not chain the cause: {error}")
         if backend.is_enabled():
             fail(f"{where}: is_enabled() is True after a failed enable")
-        if platform.memory_allocated() or platform.pinned_bytes():
-            fail(f"{where}: {platform.memory_allocated()} device and {platform.pinned_bytes()} "
-                 "pinned bytes are still held")
+        held = (platform.memory_allocated(), platform.pinned_bytes(), platform.host_allocated())
+        if any(held):
+            fail(f"{where}: (device, pinned, host) bytes {held} are still held")
 
 
 @check("B", strategies=BACKENDS)
@@ -246,19 +246,22 @@ def check_second_enable_is_idempotent_and_exclusive(case) -> None:
 
 @check("C", strategies=BACKENDS)
 def check_cycles_do_not_grow_memory(case) -> None:
-    """100 enable/disable cycles: device and pinned bytes return to the baseline every time."""
+    """100 enable/disable cycles: device, pinned and host-master bytes return to the baseline
+    every time."""
     pipeline = case.build()
     platform = case.platform()
     backend = case.backend(platform=platform)
-    base = (platform.memory_allocated(), platform.pinned_bytes())
+    def held() -> tuple[int, int, int]:
+        return platform.memory_allocated(), platform.pinned_bytes(), platform.host_allocated()
+
+    base = held()
     for cycle in range(100):
         backend.enable(pipeline)
         if cycle % 25 == 0:
             case.run(pipeline)
         backend.disable()
-        now = (platform.memory_allocated(), platform.pinned_bytes())
-        if now != base:
-            fail(f"after cycle {cycle}: (device, pinned) bytes {now} != baseline {base}")
+        if held() != base:
+            fail(f"after cycle {cycle}: (device, pinned, host) bytes {held()} != baseline {base}")
 
 
 @check("C", strategies=BACKENDS)

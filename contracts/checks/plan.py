@@ -161,7 +161,8 @@ def check_attribute_scan_warns_once_per_pipeline_class(case) -> None:
     if len(scans) != 1:
         fail(f"expected exactly one fallback-scan warning for two resolutions of one class, got "
              f"{len(scans)}: {[str(w.message)[:80] for w in caught]}")
-    if not plans[0].dits or plans[0].dits[0].module is not found.dits[0][1]:
+    scanned = discover_components(make(), warn=lambda message: None)
+    if not scanned.dits or scanned.dits[0][1] is not found.dits[0][1]:
         fail("the attribute scan did not find the DiT exposed as 'transformer'")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,10 +17,22 @@ from ._observe import compare_outputs, is_offloaded, is_resident
 from ._util import expect_error, hook_residue, offload_attributes, snapshot
 
 
+def _delegates(spec: Any, strategy: str) -> bool:
+    """The pipeline implements SupportsModelCpuOffload: the delegation checks apply."""
+    return callable(getattr(spec.build(), "enable_omni_model_cpu_offload", None))
+
+
 def _is_split(spec: Any, strategy: str) -> bool:
+    """A delegating pipeline whose phases are ComponentGroups the kit can observe."""
     pipeline = spec.build()
     return callable(getattr(pipeline, "enable_omni_model_cpu_offload", None)) and bool(
         _groups(pipeline))
+
+
+def _reasoner_and_generator(spec: Any, strategy: str) -> bool:
+    """The Cosmos3 phase names, whose once / every-step pattern is part of the contract."""
+    return _is_split(spec, strategy) and any(
+        {"reasoner", "generator"} <= set(g.names) for _, g in _groups(spec.build()))
 
 
 def _groups(pipeline: nn.Module) -> list[tuple[nn.Module, ComponentGroups]]:
@@ -89,7 +102,7 @@ def check_split_model_keeps_exactly_one_component_resident(case) -> None:
         fail(sorted(set(problems))[0])
 
 
-@check("E", strategies=("model_level",), applies=_is_split)
+@check("E", strategies=("model_level",), applies=_reasoner_and_generator)
 def check_split_model_runs_reasoner_once_and_generator_every_step(case) -> None:
     """Per generation the reasoner phase runs once and the generator phase every step."""
     pipeline = case.build()
@@ -137,14 +150,20 @@ def check_split_model_context_is_a_noop_when_offload_is_off(case) -> None:
         fail(f"_offload_context changed the pipeline with offload off: {problems[:4]}")
 
 
+def _accepts(fn: Any, name: str) -> bool:
+    params = inspect.signature(fn).parameters
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def _spy(pipeline: nn.Module, fail_enable: bool = False) -> dict[str, list]:
+    """Record the delegation calls; forward to the pipeline what its own signature accepts."""
     calls: dict[str, list] = {"enable": [], "disable": []}
     enable, disable = pipeline.enable_omni_model_cpu_offload, \
         pipeline.disable_omni_model_cpu_offload
 
     def spy_enable(**kwargs):
         calls["enable"].append(kwargs)
-        enable(**kwargs)
+        enable(**{k: v for k, v in kwargs.items() if _accepts(enable, k)})
         if fail_enable:
             raise RuntimeError("kit: the pipeline's enable failed after partial work")
 
@@ -162,10 +181,11 @@ def _unspy(pipeline: nn.Module) -> None:
     pipeline.__dict__.pop("disable_omni_model_cpu_offload", None)
 
 
-@check("E", strategies=("model_level",), applies=_is_split)
+@check("E", strategies=("model_level",), applies=_delegates)
 def check_split_model_enable_and_disable_are_delegated(case) -> None:
     """The backend calls the pipeline's enable_omni_model_cpu_offload once with device,
-    pin_memory and the component selection, and its disable once."""
+    pin_memory and (when its signature takes it) the component selection, and its disable
+    once."""
     pipeline = case.build()
     calls = _spy(pipeline)
     backend = case.backend()
@@ -176,14 +196,17 @@ def check_split_model_enable_and_disable_are_delegated(case) -> None:
         fail(f"enable called {len(calls['enable'])}x, disable {len(calls['disable'])}x; "
              "expected once each")
     kwargs = calls["enable"][0]
-    missing = [k for k in ("device", "pin_memory", "components") if k not in kwargs]
+    wanted = ["device", "pin_memory"]
+    if _accepts(pipeline.enable_omni_model_cpu_offload, "components"):
+        wanted.append("components")
+    missing = [k for k in wanted if k not in kwargs]
     if missing:
         fail(f"enable_omni_model_cpu_offload was called without {missing}: {sorted(kwargs)}")
     if kwargs["pin_memory"] != backend.config.pin_memory:
         fail("pin_memory was not passed through")
 
 
-@check("E", strategies=("model_level",), applies=_is_split)
+@check("E", strategies=("model_level",), applies=_delegates)
 def check_split_model_failed_enable_calls_disable(case) -> None:
     """A failure inside the pipeline's enable calls its disable, leaves the backend disabled and
     the pipeline restored, and chains the cause; a retry works."""

@@ -250,54 +250,68 @@ class OffloadBackend:
             return
         txn = self.transaction_class(self.platform, self.registry, self.fault_injector)
         self._stats = OffloadStats()
-        try:
-            self._enable(pipeline, plan, txn)
-            txn.set_attr(pipeline, PIPELINE_ATTR, _Owner(self), type(pipeline).__name__)
-            self.platform.synchronize()
-        except BaseException as exc:
-            self.last_steps = list(txn.steps)
-            where = (f"step {len(txn.steps) - 1} ({txn.steps[-1]})" if txn.steps
-                     else "preparation, before its first mutation")
+        # Note [Hooks leave inference mode]: what enable builds must be ordinary tensors, and
+        # building it must not record autograd history, whatever mode the caller is in.
+        with torch.inference_mode(False), torch.no_grad():
             try:
-                try:  # let in-flight copies land before their buffers are released
-                    self.platform.synchronize()
-                except Exception:  # noqa: BLE001 - the original error is the one to report
-                    pass
-                txn.rollback()
-            finally:
-                self._reset()
-            if not isinstance(exc, Exception):
-                raise
-            raise OffloadEnableError(
-                f"{type(self).__name__}.enable failed at {where}: {exc}; every change was "
-                "rolled back and the backend is "
-                "disabled (enable can be retried)"
-            ) from exc
+                self._enable(pipeline, plan, txn)
+                txn.set_attr(pipeline, PIPELINE_ATTR, _Owner(self), type(pipeline).__name__)
+                self.platform.synchronize()
+            except BaseException as exc:
+                self.last_steps = list(txn.steps)
+                where = (f"step {len(txn.steps) - 1} ({txn.steps[-1]})" if txn.steps
+                         else "preparation, before its first mutation")
+                try:
+                    try:  # let in-flight copies land before their buffers are released
+                        self.platform.synchronize()
+                    except Exception:  # noqa: BLE001 - the original error is the one to report
+                        pass
+                    txn.rollback()
+                finally:
+                    self._forget()
+                if not isinstance(exc, Exception):
+                    raise
+                raise OffloadEnableError(
+                    f"{type(self).__name__}.enable failed at {where}: {exc}; every change was "
+                    "rolled back and the backend is disabled (enable can be retried)"
+                ) from exc
         self.last_steps = list(txn.steps)
         txn.commit()
         self._pipeline = weakref.ref(pipeline)
 
     def disable(self) -> None:
-        """Remove our hooks and rebuild every tensor at its original placement.  Idempotent."""
-        if not self.is_enabled():
-            self._pipeline = None
+        """Remove our hooks and rebuild every tensor at its original placement.  Idempotent.
+
+        If the pipeline was garbage-collected while enabled, only the backend's own buffers are
+        released."""
+        if self._pipeline is None:
             return
         pipeline = self.pipeline
-        try:
-            self._disable(pipeline)
-        except Exception as exc:
-            raise OffloadDisableError(
-                f"Failed to fully disable {type(self).__name__}: {exc}; the backend stays "
-                "enabled with its host masters, call disable() again"
-            ) from exc
+        with torch.inference_mode(False), torch.no_grad():
+            if pipeline is None:
+                self.platform.synchronize()
+                self._release()
+                self._pipeline = None
+                self._forget()
+                return
+            try:
+                self._disable(pipeline)
+            except Exception as exc:
+                raise OffloadDisableError(
+                    f"Failed to fully disable {type(self).__name__}: {exc}; the backend stays "
+                    "enabled with its host masters, call disable() again"
+                ) from exc
         pipeline.__dict__.pop(PIPELINE_ATTR, None)
         self._pipeline = None
+        self._forget()
+
+    def _forget(self) -> None:
         self._reset()
+        self._stats = OffloadStats()  # stats describe the current enable only
 
     def stats(self) -> OffloadStats:
-        s = OffloadStats(**self._stats.as_dict())
-        s.pinned_bytes = self.platform.pinned_bytes() if s.host_bytes else 0
-        return s
+        """Bytes of the current enable (all zero while disabled)."""
+        return OffloadStats(**self._stats.as_dict())
 
     # -- for subclasses -------------------------------------------------------------------------
 
@@ -310,10 +324,8 @@ class OffloadBackend:
     def _reset(self) -> None:
         """Forget per-enable state (after rollback or disable)."""
 
-    def _count_device(self, delta: int) -> None:
-        s = self._stats
-        s.device_weight_bytes += delta
-        s.peak_device_weight_bytes = max(s.peak_device_weight_bytes, s.device_weight_bytes)
+    def _release(self) -> None:
+        """Free the backend's own buffers when the pipeline is gone (nothing to restore)."""
 
     def __repr__(self) -> str:
         state = "enabled" if self.is_enabled() else "disabled"

@@ -120,6 +120,7 @@ class BlockRing:
             group.master = txn.host_master(path, group.layout, self.pin)
             group.drop_sources()
             self.stats.host_bytes += group.nbytes
+            self.stats.pinned_bytes += group.nbytes if group.master.pinned else 0
             self.groups.append(group)
             sections, offset = {}, 0
             for dtype in sorted(group.layout.numel, key=lambda d: (-_element_size(d), str(d))):
@@ -369,6 +370,13 @@ class LayerWiseOffloadBackend(OffloadBackend):
         # After a rollback the undo log has already freed the slots and masters.
         self.rings = []
         self._resident = None
+
+    def _release(self) -> None:
+        if self._resident is not None:
+            self._resident.release()
+        for ring in self.rings:
+            ring.release()
+        self.registry.remove_all()
 
     def materialized_blocks(self) -> dict[str, list[int]]:
         """Ring label -> indices of the blocks currently bound to device slots."""

@@ -88,6 +88,7 @@ class ComponentSwapper:
             group.master = txn.host_master(label, group.layout, pin)
             self.swappable[label] = group
             self.stats.host_bytes += group.nbytes
+            self.stats.pinned_bytes += group.nbytes if group.master.pinned else 0
         for label, named in resident_named:
             named = [(n, t) for n, t in named if not self.platform.is_resident(t)]
             if not named:
@@ -232,15 +233,14 @@ class ModelLevelOffloadBackend(OffloadBackend):
                                   comp.path)
 
     def _enable_delegated(self, pipeline: Any, txn: Transaction) -> None:
-        kwargs = {
-            "device": self.platform.device,
-            "pin_memory": self.config.pin_memory,
-            "components": self.config.components,
-        }
+        kwargs = {"device": self.platform.device, "pin_memory": self.config.pin_memory}
         enable = pipeline.enable_omni_model_cpu_offload
         params = inspect.signature(enable).parameters
-        if "platform" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            kwargs["platform"] = self.platform
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        # DESIGN's minimal signature is (*, device, pin_memory); pass the rest when accepted.
+        for name, value in (("components", self.config.components), ("platform", self.platform)):
+            if name in params or takes_any:
+                kwargs[name] = value
         txn.step(f"{type(pipeline).__name__}.enable_omni_model_cpu_offload")
         # Registered before the call: a failure inside the pipeline's enable calls its disable.
         txn.on_rollback(pipeline.disable_omni_model_cpu_offload)
@@ -260,6 +260,11 @@ class ModelLevelOffloadBackend(OffloadBackend):
         self._swapper = None
         self._components = ()
         self._delegated = False
+
+    def _release(self) -> None:
+        if self._swapper is not None:
+            self._swapper.release()
+        self.registry.remove_all()
 
     # -- swaps ----------------------------------------------------------------------------------
 

@@ -103,3 +103,6 @@ class Platform(Protocol):
 
     def pinned_bytes(self) -> int:
         """Host bytes currently page-locked through :meth:`host_empty`."""
+
+    def host_allocated(self) -> int:
+        """Host bytes currently allocated through :meth:`host_empty` (pinned or not)."""

@@ -392,6 +392,7 @@ class CpuPlatform:
         self._names: dict[int, str] = {}
         self._host_clock: dict[int, int] = {}
         self._ledger: dict[int, _Allocation] = {}
+        self._host: dict[int, int] = {}  # host_empty storage pointer -> bytes
         self._allocation_index = itertools.count(1)
         self._allocated = 0
         self._compute = self._new_stream("compute", worker=False)
@@ -580,11 +581,24 @@ class CpuPlatform:
 
     # -- host storage -------------------------------------------------------------------------
     def host_empty(self, numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
-        """Ordinary exact-size host memory; ``pin`` is ignored (nothing to pin for on CPU)."""
-        return torch.empty(numel, dtype=dtype)
+        """Ordinary exact-size host memory; ``pin`` is ignored (nothing to pin for on CPU).
+        Counted in :meth:`host_allocated` until :meth:`host_free`."""
+        tensor = torch.empty(numel, dtype=dtype)
+        if numel:
+            with self._lock:
+                self._host[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
 
     def host_free(self, tensor: torch.Tensor) -> None:
-        """Nothing to release: host memory here is never page-locked."""
+        """Stop counting a tensor from :meth:`host_empty` (never page-locked here)."""
+        if tensor.numel():
+            with self._lock:
+                self._host.pop(tensor.untyped_storage().data_ptr(), None)
+
+    def host_allocated(self) -> int:
+        """Host bytes from :meth:`host_empty` not yet released (leaks show up here)."""
+        with self._lock:
+            return sum(self._host.values())
 
     def pinned_bytes(self) -> int:
         return 0

@@ -12,6 +12,8 @@ page-locked memory, invisible in our accounting.
 
 from __future__ import annotations
 
+import mmap
+
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -30,6 +32,23 @@ def _cuda_error_text(cudart: Any, code: Any) -> str:
         return f"{cudart.cudaGetErrorString(code)} (cudaError {int(code)})"
     except Exception:  # noqa: BLE001 (the numeric code is still worth reporting)
         return f"cudaError {int(code)}"
+
+
+PAGE_BYTES = mmap.PAGESIZE
+
+
+def page_aligned_buffer(numel: int, dtype: torch.dtype,
+                        page: int = PAGE_BYTES) -> tuple[torch.Tensor, int, int]:
+    """A host tensor of ``numel`` elements starting on a page boundary, inside a private
+    allocation that also owns every page the tensor touches.  Returns ``(tensor, first page
+    address, bytes of whole pages)``: the range to page-lock without touching a neighbour."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * itemsize
+    span = -(-nbytes // page) * page
+    backing = torch.empty(span + page, dtype=torch.uint8)
+    start = (-backing.data_ptr()) % page
+    tensor = backing[start:start + nbytes].view(dtype)
+    return tensor, backing.data_ptr() + start, span
 
 
 class CudaPlatform:
@@ -63,8 +82,9 @@ class CudaPlatform:
         self._lock = threading.Lock()
         # data_ptr -> (tensor, nbytes): the registry keeps page-locked memory alive until
         # host_free unregisters it (freeing registered memory would leave the pages locked).
-        self._pinned: dict[int, tuple[torch.Tensor, int]] = {}
+        self._pinned: dict[int, tuple[int, int]] = {}  # storage ptr -> (registered ptr, bytes)
         self._pinned_total = 0
+        self._host: dict[int, int] = {}
         self._live: dict[int, int] = {}  # device allocations from empty(): data_ptr -> nbytes
 
     def __repr__(self) -> str:
@@ -87,8 +107,8 @@ class CudaPlatform:
             return
         torch.cuda.synchronize(self.device)
         cudart = torch.cuda.cudart()
-        for ptr, _ in entries:
-            cudart.cudaHostUnregister(ptr)  # best effort: the tensors are being dropped anyway
+        for _, (reg_ptr, _bytes) in entries:
+            cudart.cudaHostUnregister(reg_ptr)  # best effort: the tensors are being dropped anyway
 
     # -- streams and events -------------------------------------------------------------------
     def Stream(self, priority: int = 0) -> torch.cuda.Stream:  # noqa: N802
@@ -155,46 +175,67 @@ class CudaPlatform:
 
     # -- host storage -------------------------------------------------------------------------
     def host_empty(self, numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
-        """Exactly ``numel`` elements of host memory, page-locked in place when ``pin``."""
-        tensor = torch.empty(numel, dtype=dtype)
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        if not pin or nbytes == 0:
+        """``numel`` elements of host memory, page-locked in place when ``pin``.
+
+        Pinned buffers are registered with ``cudaHostRegister`` over whole pages that belong to
+        this buffer alone: registering ranges that share a page with another registration fails
+        (cudaErrorHostMemoryAlreadyRegistered).  So the locked size is the request rounded up
+        to the page size -- never the caching host allocator's power-of-two blocks."""
+        if not pin or numel == 0:
+            tensor = torch.empty(numel, dtype=dtype)
+            self._count_host(tensor, +1)
             return tensor
-        ptr = storage.data_ptr()
+        tensor, reg_ptr, reg_bytes = page_aligned_buffer(numel, dtype)
         cudart = torch.cuda.cudart()
-        code = cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_DEFAULT)
+        code = cudart.cudaHostRegister(reg_ptr, reg_bytes, _HOST_REGISTER_DEFAULT)
         if int(code) != 0:
             raise RuntimeError(
-                f"host_empty: cudaHostRegister of {nbytes} bytes at 0x{ptr:x} failed: "
+                f"host_empty: cudaHostRegister of {reg_bytes} bytes at 0x{reg_ptr:x} failed: "
                 f"{_cuda_error_text(cudart, code)}; lower the pinned-memory demand (or pass "
                 f"pin=False) and check the locked-memory limit (ulimit -l)"
             )
         with self._lock:
-            self._pinned[ptr] = (tensor, nbytes)
-            self._pinned_total += nbytes
+            self._pinned[tensor.untyped_storage().data_ptr()] = (reg_ptr, reg_bytes)
+            self._pinned_total += reg_bytes
+        self._count_host(tensor, +1)
         return tensor
 
     def host_free(self, tensor: torch.Tensor) -> None:
-        """Unregister pinned memory from :meth:`host_empty` (no-op for pageable memory).
+        """Release a tensor from :meth:`host_empty`, unregistering it if it was pinned.
 
         Synchronizes the device first: a copy still in flight may read the pages.  Called at
         teardown only, never in steady state."""
-        ptr = tensor.untyped_storage().data_ptr()
+        self._count_host(tensor, -1)
+        key = tensor.untyped_storage().data_ptr()
         with self._lock:
-            entry = self._pinned.pop(ptr, None)
+            entry = self._pinned.pop(key, None)
             if entry is not None:
                 self._pinned_total -= entry[1]
         if entry is None:
             return
         torch.cuda.synchronize(self.device)
         cudart = torch.cuda.cudart()
-        code = cudart.cudaHostUnregister(ptr)
+        code = cudart.cudaHostUnregister(entry[0])
         if int(code) != 0:
             raise RuntimeError(
-                f"host_free: cudaHostUnregister at 0x{ptr:x} failed: "
+                f"host_free: cudaHostUnregister at 0x{entry[0]:x} failed: "
                 f"{_cuda_error_text(cudart, code)}"
             )
+
+    def _count_host(self, tensor: torch.Tensor, sign: int) -> None:
+        if not tensor.numel():
+            return
+        key = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            if sign > 0:
+                self._host[key] = tensor.numel() * tensor.element_size()
+            else:
+                self._host.pop(key, None)
+
+    def host_allocated(self) -> int:
+        """Host bytes from :meth:`host_empty` not yet released (requested sizes)."""
+        with self._lock:
+            return sum(self._host.values())
 
     def pinned_bytes(self) -> int:
         with self._lock:
