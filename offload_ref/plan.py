@@ -180,6 +180,8 @@ class ResolvedOffloadPlan:
     skip_reason: str | None = None
     delegated: bool = False  # split model: the pipeline's enable_omni_model_cpu_offload owns it
     warnings: tuple[str, ...] = ()
+    other_state_bytes: int = 0  # parameters/buffers of the pipeline outside every component
+    device_bytes_bound: int = 0  # predicted peak device weight bytes (see _predict)
 
     def by_role(self, role: str) -> tuple[ResolvedComponent, ...]:
         return tuple(c for c in self.components if c.role == role)
@@ -227,35 +229,81 @@ class ResolvedOffloadPlan:
                     lines.append(f"      shared (kept resident) {name}")
         if self.components:
             lines.append(f"predicted peak device weight bytes: {self.predicted_device_bytes()} "
-                         "(declared components; other pipeline state comes on top)")
+                         f"(of which {self.other_state_bytes} outside every component)")
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
 
     def predicted_device_bytes(self) -> int:
-        """The strategy's residency bound over the declared components: model level keeps the
-        resident components plus the largest swap group (one DiT, or the encoders); layerwise
-        keeps everything but the streamed blocks, plus two of each ring's largest block."""
-        if self.strategy is OffloadStrategy.MODEL_LEVEL:
-            swapped = [c for c in self.components if c.selected and c.role in ("dit", "encoder")]
-            kept = sum(_nbytes_of(c.module) for c in self.components if c not in swapped)
-            groups = [_nbytes_of(c.module) for c in swapped if c.role == "dit"]
-            groups.append(sum(_nbytes_of(c.module) for c in swapped if c.role == "encoder"))
-            return kept + max(groups)
-        total = sum(_nbytes_of(c.module) for c in self.components if not c.on_demand)
-        for stack in self.stacks:
-            sizes = [_nbytes_of(b) for b in stack.streamed_blocks]
-            total += 2 * max(sizes) - sum(sizes) if len(sizes) >= 2 else 0
-        return total
+        """The strategy's residency bound, computed when the plan was resolved (before any
+        tensor moved): see :func:`_predict`."""
+        return self.device_bytes_bound
 
 
-def _nbytes_of(module: nn.Module) -> int:
+def _predict(plan: ResolvedOffloadPlan) -> int:
+    """Model level keeps the resident state plus the largest swap group (one DiT, or the
+    encoders); layerwise keeps everything but the streamed blocks, plus two of each ring's
+    largest block.  Bytes are storage spans, counted once however many paths reach them (the
+    bytes a host master would hold)."""
+    if not plan.components:
+        return plan.other_state_bytes
+    if plan.strategy is OffloadStrategy.MODEL_LEVEL:
+        swapped = [c for c in plan.components if c.selected and c.role in ("dit", "encoder")]
+        kept = _span_bytes(_tensors(*(c.module for c in plan.components if c not in swapped)))
+        groups = [_span_bytes(_tensors(c.module)) for c in swapped if c.role == "dit"]
+        groups.append(_span_bytes(_tensors(*(c.module for c in swapped
+                                             if c.role == "encoder"))))
+        return plan.other_state_bytes + kept + max(groups)
+    everything = _span_bytes(_tensors(*(c.module for c in plan.components if not c.on_demand)))
+    rings = [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
+    per_block = [[_span_bytes(_streamed_tensors(s, k)) for k in range(len(s.streamed_blocks))]
+                 for s in rings]
+    streamed = _span_bytes([t for s in rings for k in range(len(s.streamed_blocks))
+                            for t in _streamed_tensors(s, k)])
+    return (plan.other_state_bytes + everything - streamed
+            + sum(2 * max(sizes) for sizes in per_block))
+
+
+def _tensors(*modules: nn.Module) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for module in modules:
+        for t in list(module.parameters()) + [b for b in module.buffers() if b is not None]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
+def _streamed_tensors(stack: BlockStack, k: int) -> list[torch.Tensor]:
+    """Block k's tensors that its ring streams (its shared ones stay resident)."""
+    shared = set(stack.shared)
+    path = stack.block_paths[stack.resident_head + k]
+    return [t for name, t in _tensors_of(stack.streamed_blocks[k], path) if name not in shared]
+
+
+def _span_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storage spans the tensors touch (each storage counted once)."""
+    spans: dict[tuple, list[int]] = {}
+    for t in tensors:
+        if not t.numel():
+            continue
+        lo = t.storage_offset()
+        hi = lo + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        span = spans.setdefault(_storage_key(t), [lo, hi, t.element_size()])
+        span[0], span[1] = min(span[0], lo), max(span[1], hi)
+    return sum((hi - lo) * size for lo, hi, size in spans.values())
+
+
+def _nbytes_of(*modules: nn.Module) -> int:
+    """Bytes of the distinct tensors of ``modules``."""
     seen: set[int] = set()
     total = 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
+    for module in modules:
+        for t in list(module.parameters()) + list(module.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
     return total
 
 
@@ -315,7 +363,10 @@ class _Resolver:
                                        warnings=tuple(self.warnings))
         self._check_unique_ownership(components)
         components = _with_shared(self.pipeline, components)
-        return ResolvedOffloadPlan(strategy, tuple(components), warnings=tuple(self.warnings))
+        plan = ResolvedOffloadPlan(strategy, tuple(components), warnings=tuple(self.warnings),
+                                   other_state_bytes=_other_state_bytes(self.pipeline,
+                                                                        components))
+        return dataclasses.replace(plan, device_bytes_bound=_predict(plan))
 
     def _warn_scan(self, message: str) -> None:
         warnings.warn(message, OffloadDeclarationWarning, stacklevel=5)
@@ -715,6 +766,29 @@ def _with_shared(pipeline: Any,
                                               aliases=aliases))
         out.append(dataclasses.replace(comp, stacks=tuple(stacks)))
     return out
+
+
+def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent]) -> int:
+    """Span bytes of the pipeline's tensors reachable from no component (they stay on the
+    device whatever the strategy)."""
+    if not isinstance(pipeline, nn.Module):
+        return 0
+    inside = {id(m) for c in components for m in c.module.modules()}
+    out: list[torch.Tensor] = []
+
+    def walk(module: nn.Module) -> None:
+        if id(module) in inside:
+            return
+        inside.add(id(module))
+        for registry in ("_parameters", "_buffers"):
+            out.extend(t for t in module.__dict__.get(registry, {}).values() if t is not None)
+        for child in module._modules.values():
+            if child is not None:
+                walk(child)
+
+    walk(pipeline)
+    seen = {id(t) for c in components for t in _tensors(c.module)}
+    return _span_bytes(t for t in out if id(t) not in seen)
 
 
 def resolve_offload_plan(pipeline: Any, config: OffloadConfig) -> ResolvedOffloadPlan:

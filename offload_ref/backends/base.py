@@ -376,7 +376,10 @@ def get_offload_backend(
     """Exactly one backend for ``config``, or None when offloading is off.
 
     ``platform`` overrides the platform that ``device`` would select (tests pass a
-    ``CpuPlatform(race_amplifier=True)``).  Nothing is installed until ``enable``.
+    ``CpuPlatform(race_amplifier=True)``).  Nothing is installed until ``enable``.  A device
+    that is not available (``"cuda"`` on a CPU-only torch) raises RuntimeError rather than
+    silently running without offload; the distributed layerwise strategy raises
+    NotImplementedError (its backend is not built yet).
     """
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")

@@ -321,10 +321,13 @@ class LayerWiseOffloadBackend(OffloadBackend):
         self.prefetch = prefetch
         self.rings: list[BlockRing] = []
         self._resident: ComponentSwapper | None = None
+        self._copy_stream: Any = None
 
     def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         placeholders = _Placeholders()
-        copy_stream = self.platform.Stream()
+        if self._copy_stream is None:  # one per backend, reused by every enable
+            self._copy_stream = self.platform.Stream()
+        copy_stream = self._copy_stream
         streamed = [c for c in plan.components if c.selected and not c.on_demand]
         for comp in streamed:
             for stack in comp.stacks:
