@@ -3,7 +3,7 @@ device slots while the rest of the pipeline stays on the device.
 
 Note [The ring]
     A :class:`BlockRing` owns its blocks' host masters, two device slots, a ready and a free event
-    per slot, and the successor table that says which block to prefetch next.  Hooks on the blocks
+    per slot, and the predictor that says which block to prefetch next.  Hooks on the blocks
     are thin callbacks into it::
 
         pre-forward of block k                      post-forward of block k
@@ -11,17 +11,18 @@ Note [The ring]
         compute waits ready[slot(k)]                record_use(slot(k)), discard it
         (k not materialized: load it now, count     record free[slot(k)] on compute
          a synchronous recovery)                    rebind k to placeholders
-        q = successor[k]; t = the other slot
+        q = predicted next; t = other slot
         copy stream waits free[t], copies q -> t,
         records ready[t]; rebind q to slot t
 
     A slot is written only after the compute that read it has finished (its free event) and read
     only after the copy that filled it has finished (its ready event): events only, no host-side
-    synchronize.  The successor of the last block is block 0 (wrap-around), so between passes
-    exactly block 0 of each ring is materialized and the next step starts warm.  A caller that
-    skips blocks (cache systems) or runs them in another order is served by a synchronous load of
-    the missing block, and the successor table learns the observed order, so a stable pattern
-    (Cosmos3's generator loop) stops missing after one pass.
+    synchronize.  The block predicted after the last one is block 0 (wrap-around), so between
+    passes exactly block 0 of each ring is materialized and the next step starts warm.  A caller
+    that skips blocks (cache systems) or runs them in another order is served by a synchronous
+    load of the missing block, and the :class:`CallOrderPredictor` learns the observed order, so
+    any order that repeats (Cosmos3's generator loop, skip-layer guidance) stops missing from its
+    second repetition on.
 
 Note [Slot layout]
     A slot is one byte slab sized for the largest block.  A block's tensors are packed per dtype
@@ -72,6 +73,69 @@ class _Placeholders:
         return base.expand(tuple(record_shape))
 
 
+class CallOrderPredictor:
+    """Predicts which block of a ring runs next, from the order the caller has run them.
+
+    It continues the most recent earlier occurrence of the longest recent run of calls that
+    matches the latest calls (up to ``window`` calls back).  Any order that repeats with a
+    period shorter than the kept history is predicted exactly from its second period on:
+    plain passes, skipped blocks, a reasoner once then a generator every step, and orders that
+    are not first-order (skip-layer guidance runs blocks [0,1,2], [0,1,2], [0,2] each step, so
+    block 0 is followed by 1 or by 2).  Before the order has repeated, it predicts k + 1
+    (wrap-around).  While the order keeps repeating, each call costs O(1); a misprediction
+    costs one bounded search."""
+
+    def __init__(self, n: int, *, window: int = 32, history: int = 4096,
+                 candidates: int = 64) -> None:
+        self.n = n
+        self.window = window
+        self.cap = max(history, 8 * n)
+        self.candidates = candidates
+        self.history: list[int] = []
+        self._positions: dict[int, list[int]] = {}
+        self._match: int | None = None  # index j < len - 1 with history[j] == the last call
+
+    def observe(self, k: int) -> None:
+        h = self.history
+        m = self._match
+        self._match = m + 1 if m is not None and h[m + 1] == k else None
+        h.append(k)
+        self._positions.setdefault(k, []).append(len(h) - 1)
+        if self._match is None:
+            self._match = self._search()
+        if len(h) > self.cap:
+            self._trim()
+
+    def predict(self, k: int) -> int:
+        """The block expected after ``k`` (the call just observed)."""
+        if self._match is not None:
+            return self.history[self._match + 1]
+        return (k + 1) % self.n
+
+    def _search(self) -> int | None:
+        h = self.history
+        last = len(h) - 1
+        best, best_len = None, 0
+        for j in reversed(self._positions[h[last]][-self.candidates - 1:-1]):
+            length = 1
+            while length < self.window and j - length >= 0 and h[j - length] == h[last - length]:
+                length += 1
+            if length > best_len:
+                best, best_len = j, length
+                if length == self.window:
+                    break
+        return best
+
+    def _trim(self) -> None:
+        drop = len(self.history) // 2
+        self.history = self.history[drop:]
+        self._positions = {}
+        for i, k in enumerate(self.history):
+            self._positions.setdefault(k, []).append(i)
+        if self._match is not None:
+            self._match = self._match - drop if self._match >= drop else None
+
+
 class BlockRing:
     """One ring of blocks, its masters, slots and events.  See Note [The ring]."""
 
@@ -95,11 +159,10 @@ class BlockRing:
         self.ready: list[Any] = []
         self.free: list[Any] = []
         n = len(self.blocks)
-        self.successor = [(k + 1) % n for k in range(n)]
+        self.order = CallOrderPredictor(n)
         self.slot_of: list[int | None] = [None] * n
         self.occupant: list[int | None] = [None] * _NUM_SLOTS
         self.running: int | None = None
-        self.last: int | None = None
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -210,9 +273,7 @@ class BlockRing:
     # -- hooks ----------------------------------------------------------------------------------
 
     def before(self, k: int) -> None:
-        if self.last is not None and self.successor[self.last] != k:
-            self.successor[self.last] = k  # learn the order the caller actually runs
-        self.last = k
+        self.order.observe(k)  # learn the order the caller actually runs
         s = self.slot_of[k]
         if s is None:  # skipped, reordered, or prefetch disabled: load it now
             s = self._recovery_slot(k)
@@ -222,7 +283,7 @@ class BlockRing:
         self.platform.record_use(self.slots[s])
         self.running = k
         if self.prefetch_enabled:
-            q = self.successor[k]
+            q = self.order.predict(k)
             if q != k and self.slot_of[q] is None:
                 self._load(q, 1 - s)
 
@@ -248,7 +309,7 @@ class BlockRing:
             if self.occupant[s] is None:
                 return s
         # Both slots hold prefetched blocks that did not run: drop the one we will not need.
-        keep = self.successor[k]
+        keep = self.order.predict(k)
         return 0 if self.occupant[0] != keep else 1
 
     # -- introspection --------------------------------------------------------------------------
