@@ -4,9 +4,11 @@ Every check here is global (it needs no pipeline) and reaches the configuration 
 implementation under test: ``case.impl.config_from_mapping(mapping, world_size=..., use_hsdp=...)``
 and ``case.impl.config_from_od_config(obj)``, so the kit's own tests can swap in broken parsers.
 
-A rejection must raise the exception type the schema prescribes (TypeError for a value of the
-wrong type, ValueError for a wrong value) with a message that names the offending key, the value
-it got and the values it accepts.
+A rejection must raise the exception type the schema prescribes, with a message that names the
+offending key, the value it got and the values it accepts.  TypeError is for a value of the wrong
+container or key type (a non-mapping, non-string keys, a non-bool flag, components given as a
+string).  ValueError is for everything else, including numeric fields of the wrong type
+(``resident_layers=1.0`` or ``"2"``), as the seeds' parser does.
 """
 
 from __future__ import annotations
