@@ -10,8 +10,7 @@ from typing import Any
 import torch
 
 from offload_ref.config import OffloadConfig, OffloadStrategy
-from offload_ref.discovery import discover_components
-from offload_ref.plan import resolve_offload_plan
+from offload_ref.plan import resolve_offload_plan, selectable_components
 from offload_ref.platform import CpuPlatform
 
 from .spec import PipelineSpec
@@ -58,7 +57,7 @@ class CheckCase:
     impl: Implementation = DEFAULT_IMPLEMENTATION
     _platforms: list[Any] = field(default_factory=list)
     _reference: Any = None
-    _streamable_encoders: bool | None = None
+    _components: tuple[str, ...] | None = None
 
     # -- pipelines ------------------------------------------------------------------------------
 
@@ -84,27 +83,13 @@ class CheckCase:
 
     def config(self, **overrides: Any) -> OffloadConfig:
         """The explicit config of this case's strategy, selecting everything the pipeline can
-        offload: model level swaps DiTs and encoders; layer strategies stream the DiTs, and the
-        encoders too when every declared encoder has a streamable or on-demand plan."""
+        offload (``offload_ref.plan.selectable_components``)."""
         assert self.strategy is not None
-        fields = {"strategy": self.strategy, "components": ("dit",)}
-        if self.strategy is OffloadStrategy.MODEL_LEVEL or self._encoders_streamable():
-            fields["components"] = ("dit", "text_encoder")
+        if self._components is None:
+            self._components = selectable_components(self.build(), self.strategy)
+        fields = {"strategy": self.strategy, "components": self._components}
         fields.update(overrides)
         return OffloadConfig(**fields)
-
-    def _encoders_streamable(self) -> bool:
-        if self.spec is None:
-            return False
-        if self._streamable_encoders is None:
-            pipeline = self.build()
-            plan = getattr(pipeline, "_offload_plan", None)
-            encoders = discover_components(pipeline).encoders
-            declared = set(plan.encoder_block_attrs) | set(plan.on_demand_component_paths) \
-                if plan is not None else set()
-            self._streamable_encoders = bool(encoders) and all(
-                path in declared for path, _ in encoders)
-        return self._streamable_encoders
 
     def resolve(self, pipeline: Any, config: OffloadConfig | None = None) -> Any:
         return self.impl.resolve_offload_plan(pipeline, config or self.config())

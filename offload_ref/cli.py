@@ -78,20 +78,19 @@ def _print_table(results: Sequence[Any]) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from offload_ref.config import OffloadConfig, OffloadStrategy
-    from offload_ref.plan import resolve_offload_plan
+    from offload_ref.config import OffloadConfig
+    from offload_ref.plan import resolve_offload_plan, selectable_components
 
     specs = _specs(args)
     strategies = args.strategy or None
     for spec in specs:
         for strategy in strategies or spec.strategies:
-            strategy = OffloadStrategy(strategy)
-            components = ("dit", "text_encoder") if strategy is OffloadStrategy.MODEL_LEVEL \
-                else ("dit",)
+            pipeline = spec.build()
+            components = selectable_components(pipeline, strategy)
             config = OffloadConfig(strategy=strategy, components=components)
             print(f"== {spec.name} ==")
             try:
-                print(resolve_offload_plan(spec.build(), config).describe())
+                print(resolve_offload_plan(pipeline, config).describe())
             except ValueError as exc:
                 print(f"rejected: {exc}")
             print()

@@ -45,6 +45,7 @@ __all__ = [
     "ResolvedOffloadPlan",
     "RingAlias",
     "resolve_offload_plan",
+    "selectable_components",
 ]
 
 
@@ -789,6 +790,23 @@ def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent]) -> in
     walk(pipeline)
     seen = {id(t) for c in components for t in _tensors(c.module)}
     return _span_bytes(t for t in out if id(t) not in seen)
+
+
+def selectable_components(pipeline: Any, strategy: OffloadStrategy | str) -> tuple[str, ...]:
+    """Everything ``pipeline`` lets ``strategy`` offload: model level swaps the DiTs and the
+    encoders; layer strategies stream the DiTs, and the encoders too when every declared encoder
+    has a streamable (``encoder_block_attrs``) or on-demand plan.  Reads only declarations."""
+    strategy = OffloadStrategy(strategy)
+    if strategy is OffloadStrategy.MODEL_LEVEL:
+        return ("dit", "text_encoder")
+    plan = getattr(pipeline, "_offload_plan", None)
+    declared = set()
+    if isinstance(plan, OffloadPlan):
+        declared = set(plan.encoder_block_attrs) | set(plan.on_demand_component_paths)
+    encoders = discover_components(pipeline, warn=lambda message: None).encoders
+    if encoders and all(path in declared for path, _ in encoders):
+        return ("dit", "text_encoder")
+    return ("dit",)
 
 
 def resolve_offload_plan(pipeline: Any, config: OffloadConfig) -> ResolvedOffloadPlan:
