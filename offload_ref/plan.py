@@ -19,7 +19,7 @@ Note [Ownership by identity]
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -712,34 +712,46 @@ def _shared_storages(pipeline: Any,
                         block_of.setdefault(key, set()).add(id(block))
                         users.setdefault(key, []).append(name)
     shared = {k: sorted(set(v)) for k, v in users.items() if len(block_of[k]) > 1}
-    visited: set[int] = set()
 
-    def walk(module: nn.Module, prefix: str, owners: frozenset[int]) -> None:
-        if id(module) in visited or id(module) in block_ids:
+    def note(key: tuple, qual: str) -> None:
+        shared.setdefault(key, sorted(set(users[key])))
+        if qual not in shared[key]:
+            shared[key].append(qual)
+
+    def walk(module: nn.Module, prefix: str, visited: set[int], stop: set[int],
+             on_tensor: Callable[[tuple, str], None]) -> None:
+        if id(module) in visited or id(module) in stop:
             return
         visited.add(id(module))
-        if id(module) in owner_blocks:
-            owners = owners | {id(module)}
         for registry in ("_parameters", "_buffers"):
             for name, t in module.__dict__.get(registry, {}).items():
                 key = _storage_key(t) if t is not None and t.numel() else None
-                if key not in block_of:
-                    continue
-                blocks = block_of[key]
-                if len(blocks) == 1 and any(blocks <= owner_blocks[o] for o in owners):
-                    continue  # a same-owner alias: travels with its block (a RingAlias)
-                shared.setdefault(key, sorted(set(users[key])))
-                qual = f"{prefix}{name}"
-                if qual not in shared[key]:
-                    shared[key].append(qual)
+                if key in block_of:
+                    on_tensor(key, f"{prefix}{name}")
         for name, child in module._modules.items():
             if child is not None:
-                walk(child, f"{prefix}{name}.", owners)
+                walk(child, f"{prefix}{name}.", visited, stop, on_tensor)
 
+    # Pass 1: every use outside the ring owners is a sharing use, whatever path reaches it
+    # first.  Pass 2: inside an owner (outside its blocks), a tensor of exactly one of that
+    # owner's blocks is a ring alias; anything else is sharing.
+    owners = {id(get_submodule_path(pipeline, s.owner_path)): s.owner_path
+              for c in components for s in c.stacks}
     roots = [(pipeline, "")] if isinstance(pipeline, nn.Module) else [
         (c.module, f"{c.path}.") for c in components]
+    outside: set[int] = set()
     for root, prefix in roots:
-        walk(root, prefix, frozenset())
+        walk(root, prefix, outside, block_ids | set(owners), note)
+    inside: set[int] = set()
+    for owner_id, owner_path in owners.items():
+        owner = get_submodule_path(pipeline, owner_path)
+
+        def on_owner_tensor(key: tuple, qual: str, owner_id: int = owner_id) -> None:
+            if len(block_of[key]) != 1 or not block_of[key] <= owner_blocks[owner_id]:
+                note(key, qual)
+
+        walk(owner, f"{owner_path}.", inside, block_ids | (set(owners) - {owner_id}),
+             on_owner_tensor)
     return shared
 
 
@@ -771,25 +783,13 @@ def _with_shared(pipeline: Any,
 
 def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent]) -> int:
     """Span bytes of the pipeline's tensors reachable from no component (they stay on the
-    device whatever the strategy)."""
+    device whatever the strategy); a view into a component's storage adds only what it touches
+    beyond that storage's span."""
     if not isinstance(pipeline, nn.Module):
         return 0
-    inside = {id(m) for c in components for m in c.module.modules()}
-    out: list[torch.Tensor] = []
-
-    def walk(module: nn.Module) -> None:
-        if id(module) in inside:
-            return
-        inside.add(id(module))
-        for registry in ("_parameters", "_buffers"):
-            out.extend(t for t in module.__dict__.get(registry, {}).values() if t is not None)
-        for child in module._modules.values():
-            if child is not None:
-                walk(child)
-
-    walk(pipeline)
-    seen = {id(t) for c in components for t in _tensors(c.module)}
-    return _span_bytes(t for t in out if id(t) not in seen)
+    mine = _tensors(*(c.module for c in components))
+    everything = _tensors(pipeline, *(c.module for c in components))
+    return _span_bytes(everything) - _span_bytes(mine)
 
 
 def selectable_components(pipeline: Any, strategy: OffloadStrategy | str) -> tuple[str, ...]:

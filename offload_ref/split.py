@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+import weakref
 from typing import Any
 
 import torch
@@ -90,15 +91,19 @@ class ComponentGroups:
         txn.commit()
         self._swapper = _Active(swapper, tuple(self._groups))
         self.stats = stats
+        # A model collected while enabled must not strand its device and host buffers.
+        self._finalizer = weakref.finalize(self, swapper.release)
 
     def disable(self) -> None:
         """Rebuild every tensor at its original placement.  Idempotent."""
         active, self._swapper = self._swapper, None
         if active is not None:
+            self._finalizer.detach()
             try:
                 active.swapper.restore()
             except Exception:
                 self._swapper = active  # still enabled: the caller can retry
+                self._finalizer = weakref.finalize(self, active.swapper.release)
                 raise
 
     def active(self) -> str | None:

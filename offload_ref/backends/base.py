@@ -230,6 +230,8 @@ class OffloadBackend:
         Enabling again on the same pipeline is a no-op; enabling on a second pipeline, or on a
         pipeline that another backend owns, raises ``RuntimeError``.
         """
+        if self._pipeline is not None and self._pipeline() is None:
+            self.disable()  # the last pipeline was collected while enabled: clean up first
         if self.is_enabled():
             if self.pipeline is pipeline:
                 return
@@ -282,18 +284,13 @@ class OffloadBackend:
     def disable(self) -> None:
         """Remove our hooks and rebuild every tensor at its original placement.  Idempotent.
 
-        If the pipeline was garbage-collected while enabled, only the backend's own buffers are
-        released."""
+        If the pipeline was garbage-collected while enabled, its components may still be alive
+        (held by the caller or by ``self.plan``): they are restored the same way, then the plan
+        is dropped."""
         if self._pipeline is None:
             return
         pipeline = self.pipeline
         with torch.inference_mode(False), torch.no_grad():
-            if pipeline is None:
-                self.platform.synchronize()
-                self._release()
-                self._pipeline = None
-                self._forget()
-                return
             try:
                 self._disable(pipeline)
             except Exception as exc:
@@ -301,7 +298,10 @@ class OffloadBackend:
                     f"Failed to fully disable {type(self).__name__}: {exc}; the backend stays "
                     "enabled with its host masters, call disable() again"
                 ) from exc
-        pipeline.__dict__.pop(PIPELINE_ATTR, None)
+        if pipeline is not None:
+            pipeline.__dict__.pop(PIPELINE_ATTR, None)
+        else:
+            self.plan = None
         self._pipeline = None
         self._forget()
 
@@ -319,13 +319,11 @@ class OffloadBackend:
         raise NotImplementedError
 
     def _disable(self, pipeline: Any) -> None:
+        """Restore and release; ``pipeline`` is None if it was garbage-collected."""
         raise NotImplementedError
 
     def _reset(self) -> None:
         """Forget per-enable state (after rollback or disable)."""
-
-    def _release(self) -> None:
-        """Free the backend's own buffers when the pipeline is gone (nothing to restore)."""
 
     def __repr__(self) -> str:
         state = "enabled" if self.is_enabled() else "disabled"

@@ -162,7 +162,7 @@ class BlockRing:
         self.order = CallOrderPredictor(n)
         self.slot_of: list[int | None] = [None] * n
         self.occupant: list[int | None] = [None] * _NUM_SLOTS
-        self.running: int | None = None
+        self.running: list[int] = []  # blocks whose forward is in progress (nested calls)
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -281,8 +281,9 @@ class BlockRing:
             self.stats.sync_recoveries += 1
         self._wait_ready(s)
         self.platform.record_use(self.slots[s])
-        self.running = k
-        if self.prefetch_enabled:
+        busy = {self.slot_of[r] for r in self.running}
+        self.running.append(k)
+        if self.prefetch_enabled and (1 - s) not in busy:
             q = self.order.predict(k)
             if q != k and self.slot_of[q] is None:
                 self._load(q, 1 - s)
@@ -293,7 +294,8 @@ class BlockRing:
 
     def after(self, k: int) -> None:
         s = self.slot_of[k]
-        self.running = None
+        if k in self.running:
+            self.running.remove(k)
         if s is None:  # pragma: no cover - the pre-hook always materializes k
             return
         platform = self.platform
@@ -305,12 +307,20 @@ class BlockRing:
         self.occupant[s] = None
 
     def _recovery_slot(self, k: int) -> int:
-        for s in range(_NUM_SLOTS):
+        busy = {self.slot_of[r] for r in self.running}
+        free = [s for s in range(_NUM_SLOTS) if s not in busy]
+        if not free:
+            raise RuntimeError(
+                f"{self.label}: block {self.block_paths[k]} is called while two blocks of its ring "
+                f"are already running ({[self.block_paths[r] for r in self.running]}); a ring "
+                "streams through two slots, so blocks may nest at most one deep"
+            )
+        for s in free:
             if self.occupant[s] is None:
                 return s
-        # Both slots hold prefetched blocks that did not run: drop the one we will not need.
+        # The free slots hold prefetched blocks that did not run: drop one we will not need.
         keep = self.order.predict(k)
-        return 0 if self.occupant[0] != keep else 1
+        return next((s for s in free if self.occupant[s] != keep), free[0])
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -434,13 +444,6 @@ class LayerWiseOffloadBackend(OffloadBackend):
         # After a rollback the undo log has already freed the slots and masters.
         self.rings = []
         self._resident = None
-
-    def _release(self) -> None:
-        if self._resident is not None:
-            self._resident.release()
-        for ring in self.rings:
-            ring.release()
-        self.registry.remove_all()
 
     def materialized_blocks(self) -> dict[str, list[int]]:
         """Ring label -> indices of the blocks currently bound to device slots."""

@@ -249,7 +249,8 @@ class ModelLevelOffloadBackend(OffloadBackend):
 
     def _disable(self, pipeline: Any) -> None:
         if self._delegated:
-            pipeline.disable_omni_model_cpu_offload()
+            if pipeline is not None:  # a collected split model took its offload state with it
+                pipeline.disable_omni_model_cpu_offload()
             return
         assert self._swapper is not None
         self._swapper.restore()
@@ -261,10 +262,6 @@ class ModelLevelOffloadBackend(OffloadBackend):
         self._components = ()
         self._delegated = False
 
-    def _release(self) -> None:
-        if self._swapper is not None:
-            self._swapper.release()
-        self.registry.remove_all()
 
     # -- swaps ----------------------------------------------------------------------------------
 

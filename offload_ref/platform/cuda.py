@@ -82,7 +82,8 @@ class CudaPlatform:
         self._lock = threading.Lock()
         # data_ptr -> (tensor, nbytes): the registry keeps page-locked memory alive until
         # host_free unregisters it (freeing registered memory would leave the pages locked).
-        self._pinned: dict[int, tuple[int, int]] = {}  # storage ptr -> (registered ptr, bytes)
+        # storage ptr -> (registered page address, requested bytes, the buffer)
+        self._pinned: dict[int, tuple[int, int, torch.Tensor]] = {}
         self._pinned_total = 0
         self._host: dict[int, int] = {}
         self._live: dict[int, int] = {}  # device allocations from empty(): data_ptr -> nbytes
@@ -107,7 +108,7 @@ class CudaPlatform:
             return
         torch.cuda.synchronize(self.device)
         cudart = torch.cuda.cudart()
-        for _, (reg_ptr, _bytes) in entries:
+        for _, (reg_ptr, _bytes, _tensor) in entries:
             cudart.cudaHostUnregister(reg_ptr)  # best effort: the tensors are being dropped anyway
 
     # -- streams and events -------------------------------------------------------------------
@@ -180,7 +181,8 @@ class CudaPlatform:
         Pinned buffers are registered with ``cudaHostRegister`` over whole pages that belong to
         this buffer alone: registering ranges that share a page with another registration fails
         (cudaErrorHostMemoryAlreadyRegistered).  So the locked size is the request rounded up
-        to the page size -- never the caching host allocator's power-of-two blocks."""
+        to the page size -- never the caching host allocator's power-of-two blocks.
+        :meth:`pinned_bytes` counts the requested bytes (what the host masters hold)."""
         if not pin or numel == 0:
             tensor = torch.empty(numel, dtype=dtype)
             self._count_host(tensor, +1)
@@ -194,9 +196,12 @@ class CudaPlatform:
                 f"{_cuda_error_text(cudart, code)}; lower the pinned-memory demand (or pass "
                 f"pin=False) and check the locked-memory limit (ulimit -l)"
             )
+        nbytes = numel * tensor.element_size()
         with self._lock:
-            self._pinned[tensor.untyped_storage().data_ptr()] = (reg_ptr, reg_bytes)
-            self._pinned_total += reg_bytes
+            # The entry keeps the buffer alive while registered: freed-but-registered memory
+            # would make a later registration at the same address fail.
+            self._pinned[tensor.untyped_storage().data_ptr()] = (reg_ptr, nbytes, tensor)
+            self._pinned_total += nbytes
         self._count_host(tensor, +1)
         return tensor
 

@@ -1,0 +1,94 @@
+"""Backend edge cases found in review: collected pipelines, nested block calls, tied heads."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from offload_ref import OffloadConfig, OffloadPlan, SupportsComponentDiscovery, get_offload_backend
+from offload_ref.fixtures import get_spec
+from offload_ref.platform import CpuPlatform
+
+
+@pytest.mark.parametrize("name,strategy", [("flux2", "layer_wise"), ("flux2", "model_level"),
+                                           ("cosmos3", "model_level")])
+def test_a_pipeline_collected_while_enabled_releases_everything(name: str, strategy: str) -> None:
+    spec = get_spec(name)
+    platform = CpuPlatform(race_amplifier=True)
+    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+    pipeline = spec.build()
+    backend.enable(pipeline)
+    del pipeline
+    gc.collect()
+    assert not backend.is_enabled()
+    again = spec.build()
+    backend.enable(again)  # cleans up the orphaned state first
+    with torch.inference_mode():
+        out = again(**spec.make_inputs())
+    with torch.inference_mode():
+        reference = spec.build()(**spec.make_inputs())
+    assert torch.equal(out, reference)
+    backend.disable()
+    assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
+    platform.close()
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.inner: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return self.inner(y) if self.inner is not None else y
+
+
+class _Dit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(4))
+        self.blocks[1].__dict__["inner"] = self.blocks[3]  # block 1 calls block 3 (unregistered)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks[:3]:
+            x = block(x)
+        return x
+
+
+class _Pipe(nn.Module, SupportsComponentDiscovery):
+    _dit_modules = ["transformer"]
+    _encoder_modules = ["text_encoder"]
+    _vae_modules: list[str] = []
+    _offload_plan = OffloadPlan(block_attrs={"transformer": ("blocks",)})
+
+    def __init__(self, tie_head: bool = False) -> None:
+        super().__init__()
+        self.text_encoder = nn.Linear(8, 8)
+        self.transformer = _Dit()
+        self.head = nn.Linear(8, 8)
+        if tie_head:  # a pipeline-level head reusing a block weight
+            self.head.weight = self.transformer.blocks[2].fc.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.transformer(self.text_encoder(x)))
+
+
+@pytest.mark.parametrize("tie_head", [False, True])
+def test_nested_block_calls_and_tied_heads_stay_exact(tie_head: bool) -> None:
+    torch.manual_seed(0)
+    pipeline, x = _Pipe(tie_head), torch.randn(2, 8)
+    with torch.inference_mode():
+        reference = pipeline(x)
+    platform = CpuPlatform(race_amplifier=True)
+    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
+    backend.enable(pipeline)
+    for _ in range(3):
+        with torch.inference_mode():
+            assert torch.equal(pipeline(x), reference)
+    assert not platform.hazards
+    backend.disable()
+    platform.close()
