@@ -235,10 +235,7 @@ class _DoubleCopySwapper(ComponentSwapper):
 
 
 class _DoubleCopyOnSwap(ModelLevelOffloadBackend):
-    def _enable(self, pipeline, plan, txn):
-        super()._enable(pipeline, plan, txn)
-        if self._swapper is not None:
-            self._swapper.__class__ = _DoubleCopySwapper
+    swapper_class = _DoubleCopySwapper
 
 
 class _LosesTheCause(ModelLevelOffloadBackend):
@@ -288,10 +285,7 @@ class _CopyBackSwapper(ComponentSwapper):
 
 
 class _D2HOnSwap(ModelLevelOffloadBackend):
-    def _enable(self, pipeline, plan, txn):
-        super()._enable(pipeline, plan, txn)
-        if self._swapper is not None:
-            self._swapper.__class__ = _CopyBackSwapper
+    swapper_class = _CopyBackSwapper
 
 
 class _ForgetsPlacement(ModelLevelOffloadBackend):

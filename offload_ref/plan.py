@@ -18,9 +18,9 @@ Note [Ownership by identity]
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from .config import OffloadConfig, OffloadStrategy, WeightTransfer
+from .host import tensor_extent
 from .discovery import (
     _MISSING,
     OffloadDeclarationWarning,
@@ -289,8 +290,7 @@ def _span_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for t in tensors:
         if not t.numel():
             continue
-        lo = t.storage_offset()
-        hi = lo + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        lo, hi = tensor_extent(t)
         span = spans.setdefault(_storage_key(t), [lo, hi, t.element_size()])
         span[0], span[1] = min(span[0], lo), max(span[1], hi)
     return sum((hi - lo) * size for lo, hi, size in spans.values())

@@ -46,7 +46,10 @@ def is_offloaded(platform: Any, module: nn.Module) -> bool:
 
 
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes an offloader must hold for ``tensors``: per storage, the span they touch."""
+    """Bytes an offloader must hold for ``tensors``: per storage, the span they touch.
+
+    Computed here, not with the library's helper: the kit's expectations stay an independent
+    oracle for the bytes the backends report."""
     spans: dict[int, list[int]] = {}
     for t in tensors:
         if not t.numel():

@@ -202,6 +202,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
 
     strategy = OffloadStrategy.MODEL_LEVEL
     hook_name = "offload_ref.sequential"
+    swapper_class: type[ComponentSwapper] = ComponentSwapper
 
     def __init__(self, config, platform) -> None:
         super().__init__(config, platform)
@@ -215,7 +216,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
         if plan.delegated:
             self._enable_delegated(pipeline, txn)
             return
-        swapper = ComponentSwapper(self.platform, self._stats)
+        swapper = self.swapper_class(self.platform, self._stats)
         self._swapper = swapper
         swappable = [c for c in plan.components if c.role in ("dit", "encoder") and c.selected]
         kept = [c for c in plan.components if c not in swappable]
