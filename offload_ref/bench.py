@@ -127,6 +127,7 @@ def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: i
                     entry["step_s"] = step_s[name]
                 if backend is not None:
                     entry["peak_device_weight_bytes"] = backend.stats().peak_device_weight_bytes
+                    entry["peak_device_bytes"] = backend.stats().peak_device_bytes
                 results[name] = entry
 
         results["enable"] = _enable_cost(pipes["resident"], platform, repeats)

@@ -10,6 +10,26 @@ Note [Host master layout]
     their strides and their sharing through every move.  Masters are immutable: offloading
     rebinds a tensor to its master view and never copies device -> host during inference.
 
+Note [Aligned layout]
+    Kernels choose their code path by address alignment: MKL's matrix-vector product gives other
+    last bits for a weight that is not 16-byte aligned, cuBLAS(Lt) and vectorized CUDA kernels
+    prefer 256-byte alignment.  So every tensor an offloader rebinds keeps its *alignment phase*,
+    ``phase(t) = t.data_ptr() % min(A, 64)``, and is placed at an address congruent to that phase
+    modulo ``A``, the platform's ``alignment`` (64 bytes on the CPU platform, 256 on CUDA); 64 is
+    the alignment every torch allocator gives a fresh storage.  On the CPU platform the address
+    modulo 64 is therefore unchanged, which is what makes bitwise parity hold on every CPU.  On
+    CUDA a tensor keeps its address modulo 64 and never loses alignment: a host tensor that sits
+    64 bytes into some 256-byte window (allocator chance) gets a 256-byte aligned device copy.
+
+    Each segment gets a *region* of ``round_up(phase + bytes, A)`` bytes starting on an A-aligned
+    offset of its dtype's flat buffer and begins ``phase`` bytes into it.  Every flat buffer starts
+    A-aligned (the platforms guarantee it), so a tensor keeps its phase in the host master, in a
+    device copy, in a ring slot (whose dtype sections start A-aligned, since regions are
+    multiples of A) and in the storage ``disable`` rebuilds.  A region's size depends on its segment
+    alone, so padded sizes add up over any grouping: the plan predicts them without building
+    layouts (:func:`padded_span_bytes`).  Padding is held and copied but never counted as weight
+    bytes: ``Layout.weight_bytes`` excludes it, ``Layout.padding_bytes`` is the rest.
+
 ``nn.Parameter`` objects are never replaced; only their ``.data`` is rebound.
 """
 
@@ -20,9 +40,24 @@ from dataclasses import dataclass
 
 import torch
 
-from .platform.base import Platform
+from .platform.base import Platform, aligned_empty
 
-__all__ = ["HostMaster", "Layout", "TensorRecord", "storage_key", "tensor_extent"]
+__all__ = [
+    "ALLOCATOR_ALIGNMENT",
+    "HostMaster",
+    "Layout",
+    "TensorRecord",
+    "address_phase",
+    "aligned_empty",
+    "padded_span_bytes",
+    "region_bytes",
+    "storage_key",
+    "tensor_extent",
+]
+
+#: The alignment every torch allocator gives a fresh storage (c10's CPU allocator; CUDA's caching
+#: allocator gives 512).  Note [Aligned layout].
+ALLOCATOR_ALIGNMENT = 64
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -38,12 +73,55 @@ def tensor_extent(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
+def _storage_phase(storage_ptr: int, byte_offset: int, alignment: int) -> int:
+    return (storage_ptr + byte_offset) % min(alignment, ALLOCATOR_ALIGNMENT)
+
+
+def address_phase(t: torch.Tensor, alignment: int) -> int:
+    """The alignment phase of ``t`` in bytes (Note [Aligned layout]): a tensor rebound by an
+    offloader on a platform of this ``alignment`` sits at an address congruent to it modulo
+    ``alignment``."""
+    return _storage_phase(t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(),
+                          alignment)
+
+
+def region_bytes(phase: int, nbytes: int, alignment: int) -> int:
+    """Bytes of the aligned region that holds a segment of ``nbytes`` starting ``phase`` bytes
+    past an ``alignment`` boundary (0 for an empty segment)."""
+    if nbytes == 0:
+        return 0
+    return -(-(phase + nbytes) // alignment) * alignment
+
+
+def padded_span_bytes(tensors: Iterable[torch.Tensor], alignment: int) -> int:
+    """Bytes a :class:`Layout` of ``tensors`` allocates: per storage, the aligned region of the
+    span its tensors touch (Note [Aligned layout])."""
+    spans: dict[tuple[str, int], list[int]] = {}
+    for t in tensors:
+        if not t.numel():
+            continue
+        lo, hi = tensor_extent(t)
+        span = spans.setdefault(storage_key(t), [lo, hi, t.element_size()])
+        span[0], span[1] = min(span[0], lo), max(span[1], hi)
+    total = 0
+    for (_, ptr), (lo, hi, size) in spans.items():
+        total += region_bytes(_storage_phase(ptr, lo * size, alignment), (hi - lo) * size,
+                              alignment)
+    return total
+
+
 @dataclass(frozen=True)
 class _Segment:
     dtype: torch.dtype
     lo: int  # first element of the source storage that is used
     numel: int  # hi - lo
-    offset: int  # position in the per-dtype flat buffer
+    offset: int  # position in the per-dtype flat buffer (phase included)
+    phase: int = 0  # elements between the region's aligned start and ``offset``
+    region: int = 0  # elements of the aligned region (phase + numel + tail padding)
+
+    @property
+    def region_start(self) -> int:
+        return self.offset - self.phase
 
 
 @dataclass(frozen=True)
@@ -62,12 +140,17 @@ class TensorRecord:
 
 
 class Layout:
-    """The packing of a set of tensors into one flat buffer per dtype (Note [Host master layout]).
+    """The packing of a set of tensors into one flat buffer per dtype (Note [Host master layout]),
+    each segment at its alignment phase modulo ``alignment`` bytes (Note [Aligned layout]).
 
     ``tensors`` is a sequence of ``(name, tensor)``; the same tensor object may appear once.
     """
 
-    def __init__(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, tensors: Sequence[tuple[str, torch.Tensor]], *,
+                 alignment: int = ALLOCATOR_ALIGNMENT) -> None:
+        if alignment < 1 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        self.alignment = alignment
         by_storage: dict[tuple[str, int], list[int]] = {}
         for i, (name, t) in enumerate(tensors):
             if t.device.type == "meta":
@@ -99,11 +182,23 @@ class Layout:
                 extents = [(0, 0)]
             lo = min(e[0] for e in extents)
             hi = max(e[1] for e in extents)
-            offset = self.numel.get(dtype, 0)
+            source = tensors[indices[0]][1]
+            itemsize = source.element_size()
+            if alignment % itemsize:
+                raise ValueError(f"alignment {alignment} is not a multiple of {dtype}'s size")
+            if hi > lo:
+                phase_bytes = _storage_phase(source.untyped_storage().data_ptr(), lo * itemsize,
+                                             alignment)
+                phase = phase_bytes // itemsize  # a storage base is element-aligned
+                region = region_bytes(phase_bytes, (hi - lo) * itemsize, alignment) // itemsize
+            else:
+                phase = region = 0
+            start = self.numel.get(dtype, 0)  # a multiple of alignment / itemsize
+            offset = start + phase
             seg_index = len(self.segments)
-            self.segments.append(_Segment(dtype, lo, hi - lo, offset))
-            self.numel[dtype] = offset + (hi - lo)
-            self._sources.append(tensors[indices[0]][1])
+            self.segments.append(_Segment(dtype, lo, hi - lo, offset, phase, region))
+            self.numel[dtype] = start + region
+            self._sources.append(source)
             for i in indices:
                 name, t = tensors[i]
                 local = t.storage_offset() - lo if t.numel() else 0
@@ -113,7 +208,17 @@ class Layout:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the flat buffers, alignment padding included."""
         return sum(n * _element_size(d) for d, n in self.numel.items())
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the segments themselves (what the tensors touch), padding excluded."""
+        return sum(s.numel * _element_size(s.dtype) for s in self.segments)
+
+    @property
+    def padding_bytes(self) -> int:
+        return self.nbytes - self.weight_bytes
 
     def views(self, flats: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
         """Rebuild every recorded tensor over ``flats`` (one flat buffer per dtype)."""

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .config import OffloadConfig, OffloadStrategy, WeightTransfer
-from .host import tensor_extent
+from .host import ALLOCATOR_ALIGNMENT, padded_span_bytes
 from .discovery import (
     _MISSING,
     OffloadDeclarationWarning,
@@ -183,7 +183,8 @@ class ResolvedOffloadPlan:
     delegated: bool = False  # split model: the pipeline's enable_omni_model_cpu_offload owns it
     warnings: tuple[str, ...] = ()
     other_state_bytes: int = 0  # parameters/buffers of the pipeline outside every component
-    device_bytes_bound: int = 0  # predicted peak device weight bytes (see _predict)
+    device_bytes_bound: int = 0  # predicted peak device bytes, padding included (see _predict)
+    alignment: int = ALLOCATOR_ALIGNMENT  # the platform's alignment the prediction assumes
 
     def by_role(self, role: str) -> tuple[ResolvedComponent, ...]:
         return tuple(c for c in self.components if c.role == role)
@@ -230,38 +231,43 @@ class ResolvedOffloadPlan:
                 for name in s.shared:
                     lines.append(f"      shared (kept resident) {name}")
         if self.components:
-            lines.append(f"predicted peak device weight bytes: {self.predicted_device_bytes()} "
-                         f"(of which {self.other_state_bytes} outside every component)")
+            lines.append(f"predicted peak device bytes: {self.predicted_device_bytes()} "
+                         f"(of which {self.other_state_bytes} outside every component; tensors "
+                         f"in {self.alignment}-byte aligned regions)")
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
 
     def predicted_device_bytes(self) -> int:
         """The strategy's residency bound, computed when the plan was resolved (before any
-        tensor moved): see :func:`_predict`."""
+        tensor moved): see :func:`_predict`.  It equals ``stats().peak_device_bytes`` after a
+        generation on a platform with the same ``alignment``."""
         return self.device_bytes_bound
 
 
 def _predict(plan: ResolvedOffloadPlan) -> int:
     """Model level keeps the resident state plus the largest swap group (one DiT, or the
     encoders); layerwise keeps everything but the streamed blocks, plus two of each ring's
-    largest block.  Bytes are storage spans, counted once however many paths reach them (the
-    bytes a host master would hold)."""
+    largest block.  Bytes are storage spans, counted once however many paths reach them, each
+    in its aligned region (the bytes a host master or device copy allocates, padding
+    included)."""
     if not plan.components:
         return plan.other_state_bytes
+    a = plan.alignment
     if plan.strategy is OffloadStrategy.MODEL_LEVEL:
         swapped = [c for c in plan.components if c.selected and c.role in ("dit", "encoder")]
-        kept = _span_bytes(_tensors(*(c.module for c in plan.components if c not in swapped)))
-        groups = [_span_bytes(_tensors(c.module)) for c in swapped if c.role == "dit"]
+        kept = _span_bytes(_tensors(*(c.module for c in plan.components if c not in swapped)), a)
+        groups = [_span_bytes(_tensors(c.module), a) for c in swapped if c.role == "dit"]
         groups.append(_span_bytes(_tensors(*(c.module for c in swapped
-                                             if c.role == "encoder"))))
+                                             if c.role == "encoder")), a))
         return plan.other_state_bytes + kept + max(groups)
-    everything = _span_bytes(_tensors(*(c.module for c in plan.components if not c.on_demand)))
+    everything = _span_bytes(
+        _tensors(*(c.module for c in plan.components if not c.on_demand)), a)
     rings = [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
-    per_block = [[_span_bytes(_streamed_tensors(s, k)) for k in range(len(s.streamed_blocks))]
+    per_block = [[_span_bytes(_streamed_tensors(s, k), a) for k in range(len(s.streamed_blocks))]
                  for s in rings]
     streamed = _span_bytes([t for s in rings for k in range(len(s.streamed_blocks))
-                            for t in _streamed_tensors(s, k)])
+                            for t in _streamed_tensors(s, k)], a)
     return (plan.other_state_bytes + everything - streamed
             + sum(2 * max(sizes) for sizes in per_block))
 
@@ -284,16 +290,10 @@ def _streamed_tensors(stack: BlockStack, k: int) -> list[torch.Tensor]:
     return [t for name, t in _tensors_of(stack.streamed_blocks[k], path) if name not in shared]
 
 
-def _span_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storage spans the tensors touch (each storage counted once)."""
-    spans: dict[tuple, list[int]] = {}
-    for t in tensors:
-        if not t.numel():
-            continue
-        lo, hi = tensor_extent(t)
-        span = spans.setdefault(_storage_key(t), [lo, hi, t.element_size()])
-        span[0], span[1] = min(span[0], lo), max(span[1], hi)
-    return sum((hi - lo) * size for lo, hi, size in spans.values())
+def _span_bytes(tensors: Iterable[torch.Tensor], alignment: int) -> int:
+    """Bytes a host master of ``tensors`` allocates: per storage (counted once), the aligned
+    region of the span its tensors touch (Note [Aligned layout] in host.py)."""
+    return padded_span_bytes(tensors, alignment)
 
 
 def _nbytes_of(*modules: nn.Module) -> int:
@@ -312,9 +312,11 @@ def _nbytes_of(*modules: nn.Module) -> int:
 
 
 class _Resolver:
-    def __init__(self, pipeline: Any, config: OffloadConfig) -> None:
+    def __init__(self, pipeline: Any, config: OffloadConfig,
+                 alignment: int = ALLOCATOR_ALIGNMENT) -> None:
         self.pipeline = pipeline
         self.config = config
+        self.alignment = alignment
         self.cls_name = type(pipeline).__name__
         self.warnings: list[str] = []
         plan = getattr(pipeline, "_offload_plan", None)
@@ -365,8 +367,9 @@ class _Resolver:
         self._check_unique_ownership(components)
         components = _with_shared(self.pipeline, components)
         plan = ResolvedOffloadPlan(strategy, tuple(components), warnings=tuple(self.warnings),
-                                   other_state_bytes=_other_state_bytes(self.pipeline,
-                                                                        components))
+                                   other_state_bytes=_other_state_bytes(
+                                       self.pipeline, components, self.alignment),
+                                   alignment=self.alignment)
         return dataclasses.replace(plan, device_bytes_bound=_predict(plan))
 
     def _warn_scan(self, message: str) -> None:
@@ -781,7 +784,8 @@ def _with_shared(pipeline: Any,
     return out
 
 
-def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent]) -> int:
+def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent],
+                       alignment: int) -> int:
     """Span bytes of the pipeline's tensors reachable from no component (they stay on the
     device whatever the strategy); a view into a component's storage adds only what it touches
     beyond that storage's span."""
@@ -789,7 +793,7 @@ def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent]) -> in
         return 0
     mine = _tensors(*(c.module for c in components))
     everything = _tensors(pipeline, *(c.module for c in components))
-    return _span_bytes(everything) - _span_bytes(mine)
+    return _span_bytes(everything, alignment) - _span_bytes(mine, alignment)
 
 
 def selectable_components(pipeline: Any, strategy: OffloadStrategy | str) -> tuple[str, ...]:
@@ -809,8 +813,14 @@ def selectable_components(pipeline: Any, strategy: OffloadStrategy | str) -> tup
     return ("dit",)
 
 
-def resolve_offload_plan(pipeline: Any, config: OffloadConfig) -> ResolvedOffloadPlan:
-    """Resolve ``pipeline``'s topology for ``config``.  Pure; see Note [Resolution is pure]."""
+def resolve_offload_plan(pipeline: Any, config: OffloadConfig, *,
+                         alignment: int = ALLOCATOR_ALIGNMENT) -> ResolvedOffloadPlan:
+    """Resolve ``pipeline``'s topology for ``config``.  Pure; see Note [Resolution is pure].
+
+    ``alignment`` is the platform's (``Platform.alignment``: 64 bytes on CPU, 256 on CUDA); it
+    only enters the predicted peak device bytes (Note [Aligned layout] in host.py)."""
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
-    return _Resolver(pipeline, config).resolve()
+    if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two (bytes), got {alignment!r}")
+    return _Resolver(pipeline, config, alignment).resolve()

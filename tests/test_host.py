@@ -17,7 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload_ref.host import HostMaster, Layout
+from offload_ref.host import HostMaster, Layout, address_phase, padded_span_bytes, region_bytes
+from offload_ref.platform.base import aligned_empty
 from offload_ref.platform import CpuPlatform
 
 Named = Sequence[tuple[str, torch.Tensor]]
@@ -81,6 +82,10 @@ def _assert_round_trip(named: Named, platform: CpuPlatform, what: str) -> Layout
                                        msg=lambda m, where=where: f"{where}: {m}")
             torch.testing.assert_close(hv, t, rtol=0, atol=0, equal_nan=True,
                                        msg=lambda m, where=where: f"host_views {where}: {m}")
+            if t.numel():  # Note [Aligned layout]: the address modulo 64 is kept
+                assert v.data_ptr() % 64 == t.data_ptr() % 64, (
+                    f"{where}: rebuilt at {v.data_ptr() % 64} bytes past a 64-byte boundary, "
+                    f"was {t.data_ptr() % 64}")
         # Sharing: same storage, and the same relative byte positions as before.
         for group in _sharing_groups(named):
             first = group[0]
@@ -131,21 +136,21 @@ def test_contiguous_parameters_round_trip(platform) -> None:
     linear = torch.nn.Linear(4, 3)
     named = list(linear.named_parameters())
     layout = _assert_round_trip(named, platform, "contiguous")
-    assert layout.nbytes == (4 * 3 + 3) * 4
+    assert layout.weight_bytes == (4 * 3 + 3) * 4
 
 
 def test_transposed_non_contiguous_weight_round_trips(platform) -> None:
     weight = _filled(15, torch.float32).view(3, 5).t()
     assert not weight.is_contiguous()
     layout = _assert_round_trip([("proj_out.weight", weight)], platform, "transposed")
-    assert layout.nbytes == 15 * 4
+    assert layout.weight_bytes == 15 * 4
 
 
 def test_two_views_of_one_storage_keep_their_sharing(platform) -> None:
     base = _filled(16, torch.float32)
     a, b = base[2:10], base.view(4, 4).t()
     layout = _assert_round_trip([("a", a), ("b", b)], platform, "shared views")
-    assert layout.nbytes == 16 * 4  # b touches the whole storage
+    assert layout.weight_bytes == 16 * 4  # b touches the whole storage
     master = HostMaster(layout, platform, pin=True)
     va, vb = layout.views(master.flats)
     va[0] = 1234.0  # a write through one view is seen by the other, as before
@@ -156,13 +161,13 @@ def test_two_views_of_one_storage_keep_their_sharing(platform) -> None:
 def test_offset_slice_stores_only_the_touched_span(platform) -> None:
     base = _filled(100, torch.float32)
     layout = _assert_round_trip([("slice", base[10:20])], platform, "offset slice")
-    assert layout.nbytes == 10 * 4, layout.nbytes
+    assert layout.weight_bytes == 10 * 4, layout.weight_bytes
     strided = base[10:30:2]  # touches elements 10..28
     layout = _assert_round_trip([("strided", strided)], platform, "strided slice")
-    assert layout.nbytes == 19 * 4, layout.nbytes
+    assert layout.weight_bytes == 19 * 4, layout.weight_bytes
     two = [("lo", base[40:45]), ("hi", base[50:52])]  # one storage: the span 40..52
     layout = _assert_round_trip(two, platform, "two slices")
-    assert layout.nbytes == 12 * 4, layout.nbytes
+    assert layout.weight_bytes == 12 * 4, layout.weight_bytes
 
 
 def test_mixed_dtypes_round_trip(platform) -> None:
@@ -172,8 +177,8 @@ def test_mixed_dtypes_round_trip(platform) -> None:
     named.append(("f32_t", _filled(6, torch.float32, seed=9).view(3, 2).t()))
     layout = _assert_round_trip(named, platform, "mixed dtypes")
     assert set(layout.numel) == set(dtypes)
-    assert layout.numel[torch.float32] == 12
-    assert layout.nbytes == 6 * (4 + 8 + 2 + 8 + 1) + 6 * 4
+    assert layout.numel[torch.float32] == 2 * 16  # two 24-byte segments, each in 64 bytes
+    assert layout.weight_bytes == 6 * (4 + 8 + 2 + 8 + 1) + 6 * 4
 
 
 def test_zero_element_tensors_round_trip(platform) -> None:
@@ -186,7 +191,7 @@ def test_zero_element_tensors_round_trip(platform) -> None:
         ("other", _filled(2, torch.float64)),
     ]
     layout = _assert_round_trip(named, platform, "zero-element")
-    assert layout.nbytes == 8 * 4 + 2 * 8
+    assert layout.weight_bytes == 8 * 4 + 2 * 8
 
 
 def test_unrelated_zero_element_tensors_of_different_dtypes_round_trip(platform) -> None:
@@ -197,7 +202,7 @@ def test_unrelated_zero_element_tensors_of_different_dtypes_round_trip(platform)
 def test_zero_element_view_does_not_widen_the_stored_span(platform) -> None:
     base = _filled(10, torch.float32)
     layout = Layout([("head", base[0:2]), ("empty_tail", base[8:8])])
-    assert layout.nbytes == 2 * 4, layout.nbytes
+    assert layout.weight_bytes == 2 * 4, layout.weight_bytes
 
 
 def test_zero_dim_tensors_round_trip(platform) -> None:
@@ -210,21 +215,23 @@ def test_zero_dim_tensors_round_trip(platform) -> None:
         ("base_head", base[:2]),
     ]
     layout = _assert_round_trip(named, platform, "0-dim")
-    assert layout.numel[torch.float32] == 1 + 4  # scalar + base[0..3]
+    assert sum(seg.numel for seg in layout.segments
+               if seg.dtype == torch.float32) == 1 + 4  # scalar + base[0..3]
 
 
 def test_exact_sizes_without_power_of_two_rounding(platform) -> None:
     layout = Layout([("three", _filled(3, torch.float32))])
     master = HostMaster(layout, platform, pin=True)
     try:
-        assert layout.nbytes == master.nbytes == 12
+        # 12 weight bytes in one 64-byte aligned region (Note [Aligned layout]).
+        assert layout.weight_bytes == 12 and layout.nbytes == master.nbytes == 64
         flat = master.flats[torch.float32]
-        assert flat.numel() == 3 and flat.untyped_storage().nbytes() == 12
+        assert flat.numel() == 16 and flat.untyped_storage().nbytes() == 64
         assert platform.pinned_bytes() == 0 and not master.pinned
     finally:
         master.release()
     layout = Layout([("odd", _filled(7, torch.bfloat16)), ("bits", _filled(5, torch.bool))])
-    assert layout.nbytes == 7 * 2 + 5
+    assert layout.weight_bytes == 7 * 2 + 5
 
 
 def test_meta_tensor_is_rejected_by_name() -> None:
@@ -296,4 +303,59 @@ def test_random_strided_views_round_trip(named: list[tuple[str, torch.Tensor]]) 
         old = spans.get(key, (lo, hi, t.element_size()))
         spans[key] = (min(old[0], lo), max(old[1], hi), t.element_size())
     expected = sum((hi - lo) * size for lo, hi, size in spans.values())
-    assert layout.nbytes == expected, f"stored {layout.nbytes} bytes, touched spans {expected}"
+    assert layout.weight_bytes == expected, (
+        f"stored {layout.weight_bytes} bytes, touched spans {expected}")
+    # Padding: what the plan predicts, and less than one region of slack per storage.
+    assert layout.nbytes == padded_span_bytes([t for _, t in named], 64)
+    assert layout.padding_bytes < 2 * 64 * max(1, len(spans))
+
+
+# -- Note [Aligned layout] ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alignment", [64, 256])
+def test_every_view_keeps_its_alignment_phase(alignment: int) -> None:
+    """Views at every element offset of one storage, and unrelated tensors between them, keep
+    their address phase modulo the alignment in the master (the MKL GEMV defect: a weight moved
+    4 bytes off a 64-byte boundary takes another kernel path)."""
+    base = torch.randn(16 * 16 + 64)
+    named = [(f"w{k}", base[k:k + 256].view(16, 16)) for k in range(0, 20, 3)]
+    named += [("odd", torch.randn(5)), ("half", torch.randn(7).half()), ("b", base[1:2])]
+    layout = Layout(named, alignment=alignment)
+    flats = {d: aligned_empty(n, d, alignment) for d, n in layout.numel.items()}
+    for (name, t), v in zip(named, layout.views(flats)):
+        assert v.data_ptr() % 64 == t.data_ptr() % 64, name
+        if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:  # alone
+            assert v.data_ptr() % alignment == address_phase(t, alignment), name
+    for dtype, n in layout.numel.items():
+        assert (n * torch.empty((), dtype=dtype).element_size()) % alignment == 0
+    assert layout.nbytes == padded_span_bytes([t for _, t in named], alignment)
+    assert layout.weight_bytes + layout.padding_bytes == layout.nbytes
+
+
+def test_phase_is_the_address_modulo_64_at_most() -> None:
+    """A host tensor 64 bytes into a 256-byte window has phase 0 for a 256-byte platform (its
+    device copy lands on a 256-byte boundary); a misaligned one keeps its offset modulo 64."""
+    backing = aligned_empty(256, torch.float32, 256)
+    assert address_phase(backing[16:32], 256) == 0 and address_phase(backing[16:32], 64) == 0
+    assert address_phase(backing[1:], 64) == 4 and address_phase(backing[1:], 256) == 4
+    assert address_phase(backing[17:], 256) == 4
+    assert address_phase(backing[1:], 16) == 4 and address_phase(backing[4:], 16) == 0
+
+
+def test_region_bytes() -> None:
+    assert region_bytes(0, 0, 64) == 0
+    assert region_bytes(0, 1, 64) == 64
+    assert region_bytes(0, 64, 64) == 64
+    assert region_bytes(4, 64, 64) == 128
+    assert region_bytes(60, 4, 64) == 64
+
+
+@pytest.mark.parametrize("alignment", [64, 256, 4096])
+def test_aligned_empty(alignment: int) -> None:
+    for numel in (0, 1, 3, 1000):
+        for dtype in (torch.float32, torch.bfloat16, torch.uint8, torch.float64):
+            t = aligned_empty(numel, dtype, alignment)
+            assert t.numel() == numel and t.dtype == dtype
+            if numel:
+                assert t.data_ptr() % alignment == 0

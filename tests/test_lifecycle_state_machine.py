@@ -8,7 +8,8 @@ or disable keeps the invariants of DESIGN.md after every step --
   and buffer objects, the same torch hook counts as the freshly built pipeline;
 * enabled, model-level: at most one swap group on the device (one DiT, or encoders only);
 * enabled, layerwise: at most two materialized blocks per ring;
-* enabled: ``stats().device_weight_bytes`` is what the platform's ledger holds.
+* enabled: ``stats().device_weight_bytes + device_padding_bytes`` is what the platform's ledger
+  holds.
 
 The pipeline and its reference output are built once per machine class (rebuilt only after a
 failed example); each example gets a fresh ``CpuPlatform(race_amplifier=True)`` and backend, and
@@ -145,10 +146,12 @@ class _LifecycleMachine(RuleBasedStateMachine):
         assert now.hooks == self.shared.hook_counts, f"{where}: torch hook counts changed"
 
     def _check_enabled(self, where: str) -> None:
-        held = self.backend.stats().device_weight_bytes
+        stats = self.backend.stats()
+        held = stats.device_weight_bytes + stats.device_padding_bytes
         allocated = self.platform.memory_allocated()
         assert held == allocated, (
-            f"{where}: stats().device_weight_bytes={held} but the platform holds {allocated}")
+            f"{where}: stats() device weight + padding bytes = {held} but the platform holds "
+            f"{allocated}")
         self._check_bound(where)
 
     def _check_bound(self, where: str) -> None:

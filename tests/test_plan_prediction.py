@@ -22,7 +22,7 @@ def test_predicted_peak_matches_the_measured_peak(spec, strategy: str) -> None:
         backend.enable(pipeline)
         with torch.inference_mode():
             pipeline(**spec.make_inputs())
-        measured = backend.stats().peak_device_weight_bytes
+        measured = backend.stats().peak_device_bytes
         assert backend.plan.predicted_device_bytes() == measured, (spec.name, strategy)
     finally:
         backend.disable()

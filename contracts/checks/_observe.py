@@ -45,8 +45,11 @@ def is_offloaded(platform: Any, module: nn.Module) -> bool:
     return not any(platform.is_resident(t) for t in tensors_of(module))
 
 
-def tensor_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes an offloader must hold for ``tensors``: per storage, the span they touch.
+def tensor_bytes(tensors: list[torch.Tensor], alignment: int | None = None) -> int:
+    """Bytes an offloader must hold for ``tensors``: per storage, the span they touch; with an
+    ``alignment`` (the platform's), each span in its aligned region as the library documents it
+    (a span starting ``phase = address % min(alignment, 64)`` bytes past an ``alignment``
+    boundary takes ``round_up(phase + span, alignment)`` bytes).
 
     Computed here, not with the library's helper: the kit's expectations stay an independent
     oracle for the bytes the backends report."""
@@ -59,11 +62,18 @@ def tensor_bytes(tensors: list[torch.Tensor]) -> int:
         key = t.untyped_storage().data_ptr()
         span = spans.setdefault(key, [lo, hi, t.element_size()])
         span[0], span[1] = min(span[0], lo), max(span[1], hi)
-    return sum((hi - lo) * size for lo, hi, size in spans.values())
+    total = 0
+    for key, (lo, hi, size) in spans.items():
+        nbytes = (hi - lo) * size
+        if alignment:
+            phase = (key + lo * size) % min(alignment, 64)
+            nbytes = -(-(phase + nbytes) // alignment) * alignment
+        total += nbytes
+    return total
 
 
-def module_bytes(module: nn.Module) -> int:
-    return tensor_bytes(tensors_of(module))
+def module_bytes(module: nn.Module, alignment: int | None = None) -> int:
+    return tensor_bytes(tensors_of(module), alignment)
 
 
 @contextmanager

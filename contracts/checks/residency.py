@@ -82,7 +82,9 @@ def check_model_level_keeps_one_group_resident(case) -> None:
     dits = [(c.path, c.module) for c in plan.components if c.role == "dit"]
     encoders = [(c.path, c.module) for c in plan.components if c.role == "encoder"]
     always = [(c.path, c.module) for c in plan.components if c.role in ("vae", "resident")]
-    groups = [module_bytes(m) for _, m in dits] + [sum(module_bytes(m) for _, m in encoders)]
+    a = platform.alignment  # device copies hold each storage in an aligned region
+    groups = [module_bytes(m, a) for _, m in dits] + [
+        tensor_bytes([t for _, m in encoders for t in tensors_of(m)], a)]
     backend.enable(pipeline)
     base = platform.memory_allocated()  # resident state, placed at enable
     bound = base + max(groups)
@@ -118,7 +120,8 @@ def check_model_level_swaps_move_component_bytes_host_to_device_only(case) -> No
     """Each swap moves exactly the loaded component's bytes host -> device (observed at the
     component's forward, before it runs); nothing moves device -> host."""
     pipeline, platform, backend, plan = _model_level_setup(case)
-    swappable = {c.path: module_bytes(c.module) for c in plan.components
+    # A swap copies the component's aligned flat buffers: its weight bytes plus padding.
+    swappable = {c.path: module_bytes(c.module, platform.alignment) for c in plan.components
                  if c.role in ("dit", "encoder") and c.selected}
     watched = [(c.path, c.module) for c in plan.components if c.role in ("dit", "encoder")]
     backend.enable(pipeline)
@@ -207,9 +210,10 @@ def check_layerwise_keeps_at_most_two_blocks_resident(case) -> None:
     platform = case.platform()
     backend = case.backend(platform=platform)
     rings = _rings(case, pipeline)
-    per_block = {id(s): [tensor_bytes(ts) for ts in _ring_tensors(s)] for s in rings}
+    a = platform.alignment  # bounds count each storage in its aligned region
+    per_block = {id(s): [tensor_bytes(ts, a) for ts in _ring_tensors(s)] for s in rings}
     streamed = {id(b) for s in rings for b in s.streamed_blocks}
-    nonblock = module_bytes(pipeline) - sum(sum(v) for v in per_block.values())
+    nonblock = module_bytes(pipeline, a) - sum(sum(v) for v in per_block.values())
     bound = nonblock + sum(2 * max(v) for v in per_block.values())
     backend.enable(pipeline)
     problems: list[str] = []
@@ -415,26 +419,32 @@ def check_stats_match_what_the_platform_saw(case) -> None:
     def compare(moment: str, *_: Any) -> None:
         s = backend.stats()
         held = platform.memory_allocated() - base
-        if s.device_weight_bytes != held:
-            problems.append(f"{moment}: stats().device_weight_bytes={s.device_weight_bytes} but "
-                            f"the platform holds {held} bytes")
+        if s.device_weight_bytes + s.device_padding_bytes != held:
+            problems.append(f"{moment}: stats().device_weight_bytes={s.device_weight_bytes} + "
+                            f"device_padding_bytes={s.device_padding_bytes} but the platform "
+                            f"holds {held} bytes")
         if s.pinned_bytes != platform.pinned_bytes():
             problems.append(f"{moment}: stats().pinned_bytes={s.pinned_bytes} but the platform "
                             f"has {platform.pinned_bytes()} pinned bytes")
-        if s.host_bytes != platform.host_allocated() - host_base:
-            problems.append(f"{moment}: stats().host_bytes={s.host_bytes} but the platform "
-                            f"allocated {platform.host_allocated() - host_base} host bytes")
+        if s.host_bytes + s.host_padding_bytes != platform.host_allocated() - host_base:
+            problems.append(f"{moment}: stats().host_bytes={s.host_bytes} + host_padding_bytes="
+                            f"{s.host_padding_bytes} but the platform allocated "
+                            f"{platform.host_allocated() - host_base} host bytes")
+        if s.peak_device_bytes < held or s.peak_device_weight_bytes < s.device_weight_bytes:
+            problems.append(f"{moment}: stats() peaks {s.peak_device_bytes} / "
+                            f"{s.peak_device_weight_bytes} are below what is held now")
 
     compare("after enable")
     platform.copies.clear()
-    h2d_before = backend.stats().h2d_bytes
+    h2d_before = backend.stats().h2d_bytes + backend.stats().h2d_padding_bytes
     with observe(list(pipeline.named_children()), lambda p, m: compare(f"while {p} runs")):
         case.run(pipeline)
     platform.synchronize()
     s = backend.stats()
-    if s.h2d_bytes - h2d_before != platform.bytes("h2d"):
+    if s.h2d_bytes + s.h2d_padding_bytes - h2d_before != platform.bytes("h2d"):
         problems.append(f"a generation moved {platform.bytes('h2d')} bytes host -> device but "
-                        f"stats().h2d_bytes grew by {s.h2d_bytes - h2d_before}")
+                        f"stats().h2d_bytes + h2d_padding_bytes grew by "
+                        f"{s.h2d_bytes + s.h2d_padding_bytes - h2d_before}")
     if s.d2h_bytes != platform.bytes("d2h"):
         problems.append(f"stats().d2h_bytes={s.d2h_bytes}, observed {platform.bytes('d2h')}")
     backend.disable()

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..config import OffloadConfig, OffloadStrategy
 from ..hooks import HookRegistry, ModelHook
-from ..host import HostMaster, Layout, unique_tensors
+from ..host import HostMaster, Layout, aligned_empty, unique_tensors
 from ..plan import ResolvedOffloadPlan, resolve_offload_plan
 from ..platform import Platform, get_platform
 
@@ -60,19 +60,49 @@ class OffloadDisableError(RuntimeError):
 
 @dataclass
 class OffloadStats:
-    """Bytes of one backend, counted since ``enable``."""
+    """Bytes of one backend, counted since ``enable``.
 
-    host_bytes: int = 0  # host master bytes held
-    pinned_bytes: int = 0  # of which page-locked
+    Weight counts never include alignment padding (Note [Aligned layout] in host.py); the
+    ``*_padding_bytes`` fields hold it, so weight + padding is what the platform holds or copied.
+    """
+
+    host_bytes: int = 0  # host master weight bytes held
+    pinned_bytes: int = 0  # host bytes page-locked for the masters (their padding included)
     device_weight_bytes: int = 0  # device bytes the backend holds for weights right now
     h2d_bytes: int = 0  # host -> device weight bytes moved during inference
     d2h_bytes: int = 0  # device -> host weight bytes moved during inference (always 0 here)
     swaps: int = 0  # component loads (model-level) or block materializations (layerwise)
     sync_recoveries: int = 0  # layerwise: blocks loaded synchronously (skipped or mispredicted)
-    peak_device_weight_bytes: int = 0
+    peak_device_weight_bytes: int = 0  # the most device_weight_bytes held at once
+    host_padding_bytes: int = 0  # alignment padding inside the host masters
+    device_padding_bytes: int = 0  # alignment padding inside the device buffers held now
+    h2d_padding_bytes: int = 0  # padding copied along with h2d_bytes (whole flat buffers)
+    peak_device_bytes: int = 0  # the most device bytes held at once, padding included
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+    def hold_device(self, weight: int, padding: int) -> None:
+        self.device_weight_bytes += weight
+        self.device_padding_bytes += padding
+        self.peak_device_weight_bytes = max(self.peak_device_weight_bytes,
+                                            self.device_weight_bytes)
+        self.peak_device_bytes = max(self.peak_device_bytes,
+                                     self.device_weight_bytes + self.device_padding_bytes)
+
+    def release_device(self, weight: int, padding: int) -> None:
+        self.device_weight_bytes -= weight
+        self.device_padding_bytes -= padding
+
+    def add_host(self, weight: int, padding: int, *, pinned: bool) -> None:
+        self.host_bytes += weight
+        self.host_padding_bytes += padding
+        if pinned:
+            self.pinned_bytes += weight + padding
+
+    def add_h2d(self, weight: int, padding: int) -> None:
+        self.h2d_bytes += weight
+        self.h2d_padding_bytes += padding
 
 
 class Transaction:
@@ -160,7 +190,7 @@ class TensorGroup:
     def of(cls, label: str, named: Sequence[tuple[str, torch.Tensor]],
            platform: Platform) -> TensorGroup:
         named = unique_tensors(named)  # Parameters reachable twice are one tensor
-        layout = Layout(named)
+        layout = Layout(named, alignment=platform.alignment)
         was_resident = [platform.is_resident(src) for src in layout._sources]
         return cls(label, [t for _, t in named], layout, was_resident)
 
@@ -170,7 +200,16 @@ class TensorGroup:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held or copied for the group (alignment padding included)."""
         return self.layout.nbytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.layout.weight_bytes
+
+    @property
+    def padding_bytes(self) -> int:
+        return self.layout.padding_bytes
 
 
 def restore_group(group: TensorGroup, platform: Platform) -> list[torch.Tensor]:
@@ -179,20 +218,26 @@ def restore_group(group: TensorGroup, platform: Platform) -> list[torch.Tensor]:
     source = group.master.flats if group.master is not None else group.device_flats
     buffers = []
     for seg, resident in zip(group.layout.segments, group.was_resident):
-        buf = platform.empty(seg.numel, seg.dtype) if resident else torch.empty(
-            seg.numel, dtype=seg.dtype)
+        # The segment starts ``seg.phase`` elements into its fresh storage, so every tensor keeps
+        # its alignment phase (Note [Aligned layout]).
+        numel = seg.phase + seg.numel
+        buf = platform.empty(numel, seg.dtype) if resident else aligned_empty(
+            numel, seg.dtype, group.layout.alignment)
         if seg.numel:
             src = source[seg.dtype].narrow(0, seg.offset, seg.numel)
+            dst = buf.narrow(0, seg.phase, seg.numel)
             if resident:
-                platform.copy_(buf, src)
+                platform.copy_(dst, src)
             else:
-                buf.copy_(src)
+                dst.copy_(src)
         buffers.append(buf)
     views = []
     for record in group.layout.records:
         seg = group.layout.segments[record.segment]
-        views.append(torch.as_strided(buffers[record.segment], record.shape, record.stride,
-                                      record.offset - seg.offset))
+        buf = buffers[record.segment]
+        views.append(torch.as_strided(buf, record.shape, record.stride,
+                                      buf.storage_offset() + record.offset - seg.offset
+                                      + seg.phase))
     return views
 
 
@@ -245,7 +290,8 @@ class OffloadBackend:
                 f"{type(pipeline).__name__} is already offloaded by {owner!r}; disable that "
                 "backend first (at most one offload strategy may own a pipeline)"
             )
-        plan = resolve_offload_plan(pipeline, self.config)  # raises before any mutation
+        plan = resolve_offload_plan(pipeline, self.config,  # raises before any mutation
+                                    alignment=self.platform.alignment)
         self.plan = plan
         self.skip_reason = plan.skip_reason
         if plan.skip_reason is not None:

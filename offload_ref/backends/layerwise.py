@@ -26,10 +26,13 @@ Note [The ring]
 
 Note [Slot layout]
     A slot is one byte slab sized for the largest block.  A block's tensors are packed per dtype
-    (Note [Host master layout]); inside the slab the dtype sections follow one another in order
-    of decreasing element size, so every section is aligned without padding and the device bytes
-    of a ring are exactly 2 x its largest block.  (Separate per-dtype slots sized by per-dtype
-    maxima would exceed that bound for rings whose blocks mix dtypes unevenly.)
+    (Note [Host master layout]) with each segment in an aligned region (Note [Aligned layout]),
+    so every dtype section is a multiple of the platform's alignment; inside the slab the
+    sections follow one another from offset 0, so each one starts aligned and every tensor bound
+    to a slot keeps its alignment phase.  The device bytes of a ring are exactly 2 x its largest
+    *aligned* block.  (Separate per-dtype slots sized by per-dtype maxima would exceed that bound
+    for rings whose blocks mix dtypes unevenly.)  Of a slot, the largest block's weight bytes
+    count as device weight bytes and the rest as device padding.
 """
 
 from __future__ import annotations
@@ -154,7 +157,8 @@ class BlockRing:
         self.block_paths = stack.block_paths[stack.resident_head:]
         self.groups: list[TensorGroup] = []
         self.sections: list[dict[torch.dtype, tuple[int, int]]] = []  # byte offset, numel
-        self.slot_bytes = 0
+        self.slot_bytes = 0  # the largest aligned block (Note [Slot layout])
+        self.slot_weight_bytes = 0  # the largest block's weight bytes
         self.slots: list[torch.Tensor] = []
         self.ready: list[Any] = []
         self.free: list[Any] = []
@@ -182,23 +186,25 @@ class BlockRing:
             group = TensorGroup.of(path, named, self.platform)
             group.master = txn.host_master(path, group.layout, self.pin)
             group.drop_sources()
-            self.stats.host_bytes += group.nbytes
-            self.stats.pinned_bytes += group.nbytes if group.master.pinned else 0
+            self.stats.add_host(group.weight_bytes, group.padding_bytes,
+                                pinned=group.master.pinned)
             self.groups.append(group)
             sections, offset = {}, 0
             for dtype in sorted(group.layout.numel, key=lambda d: (-_element_size(d), str(d))):
                 numel = group.layout.numel[dtype]
-                sections[dtype] = (offset, numel)
+                sections[dtype] = (offset, numel)  # offset: a multiple of the alignment
                 offset += numel * _element_size(dtype)
             self.sections.append(sections)
             self.slot_bytes = max(self.slot_bytes, offset)
+            self.slot_weight_bytes = max(self.slot_weight_bytes, group.weight_bytes)
         for s in range(_NUM_SLOTS):
             self.slots.append(txn.device_empty(f"{self.label} slot {s}", self.slot_bytes,
                                                torch.uint8))
             self.ready.append(self.platform.Event())
             self.free.append(self.platform.Event())
         self._build_flats()
-        self.stats.device_weight_bytes += _NUM_SLOTS * self.slot_bytes
+        self.stats.hold_device(_NUM_SLOTS * self.slot_weight_bytes,
+                               _NUM_SLOTS * (self.slot_bytes - self.slot_weight_bytes))
 
     def storage_keys(self) -> set[tuple[str, int]]:
         return {storage_key(t) for g in self.groups for t in g.tensors if t.numel()}
@@ -254,7 +260,8 @@ class BlockRing:
             self.ready[s].record(self.copy_stream)
         self.slot_of[k] = s
         self.occupant[s] = k
-        self.stats.h2d_bytes += self.groups[k].nbytes
+        group = self.groups[k]
+        self.stats.add_h2d(group.weight_bytes, group.padding_bytes)
         self.stats.swaps += 1
 
     def _evict(self, s: int) -> None:
@@ -424,7 +431,6 @@ class LayerWiseOffloadBackend(OffloadBackend):
         for ring in self.rings:
             for k, (block, path) in enumerate(zip(ring.blocks, ring.block_paths)):
                 txn.register_hook(block, self.hook_name, LayerwiseOffloadHook(ring, k), path)
-        self._stats.peak_device_weight_bytes = self._stats.device_weight_bytes
 
     def _disable(self, pipeline: Any) -> None:
         restored = [ring.restored_views() for ring in self.rings]  # may raise: nothing changed

@@ -87,8 +87,8 @@ class ComponentSwapper:
             group = TensorGroup.of(label, named, self.platform)
             group.master = txn.host_master(label, group.layout, pin)
             self.swappable[label] = group
-            self.stats.host_bytes += group.nbytes
-            self.stats.pinned_bytes += group.nbytes if group.master.pinned else 0
+            self.stats.add_host(group.weight_bytes, group.padding_bytes,
+                                pinned=group.master.pinned)
         for label, named in resident_named:
             named = [(n, t) for n, t in named if not self.platform.is_resident(t)]
             if not named:
@@ -99,10 +99,9 @@ class ComponentSwapper:
             txn.step(f"copy {label} to the device")
             group.layout.pack_into(group.device_flats, self.platform.copy_)
             self.resident.append(group)
-            self.stats.device_weight_bytes += group.nbytes
+            self.stats.hold_device(group.weight_bytes, group.padding_bytes)
         for group in [*self.swappable.values(), *self.resident]:
             group.drop_sources()
-        self.stats.peak_device_weight_bytes = self.stats.device_weight_bytes
         # Commit: swappable components start on the host, resident state on the device.
         for label, group in self.swappable.items():
             txn.rebind(label, group.tensors, group.master.host_views())
@@ -125,12 +124,10 @@ class ComponentSwapper:
         group.device_flats = flats
         for t, v in zip(group.tensors, group.layout.views(flats)):
             t.data = v
-        self.stats.h2d_bytes += group.nbytes
+        self.stats.add_h2d(group.weight_bytes, group.padding_bytes)
         self.stats.swaps += 1
-        self.log.append((label, group.nbytes))
-        self.stats.device_weight_bytes += group.nbytes
-        self.stats.peak_device_weight_bytes = max(
-            self.stats.peak_device_weight_bytes, self.stats.device_weight_bytes)
+        self.log.append((label, group.weight_bytes))
+        self.stats.hold_device(group.weight_bytes, group.padding_bytes)
 
     def offload(self, label: str) -> None:
         group = self.swappable[label]
@@ -142,7 +139,7 @@ class ComponentSwapper:
         for flat in flats.values():
             self.platform.discard(flat)
             self.platform.free(flat)
-        self.stats.device_weight_bytes -= group.nbytes
+        self.stats.release_device(group.weight_bytes, group.padding_bytes)
 
     def activate(self, label: str | None, evict: Iterable[str]) -> None:
         """Offload ``evict`` then load ``label`` (the bound holds at every instant)."""

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Event", "Platform", "Stream", "StreamOrderError"]
+__all__ = ["Event", "Platform", "Stream", "StreamOrderError", "aligned_empty"]
 
 
 class StreamOrderError(RuntimeError):
@@ -56,6 +56,10 @@ class Platform(Protocol):
     name: str  # "cpu" | "cuda"
     device: torch.device  # where compute runs and device storage lives
     pin_memory_supported: bool
+    #: Bytes: every tensor an offloader rebinds keeps its address phase modulo ``alignment``, and
+    #: every buffer from :meth:`empty` / :meth:`host_empty` starts on a multiple of it (Note
+    #: [Aligned layout] in host.py).  64 on the CPU platform, 256 on CUDA.
+    alignment: int
 
     def Stream(self) -> Stream: ...  # noqa: N802 (a constructor, as in torch.cuda.Stream)
 
@@ -79,7 +83,8 @@ class Platform(Protocol):
 
     # -- device storage -----------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat device tensor of exactly ``numel`` elements, counted in ``memory_allocated``."""
+        """A flat device tensor of exactly ``numel`` elements whose first element is
+        ``alignment``-aligned, counted in ``memory_allocated``."""
 
     def free(self, tensor: torch.Tensor) -> None:
         """Release a tensor from :meth:`empty` (the caller drops its references)."""
@@ -95,8 +100,9 @@ class Platform(Protocol):
 
     # -- host storage -------------------------------------------------------------------------
     def host_empty(self, numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
-        """A flat host tensor of exactly ``numel`` elements; page-locked when ``pin`` and the
-        platform can pin (exact size: never the power-of-two rounding of a caching allocator)."""
+        """A flat host tensor of exactly ``numel`` elements whose first element is
+        ``alignment``-aligned; page-locked when ``pin`` and the platform can pin (exact size:
+        never the power-of-two rounding of a caching allocator)."""
 
     def host_free(self, tensor: torch.Tensor) -> None:
         """Release a tensor from :meth:`host_empty` (unregisters pinned memory)."""
@@ -106,3 +112,18 @@ class Platform(Protocol):
 
     def host_allocated(self) -> int:
         """Host bytes currently allocated through :meth:`host_empty` (pinned or not)."""
+
+
+def aligned_empty(numel: int, dtype: torch.dtype, alignment: int,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.empty(numel)`` whose first element is ``alignment``-aligned (a view into a
+    slightly larger storage when the allocator's own alignment is smaller)."""
+    tensor = torch.empty(numel, dtype=dtype, device=device)
+    if numel == 0 or tensor.data_ptr() % alignment == 0:
+        return tensor
+    itemsize = tensor.element_size()
+    if alignment % itemsize:
+        raise ValueError(f"alignment {alignment} is not a multiple of {dtype}'s size {itemsize}")
+    backing = torch.empty(numel + alignment // itemsize, dtype=dtype, device=device)
+    start = (-backing.data_ptr()) % alignment // itemsize
+    return backing.narrow(0, start, numel)

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from offload_ref.platform.base import StreamOrderError
+from offload_ref.platform.base import StreamOrderError, aligned_empty
 
 __all__ = ["CpuPlatform"]
 
@@ -368,6 +368,7 @@ class CpuPlatform:
 
     name = "cpu"
     pin_memory_supported = False  # tensor.pin_memory() raises without an accelerator
+    alignment = 64  # MKL picks its kernel path by alignment (Note [Aligned layout], host.py)
 
     def __init__(
         self, *, race_amplifier: bool = False, seed: int = 0, max_delay_s: float = 0.002
@@ -538,8 +539,8 @@ class CpuPlatform:
             raise ValueError(f"empty: numel must be >= 0, got {numel}")
         # A zero-size tensor has no storage address; back it with one element so that every
         # allocation has a distinct ledger key, but count what was asked for.
-        backing = torch.empty(max(numel, 1), dtype=dtype)
-        tensor = backing[:numel] if numel == 0 else backing
+        backing = aligned_empty(max(numel, 1), dtype, self.alignment)
+        tensor = backing[:numel]
         if self.race_amplifier:
             _poison_(backing)  # uninitialized memory must not pass for weights by luck
         nbytes = numel * backing.element_size()
@@ -583,10 +584,10 @@ class CpuPlatform:
     def host_empty(self, numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
         """Ordinary exact-size host memory; ``pin`` is ignored (nothing to pin for on CPU).
         Counted in :meth:`host_allocated` until :meth:`host_free`."""
-        tensor = torch.empty(numel, dtype=dtype)
+        tensor = aligned_empty(numel, dtype, self.alignment)
         if numel:
             with self._lock:
-                self._host[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+                self._host[tensor.untyped_storage().data_ptr()] = numel * tensor.element_size()
         return tensor
 
     def host_free(self, tensor: torch.Tensor) -> None:

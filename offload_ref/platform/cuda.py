@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .base import aligned_empty
+
 __all__ = ["CudaPlatform"]
 
 _HOST_REGISTER_DEFAULT = 0  # cudaHostRegisterDefault
@@ -60,6 +62,7 @@ class CudaPlatform:
 
     name = "cuda"
     pin_memory_supported = True
+    alignment = 256  # cuBLAS(Lt)'s preferred operand alignment (Note [Aligned layout], host.py)
 
     def __init__(self, device: str | torch.device = "cuda") -> None:
         device = torch.device(device)
@@ -142,7 +145,7 @@ class CudaPlatform:
     # -- device storage -----------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat tensor from the caching allocator, on the current stream of the device."""
-        tensor = torch.empty(numel, dtype=dtype, device=self.device)
+        tensor = aligned_empty(numel, dtype, self.alignment, self.device)
         if tensor.numel():
             with self._lock:
                 self._live[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
@@ -184,7 +187,7 @@ class CudaPlatform:
         to the page size -- never the caching host allocator's power-of-two blocks.
         :meth:`pinned_bytes` counts the requested bytes (what the host masters hold)."""
         if not pin or numel == 0:
-            tensor = torch.empty(numel, dtype=dtype)
+            tensor = aligned_empty(numel, dtype, self.alignment)
             self._count_host(tensor, +1)
             return tensor
         tensor, reg_ptr, reg_bytes = page_aligned_buffer(numel, dtype)
