@@ -62,6 +62,66 @@ def check_offloaded_output_matches_reference_without_race_amplifier(case) -> Non
     backend.disable()
 
 
+# -- F.6 alignment ----------------------------------------------------------------------------
+
+
+def _named_modules(pipeline: Any) -> list[tuple[str, nn.Module]]:
+    if isinstance(pipeline, nn.Module):
+        return list(pipeline.named_modules(remove_duplicate=False))
+    out = []
+    for name, value in vars(pipeline).items():
+        if isinstance(value, nn.Module):
+            out += [(f"{name}.{p}" if p else name, m)
+                    for p, m in value.named_modules(remove_duplicate=False)]
+    return out
+
+
+def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = [(n, t) for n, t in module.named_parameters(recurse=False)]
+    out += [(n, t) for n, t in module.named_buffers(recurse=False) if t is not None]
+    return out
+
+
+@check("F.6", strategies=BACKENDS)
+def check_offloaded_tensors_keep_their_alignment(case) -> None:
+    """Every tensor a strategy rebinds (host master view, device copy, ring slot view) and every
+    tensor disable rebuilds keeps its address modulo the platform's alignment (modulo 64 at
+    most: 64 bytes is what torch's allocators give a fresh storage), seen after enable, at every
+    module's forward and after disable.  Kernels choose their path by alignment (MKL's GEMV on
+    AMD EPYC, cuBLAS), so this is what makes bitwise parity hold on every machine; it fails on
+    any machine when an offloader packs tensors without aligned padding."""
+    pipeline = case.build()
+    platform = case.platform()
+    backend = case.backend(platform=platform)
+    a = min(platform.alignment, 64)
+    modules = _named_modules(pipeline)
+    original = {(id(m), n): (t.data_ptr() % a, t.stride())
+                for _, m in modules for n, t in _own_tensors(m) if t.numel()}
+    problems: list[str] = []
+
+    def look(moment: str, path: str, module: nn.Module) -> None:
+        for name, t in _own_tensors(module):
+            want = original.get((id(module), name))
+            if want is None or not t.numel() or t.stride() != want[1]:
+                continue  # new, empty, or a placeholder of a streamed block (stride 0)
+            got = t.data_ptr() % a
+            if got != want[0]:
+                problems.append(f"{moment}: {path + '.' if path else ''}{name} sits {got} bytes "
+                                f"past a {a}-byte boundary, {want[0]} before enable")
+
+    backend.enable(pipeline)
+    for path, module in modules:
+        look("after enable", path, module)
+    with observe(modules, lambda p, m: look(f"while {p or 'the pipeline'} runs", p, m)):
+        case.run(pipeline)
+    backend.disable()
+    for path, module in modules:
+        look("after disable", path, module)
+    if problems:
+        fail(f"{len(problems)} tensor(s) lost their alignment (pad each tensor's region to the "
+             f"platform's alignment and keep its offset modulo {a}): {problems[:4]}")
+
+
 # -- F.1 model level --------------------------------------------------------------------------
 
 
