@@ -444,7 +444,8 @@ def test_encoder_block_stacks_resolve_when_the_encoder_is_selected(
         name: str, encoders: dict[str, int]) -> None:
     plan = resolve_offload_plan(
         get_spec(name).build(),
-        OffloadConfig(strategy="layer_wise", components=("dit", "text_encoder")))
+        OffloadConfig(strategy="layer_wise",
+                      components=("dit", "text_encoder", "image_encoder")))
     assert {c.path: len(c.stacks[0].blocks) for c in plan.encoders} == encoders
     assert all(c.selected for c in plan.encoders)
 
