@@ -46,6 +46,7 @@ __all__ = [
     "ResolvedOffloadPlan",
     "RingAlias",
     "encoder_kind",
+    "owned_tensors",
     "pipeline_state",
     "resolve_offload_plan",
     "selectable_components",
@@ -243,7 +244,7 @@ class ResolvedOffloadPlan:
             if c.on_demand:
                 flags.append("on-demand")
             if c.nested:
-                flags.append(f"keeps nested {', '.join(c.nested)} to their own rule")
+                flags.append(f"nested {', '.join(c.nested)} not in its group")
             lines.append(f"  {c.path} ({', '.join(flags)}): {_nbytes_of(c.module)} bytes")
             for s in c.stacks:
                 sizes = [_nbytes_of(b) for b in s.blocks]

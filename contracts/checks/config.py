@@ -29,6 +29,7 @@ LAYER_WISE = OffloadStrategy.LAYER_WISE
 DLO = OffloadStrategy.DISTRIBUTED_LAYER_WISE
 
 COMPONENT_NAMES = ("dit", "text_encoder", "image_encoder", "vae")
+LAYER_OPTION_COMPONENTS = ("dit", "text_encoder", "image_encoder")  # a VAE takes no options
 TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory")
 OPTION_KEYS = ("weight_transfer", "resident_layers")
 
@@ -402,7 +403,7 @@ def check_config_compact_unknown_weight_transfer_is_rejected(case) -> None:
     """An unknown weight_transfer ("rank_local", "AllGather", ...) is a ValueError naming
     weight_transfer, the value and the accepted transfers."""
     for transfer in ("rank_local", "AllGather", "all-gather", "ranklocal", ""):
-        for component in COMPONENT_NAMES:
+        for component in LAYER_OPTION_COMPONENTS:
             mapping = _layer(list(COMPONENT_NAMES), **{component: {"weight_transfer": transfer}})
             _rejects(case, mapping, ValueError,
                      ("weight_transfer", repr(transfer), "'allgather'", "'rank-local'"))
