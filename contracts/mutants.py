@@ -160,6 +160,37 @@ def _no_ring_aliases(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     return dataclasses.replace(plan, components=components)
 
 
+class _AcceptsResidentInBlock(_Resolver):
+    def _check_unique_ownership(self, components):
+        inside = {id(sub) for c in components for s in c.stacks for b in s.blocks
+                  for sub in b.modules() if sub is not b}
+        # A component inside a streamed block is silently streamed with it.
+        super()._check_unique_ownership([c for c in components if id(c.module) not in inside])
+
+
+def _resident_in_block_accepted(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    return _AcceptsResidentInBlock(pipeline, config).resolve()
+
+
+class _AcceptsSharedStorage(_Resolver):
+    def _check_one_group_per_storage(self, components):
+        pass  # left to the backend, which meets it mid-enable
+
+
+def _shared_storage_accepted(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    return _AcceptsSharedStorage(pipeline, config).resolve()
+
+
+class _VaeWithoutLifecycle(_Resolver):
+    def _vaes(self, found, on_demand):
+        selected = self.config.selects("vae")  # the lifecycle declaration is never checked
+        return [ResolvedComponent(p, m, "vae", selected, selected) for p, m in found.vaes]
+
+
+def _vae_without_lifecycle(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    return _VaeWithoutLifecycle(pipeline, config).resolve()
+
+
 # -- backend mutants (§B, §C, §E, §F.1) ---------------------------------------------------------
 
 
@@ -273,6 +304,14 @@ class _VaeOffloaded(ModelLevelOffloadBackend):
     def _enable(self, pipeline, plan, txn):
         comps = tuple(dataclasses.replace(c, role="encoder", selected=True) if c.role == "vae"
                       else c for c in plan.components)
+        super()._enable(pipeline, dataclasses.replace(plan, components=comps), txn)
+
+
+class _NestedResidentSwaps(ModelLevelOffloadBackend):
+    def _enable(self, pipeline, plan, txn):
+        nested = {p for c in plan.components if c.selected for p in c.nested}
+        comps = tuple(dataclasses.replace(c, nested=()) for c in plan.components
+                      if c.path not in nested)  # the resident swaps with its DiT
         super()._enable(pipeline, dataclasses.replace(plan, components=comps), txn)
 
 
@@ -479,6 +518,7 @@ _SPLIT = dict(pipelines=("cosmos3",), sections=("E",), strategies=("model_level"
 # mutants run the alignment check alone, which fails on every machine.
 _ALIGNMENT = dict(pipelines=("flux2", "cosmos3"), sections=("F.6",),
                   strategies=("model_level", "layer_wise"))
+_NESTED_RESIDENT = dict(pipelines=("soulx_singer",), sections=("F",), strategies=("model_level",))
 
 
 def _m(name: str, defect: str, scope: dict, *, patch: Any = None, factory: Any = None,
@@ -553,9 +593,12 @@ KILLS: dict[str, set[str]] = {
         "check_model_level_without_dit_is_rejected",
         "check_model_level_without_encoder_is_rejected",
         "check_on_demand_component_without_lifecycle_is_rejected",
+        "check_resident_inside_a_streamed_block_is_rejected",
         "check_resident_layers_leaving_one_streaming_block_are_rejected",
         "check_resident_layers_need_a_resident_dit_path",
         "check_single_block_dit_is_rejected",
+        "check_tensor_in_two_model_level_groups_is_rejected",
+        "check_vae_selection_without_lifecycle_is_rejected",
     },
     "vague_topology_errors": {
         "check_block_claimed_by_two_components_is_rejected",
@@ -564,12 +607,29 @@ KILLS: dict[str, set[str]] = {
         "check_model_level_without_dit_is_rejected",
         "check_model_level_without_encoder_is_rejected",
         "check_on_demand_component_without_lifecycle_is_rejected",
+        "check_resident_inside_a_streamed_block_is_rejected",
         "check_resident_layers_leaving_one_streaming_block_are_rejected",
         "check_resident_layers_need_a_resident_dit_path",
         "check_single_block_dit_is_rejected",
+        "check_tensor_in_two_model_level_groups_is_rejected",
+        "check_vae_selection_without_lifecycle_is_rejected",
     },
     "legacy_is_strict": {
         "check_legacy_topology_without_dit_is_a_recorded_noop",
+    },
+    "resident_in_block_accepted": {
+        "check_resident_inside_a_streamed_block_is_rejected",
+    },
+    "shared_storage_accepted": {
+        "check_tensor_in_two_model_level_groups_is_rejected",
+    },
+    "vae_selection_without_lifecycle": {  # the on-demand lifecycle goes unchecked as well
+        "check_on_demand_component_without_lifecycle_is_rejected",
+        "check_vae_selection_without_lifecycle_is_rejected",
+    },
+    "nested_resident_swaps_with_its_dit": {
+        "check_model_level_keeps_one_group_resident",
+        "check_model_level_swaps_move_component_bytes_host_to_device_only",
     },
     "name_based_aliases": {
         "check_tensors_aliasing_a_block_belong_to_its_ring",
@@ -690,6 +750,15 @@ MUTANTS: tuple[Mutant, ...] = (
     _resolver("legacy_is_strict", "legacy flags get the explicit, erroring topology rules",
               _legacy_as_explicit),
     _resolver("name_based_aliases", "the plan records no ring aliases", _no_ring_aliases),
+    _resolver("resident_in_block_accepted",
+              "a resident declared inside a streamed block silently streams with it",
+              _resident_in_block_accepted),
+    _resolver("shared_storage_accepted",
+              "a storage in two model-level groups is left for enable to meet",
+              _shared_storage_accepted),
+    _resolver("vae_selection_without_lifecycle",
+              "a selected VAE is handed to a lifecycle the pipeline never declared",
+              _vae_without_lifecycle),
     # §B, §C, §F.1 (model level)
     _model_level("rollback_misses_a_hook", "a failed enable leaves one hook installed",
                  _RollbackMissesAHook),
@@ -709,6 +778,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _model_level("two_groups_resident", "a DiT runs with the encoders still on the device",
                  _TwoGroupsResident),
     _model_level("vae_offloaded", "the VAE is swapped like an encoder", _VaeOffloaded),
+    _model_level("nested_resident_swaps_with_its_dit",
+                 "a resident declared inside a DiT is swapped out with it",
+                 _NestedResidentSwaps, _NESTED_RESIDENT),
     _model_level("d2h_copy_on_swap", "offloading copies the device weights back to the host",
                  _D2HOnSwap),
     _model_level("disable_forgets_placement",

@@ -27,6 +27,7 @@ from typing import Any
 
 __all__ = [
     "COMPONENTS",
+    "ENCODER_KINDS",
     "LayerOptions",
     "OffloadConfig",
     "OffloadStrategy",
@@ -56,12 +57,20 @@ class WeightTransfer(str, enum.Enum):
         return self.value
 
 
-#: Component names a config may select.  ``"dit"`` is every declared DiT; ``"text_encoder"`` is
-#: the encoder group (every entry of ``_encoder_modules``).
-COMPONENTS: tuple[str, ...] = ("dit", "text_encoder")
+#: Component names a config may select.  ``"dit"`` is every declared DiT; ``"text_encoder"`` and
+#: ``"image_encoder"`` are the encoders of that kind (see ``OffloadPlan.encoder_component_types``);
+#: ``"vae"`` hands the VAEs to the lifecycle the pipeline declares (never selected by default).
+COMPONENTS: tuple[str, ...] = ("dit", "text_encoder", "image_encoder", "vae")
+#: Encoder kinds (a subset of :data:`COMPONENTS`).
+ENCODER_KINDS: tuple[str, ...] = ("text_encoder", "image_encoder")
+#: What model-level offload selects when nothing is named: every DiT and every encoder.
+_MODEL_LEVEL_DEFAULT: tuple[str, ...] = ("dit", *ENCODER_KINDS)
 _MODES = ("module", "layer")
 _TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory")
 _LAYER_OPTION_KEYS = ("weight_transfer", "resident_layers")
+_VAE_OPTIONS = ("layer_options['vae'] is not accepted: a selected VAE follows the lifecycle its "
+                "pipeline declares (load_to_device / offload_to_cpu), it does not stream; "
+                "remove layer_options['vae']")
 _LEGACY_DLO_DEFAULTS = {"dlo_use_allgather": True, "dlo_resident_layers": 0}
 
 
@@ -109,7 +118,8 @@ class OffloadConfig:
             )
         components = tuple(components)
         if strategy is not OffloadStrategy.NONE and not components:
-            components = ("dit",) if strategy is not OffloadStrategy.MODEL_LEVEL else COMPONENTS
+            components = ("dit",) if strategy is not OffloadStrategy.MODEL_LEVEL \
+                else _MODEL_LEVEL_DEFAULT
         unknown = [c for c in components if c not in COMPONENTS]
         if unknown:
             raise ValueError(
@@ -145,6 +155,8 @@ class OffloadConfig:
                 raise ValueError(
                     f"layer_options[{name!r}].resident_layers is only supported for 'dit'"
                 )
+            if name == "vae":
+                raise ValueError(_VAE_OPTIONS)
             needs_dlo = opts.weight_transfer is WeightTransfer.ALLGATHER or opts.resident_layers
             if needs_dlo and strategy is not OffloadStrategy.DISTRIBUTED_LAYER_WISE:
                 raise ValueError(
@@ -313,6 +325,8 @@ def _parse_compact(mapping: Any, *, world_size: int, use_hsdp: bool) -> OffloadC
                 f"{_key(path, opts)}: requires selecting the same component in components "
                 f"(selected: {list(components)})"
             )
+        if name == "vae":
+            raise ValueError(f"{_key(path, opts)}: {_VAE_OPTIONS}")
         if not isinstance(opts, Mapping):
             raise TypeError(
                 f"{_key(path, opts)}: must be a mapping with keys {list(_LAYER_OPTION_KEYS)}"
@@ -452,7 +466,7 @@ def _from_od_config(od_config: Any) -> OffloadConfig:
                              explicit=False)
     if legacy_strategy is OffloadStrategy.MODEL_LEVEL:
         return OffloadConfig(
-            strategy=legacy_strategy, components=COMPONENTS, pin_memory=pin_memory,
+            strategy=legacy_strategy, components=_MODEL_LEVEL_DEFAULT, pin_memory=pin_memory,
             world_size=world_size, use_hsdp=use_hsdp, explicit=False,
         )
     if legacy_strategy is OffloadStrategy.LAYER_WISE:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import OffloadConfig, OffloadStrategy, WeightTransfer
+from .config import ENCODER_KINDS, OffloadConfig, OffloadStrategy, WeightTransfer
 from .host import ALLOCATOR_ALIGNMENT, padded_span_bytes
 from .discovery import (
     _MISSING,
@@ -45,6 +45,9 @@ __all__ = [
     "ResolvedComponent",
     "ResolvedOffloadPlan",
     "RingAlias",
+    "encoder_kind",
+    "owned_tensors",
+    "pipeline_state",
     "resolve_offload_plan",
     "selectable_components",
 ]
@@ -83,7 +86,10 @@ class OffloadPlan:
     * ``on_demand_component_paths``: components whose residency the pipeline manages through
       ``load_to_device()`` / ``offload_to_cpu()``;
     * ``encoder_dlo_weight_replication``: encoders whose loaded weights are identical on every rank
-      (required before their blocks may be sharded and rebuilt by AllGather).
+      (required before their blocks may be sharded and rebuilt by AllGather);
+    * ``encoder_component_types``: encoder path -> its kind, ``"text_encoder"`` or
+      ``"image_encoder"`` (the config names it selects it by); undeclared encoders take their kind
+      from the path's last name (see :func:`encoder_kind`).
 
     Paths are dotted, relative to the pipeline; container names are relative to their owner.
     """
@@ -94,6 +100,7 @@ class OffloadPlan:
     resident_dit_paths: tuple[str, ...] = ()
     on_demand_component_paths: tuple[str, ...] = ()
     encoder_dlo_weight_replication: tuple[str, ...] = ()
+    encoder_component_types: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_attrs", _frozen_map(self.block_attrs, "tuple"))
@@ -101,6 +108,14 @@ class OffloadPlan:
             self, "encoder_block_attrs", _frozen_map(self.encoder_block_attrs, "tuple")
         )
         object.__setattr__(self, "offload_submodules", _frozen_map(self.offload_submodules, "str"))
+        kinds = _frozen_map(self.encoder_component_types, "str")
+        for path, kind in kinds.items():
+            if kind not in ENCODER_KINDS:
+                raise ValueError(
+                    f"OffloadPlan.encoder_component_types maps encoder {path!r} to unknown "
+                    f"component {kind!r}; accepted: {list(ENCODER_KINDS)}"
+                )
+        object.__setattr__(self, "encoder_component_types", kinds)
         for name in ("resident_dit_paths", "on_demand_component_paths",
                      "encoder_dlo_weight_replication"):
             value = getattr(self, name)
@@ -112,6 +127,7 @@ class OffloadPlan:
             tuple(self.block_attrs.items()), tuple(self.encoder_block_attrs.items()),
             tuple(self.offload_submodules.items()), self.resident_dit_paths,
             self.on_demand_component_paths, self.encoder_dlo_weight_replication,
+            tuple(self.encoder_component_types.items()),
         ))
 
 
@@ -162,9 +178,18 @@ class ResolvedComponent:
     selected: bool  # offloaded by the strategy (otherwise kept on the device)
     on_demand: bool = False  # residency owned by the pipeline (load_to_device / offload_to_cpu)
     stacks: tuple[BlockStack, ...] = ()
+    kind: str = ""  # the config name that selects it: "dit", "text_encoder", "image_encoder", ...
+    #: Paths of the other components inside this one's module tree: their tensors follow their
+    #: own rule (a resident nested in a DiT stays on the device while the DiT swaps).
+    nested: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            object.__setattr__(self, "kind", self.role)
 
     def _key(self) -> tuple:
-        return (self.path, id(self.module), self.role, self.selected, self.on_demand, self.stacks)
+        return (self.path, id(self.module), self.role, self.selected, self.on_demand, self.stacks,
+                self.kind, self.nested)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ResolvedComponent) and self._key() == other._key()
@@ -215,9 +240,12 @@ class ResolvedOffloadPlan:
         if self.delegated:
             lines.append("delegated to the pipeline's enable_omni_model_cpu_offload")
         for c in self.components:
-            flags = [c.role, "offloaded" if c.selected else "resident"]
+            flags = [c.role if c.kind == c.role else f"{c.role} ({c.kind})",
+                     "offloaded" if c.selected else "resident"]
             if c.on_demand:
                 flags.append("on-demand")
+            if c.nested:
+                flags.append(f"nested {', '.join(c.nested)} not in its group")
             lines.append(f"  {c.path} ({', '.join(flags)}): {_nbytes_of(c.module)} bytes")
             for s in c.stacks:
                 sizes = [_nbytes_of(b) for b in s.blocks]
@@ -248,28 +276,63 @@ class ResolvedOffloadPlan:
 def _predict(plan: ResolvedOffloadPlan) -> int:
     """Model level keeps the resident state plus the largest swap group (one DiT, or the
     encoders); layerwise keeps everything but the streamed blocks, plus two of each ring's
-    largest block.  Bytes are storage spans, counted once however many paths reach them, each
-    in its aligned region (the bytes a host master or device copy allocates, padding
-    included)."""
+    largest block.  A swap group is its component's own tensors (:func:`owned_tensors`);
+    pipeline-managed (on-demand) components hold no bytes of ours, but their rings do.  Bytes
+    are storage spans, counted once however many paths reach them, each in its aligned region
+    (the bytes a host master or device copy allocates, padding included)."""
     if not plan.components:
         return plan.other_state_bytes
     a = plan.alignment
+    placed = [c for c in plan.components if not c.on_demand]
     if plan.strategy is OffloadStrategy.MODEL_LEVEL:
-        swapped = [c for c in plan.components if c.selected and c.role in ("dit", "encoder")]
-        kept = _span_bytes(_tensors(*(c.module for c in plan.components if c not in swapped)), a)
-        groups = [_span_bytes(_tensors(c.module), a) for c in swapped if c.role == "dit"]
-        groups.append(_span_bytes(_tensors(*(c.module for c in swapped
-                                             if c.role == "encoder")), a))
+        swapped = [c for c in placed if c.selected and c.role in ("dit", "encoder")]
+        kept = _span_bytes(_tensors(*(c.module for c in placed if c not in swapped)), a)
+        groups = [_span_bytes((t for _, t in owned_tensors(plan, c)), a)
+                  for c in swapped if c.role == "dit"]
+        groups.append(_span_bytes((t for c in swapped if c.role == "encoder"
+                                   for _, t in owned_tensors(plan, c)), a))
         return plan.other_state_bytes + kept + max(groups)
-    everything = _span_bytes(
-        _tensors(*(c.module for c in plan.components if not c.on_demand)), a)
+    held = _tensors(*(c.module for c in placed))
+    held_ids = {id(t) for t in held}
     rings = [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
     per_block = [[_span_bytes(_streamed_tensors(s, k), a) for k in range(len(s.streamed_blocks))]
                  for s in rings]
     streamed = _span_bytes([t for s in rings for k in range(len(s.streamed_blocks))
-                            for t in _streamed_tensors(s, k)], a)
-    return (plan.other_state_bytes + everything - streamed
+                            for t in _streamed_tensors(s, k) if id(t) in held_ids], a)
+    return (plan.other_state_bytes + _span_bytes(held, a) - streamed
             + sum(2 * max(sizes) for sizes in per_block))
+
+
+def owned_tensors(plan: ResolvedOffloadPlan,
+                  comp: ResolvedComponent) -> list[tuple[str, torch.Tensor]]:
+    """``(qualified name, tensor)`` of ``comp``'s own tensors: its module's, minus those of the
+    components nested in it (``comp.nested``), which follow their own rule."""
+    inner: set[int] = set()
+    for path in comp.nested:
+        inner.update(id(t) for t in _tensors(plan.component(path).module))
+    return [(name, t) for name, t in _tensors_of(comp.module, comp.path) if id(t) not in inner]
+
+
+def pipeline_state(pipeline: Any, exclude: Iterable[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers of ``pipeline`` outside the ``exclude`` subtrees (what no
+    component owns: it stays on the device under every strategy)."""
+    excluded = {id(m) for root in exclude for m in root.modules()}
+    out = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        if id(module) in excluded:
+            return
+        for registry in ("_parameters", "_buffers"):
+            for name, t in module.__dict__.get(registry, {}).items():
+                if t is not None:
+                    out.append((f"{prefix}{name}", t))
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.")
+
+    if isinstance(pipeline, nn.Module):
+        walk(pipeline, "")
+    return out
 
 
 def _tensors(*modules: nn.Module) -> list[torch.Tensor]:
@@ -364,7 +427,10 @@ class _Resolver:
         if isinstance(components, str):
             return ResolvedOffloadPlan(strategy, skip_reason=components,
                                        warnings=tuple(self.warnings))
+        components = _with_nested(components)
         self._check_unique_ownership(components)
+        if strategy is OffloadStrategy.MODEL_LEVEL:
+            self._check_one_group_per_storage(components)
         components = _with_shared(self.pipeline, components)
         plan = ResolvedOffloadPlan(strategy, tuple(components), warnings=tuple(self.warnings),
                                    other_state_bytes=_other_state_bytes(
@@ -380,7 +446,7 @@ class _Resolver:
 
     def _model_level(self, found) -> list[ResolvedComponent] | str:
         wants_dit = self.config.selects("dit")
-        wants_encoder = self.config.selects("text_encoder")
+        wants_encoder = any(self.config.selects(kind) for kind in ENCODER_KINDS)
         if not found.dits:
             message = (
                 f"{self.cls_name}: model-level offload requires a DiT/transformer module; declare "
@@ -397,16 +463,52 @@ class _Resolver:
                 "pipeline with at least two DiTs)"
             )
         comps = [ResolvedComponent(p, m, "dit", wants_dit) for p, m in found.dits]
-        comps += [ResolvedComponent(p, m, "encoder", wants_encoder) for p, m in found.encoders]
-        comps += [ResolvedComponent(p, m, "vae", False) for p, m in found.vaes]
+        for p, m in found.encoders:
+            kind = self._encoder_kind(p)
+            comps.append(ResolvedComponent(p, m, "encoder", self.config.selects(kind), kind=kind))
+        comps += self._vaes(found, on_demand=set())
         comps += [ResolvedComponent(p, m, "resident", False) for p, m in found.residents]
+        return comps
+
+    # -- kinds and lifecycles ------------------------------------------------------------------
+
+    def _encoder_kind(self, path: str) -> str:
+        return encoder_kind(self.plan, path)
+
+    def _vaes(self, found, on_demand: set[str]) -> list[ResolvedComponent]:
+        """Selecting ``"vae"`` hands every VAE to the lifecycle its pipeline declares; a VAE
+        that is not selected stays on the device (or, listed in ``on_demand``, the pipeline's)."""
+        selected = self.config.selects("vae")
+        if selected and not found.vaes:
+            raise OffloadTopologyError(
+                f"{self.cls_name}: No VAE modules found for the 'vae' selection; declare them in "
+                "_vae_modules (offload_ref.SupportsComponentDiscovery) or drop 'vae' from "
+                "components"
+            )
+        comps = []
+        for path, module in found.vaes:
+            if selected:
+                if path not in self.plan.on_demand_component_paths:
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: selected VAE {path!r} requires a pipeline-managed "
+                        f"lifecycle: list {path!r} in OffloadPlan.on_demand_component_paths and "
+                        f"implement load_to_device() and offload_to_cpu() on "
+                        f"{type(module).__name__}, or drop 'vae' from components"
+                    )
+                self._require_lifecycle(path, module)
+                comps.append(ResolvedComponent(path, module, "vae", True, True))
+                continue
+            staged = path in on_demand
+            if staged:
+                self._require_lifecycle(path, module)
+            comps.append(ResolvedComponent(path, module, "vae", False, staged))
         return comps
 
     # -- layerwise -----------------------------------------------------------------------------
 
     def _layerwise(self, found) -> list[ResolvedComponent] | str:
         wants_dit = self.config.selects("dit")
-        wants_encoder = self.config.selects("text_encoder")
+        wants_encoder = any(self.config.selects(kind) for kind in ENCODER_KINDS)
         if not found.dits:
             if wants_dit and self.explicit:
                 raise OffloadTopologyError(
@@ -424,12 +526,13 @@ class _Resolver:
             comps.append(ResolvedComponent(path, module, "dit", bool(stacks), False, tuple(stacks)))
         for path, module in found.encoders:
             stacks, staged = [], False
-            if wants_encoder:
-                stacks = self._encoder_stacks(path, module)
+            kind = self._encoder_kind(path)
+            if self.config.selects(kind):
+                stacks = self._encoder_stacks(path, module, kind)
                 staged = path in on_demand
                 if staged:
                     self._require_lifecycle(path, module)
-                if staged and not stacks and self._transfer("text_encoder") is \
+                if staged and not stacks and self._transfer(kind) is \
                         WeightTransfer.ALLGATHER and self.config.world_size > 1:
                     raise OffloadTopologyError(
                         f"{self.cls_name}: on-demand encoder {path!r} cannot use AllGather "
@@ -438,18 +541,14 @@ class _Resolver:
                     )
                 if not stacks and not staged:
                     self.fail_or_warn(
-                        f"{self.cls_name}: selected text encoder {path!r} requires a "
+                        f"{self.cls_name}: selected {kind.replace('_', ' ')} {path!r} requires a "
                         "model-declared streamable or on-demand plan; declare "
                         f"OffloadPlan(encoder_block_attrs={{{path!r}: (<container>,)}}) or list "
                         "it in OffloadPlan.on_demand_component_paths"
                     )
             comps.append(ResolvedComponent(path, module, "encoder", bool(stacks) or staged,
-                                           staged, tuple(stacks)))
-        for path, module in found.vaes:
-            staged = path in on_demand
-            if staged:
-                self._require_lifecycle(path, module)
-            comps.append(ResolvedComponent(path, module, "vae", False, staged))
+                                           staged, tuple(stacks), kind))
+        comps += self._vaes(found, on_demand)
         for path, module in found.residents:
             comps.append(ResolvedComponent(path, module, "resident", False))
         for path, container in self.plan.offload_submodules.items():
@@ -566,11 +665,11 @@ class _Resolver:
         return [self._stack(path, module, container_paths, blocks, block_paths, head,
                             self._transfer("dit"))]
 
-    def _encoder_stacks(self, path: str, module: nn.Module) -> list[BlockStack]:
+    def _encoder_stacks(self, path: str, module: nn.Module, kind: str) -> list[BlockStack]:
         names = self.plan.encoder_block_attrs.get(path)
         if not names:
             return []
-        transfer = self._transfer("text_encoder")
+        transfer = self._transfer(kind)
         if transfer is WeightTransfer.ALLGATHER and self.config.world_size > 1 and \
                 path not in self.plan.encoder_dlo_weight_replication:
             raise OffloadTopologyError(
@@ -635,13 +734,89 @@ class _Resolver:
                             f"{bpath!r}; a block may belong to one ring only"
                         )
                     owners[id(block)] = bpath
-        # A streamed block must not also be a whole component of another role.
+        # A streamed block must not also be a whole component of another role, nor contain one:
+        # a block streams whole, so nothing inside it can keep a residency of its own.
+        inside: dict[int, str] = {}  # id of a module strictly inside a streamed block -> block
+        for comp in components:
+            for stack in comp.stacks:
+                for block, bpath in zip(stack.streamed_blocks,
+                                        stack.block_paths[stack.resident_head:]):
+                    for sub in block.modules():
+                        if sub is not block:
+                            inside.setdefault(id(sub), bpath)
         for comp in components:
             if id(comp.module) in owners and not comp.stacks:
                 raise OffloadTopologyError(
                     f"{self.cls_name}: component {comp.path!r} is claimed by both its own "
                     f"declaration and the ring block {owners[id(comp.module)]!r}"
                 )
+            if id(comp.module) in inside:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: {comp.role} {comp.path!r} lies inside the streamed block "
+                    f"{inside[id(comp.module)]!r}; a block streams whole, so nothing inside it "
+                    f"can stay {'resident' if comp.role == 'resident' else 'its own component'}: "
+                    f"drop {comp.path!r} from _{comp.role}_modules (it then streams with its "
+                    "block), or move it out of the block container"
+                )
+
+    def _check_one_group_per_storage(self, components: list[ResolvedComponent]) -> None:
+        """Model level moves each swap group (one DiT, one encoder) on its own and keeps the
+        rest on the device (or leaves it to the pipeline): a storage reachable from two groups
+        would need two masters, or two device copies that drift apart."""
+        plan = ResolvedOffloadPlan(self.config.strategy, tuple(components))
+        claimed: dict[tuple, tuple[str, str]] = {}  # storage -> (tensor path, group)
+        resident = "the resident state (kept on the device)"
+
+        def claim(group: str, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for name, t in named:
+                if t is None or not t.numel():
+                    continue
+                other = claimed.setdefault(_storage_key(t), (name, group))
+                if other[1] != group:
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: {name} (in {group}) shares storage with {other[0]} "
+                        f"(in {other[1]}); a tensor can belong to one offload group only, and "
+                        "model-level offload moves these groups separately: untie the tensors, "
+                        "or declare both parts as one component"
+                    )
+
+        for comp in components:
+            if comp.on_demand:
+                group = f"pipeline-managed {comp.path!r}"
+            elif comp.selected and comp.role in ("dit", "encoder"):
+                group = f"swap group {comp.path!r}"
+            else:
+                group = resident
+            claim(group, owned_tensors(plan, comp))
+        claim(resident, pipeline_state(self.pipeline, [c.module for c in components]))
+
+
+def _with_nested(components: list[ResolvedComponent]) -> list[ResolvedComponent]:
+    """Record, per component, the other components inside its module tree (by identity)."""
+    out = []
+    for comp in components:
+        subs = {id(m) for m in comp.module.modules()}
+        nested = tuple(c.path for c in components
+                       if c.module is not comp.module and id(c.module) in subs)
+        out.append(dataclasses.replace(comp, nested=nested) if nested else comp)
+    return out
+
+
+#: Words in an encoder's attribute name that make it an image encoder (CLIP-vision, SigLIP,
+#: ViT towers: "image_encoder", "vision_model", "vit", ...).  Everything else is a text encoder,
+#: as every encoder was before kinds existed.
+_IMAGE_ENCODER_WORDS = ("image", "vision", "vit", "siglip", "visual")
+
+
+def encoder_kind(plan: OffloadPlan | None, path: str) -> str:
+    """``"text_encoder"`` or ``"image_encoder"``: the declaration
+    (``OffloadPlan.encoder_component_types``) first, then the path's last name."""
+    if plan is not None and path in plan.encoder_component_types:
+        return plan.encoder_component_types[path]
+    leaf = path.rsplit(".", 1)[-1].lower()
+    if any(word in leaf for word in _IMAGE_ENCODER_WORDS):
+        return "image_encoder"
+    return "text_encoder"
 
 
 def _tensors_of(module: nn.Module, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
@@ -797,20 +972,27 @@ def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent],
 
 
 def selectable_components(pipeline: Any, strategy: OffloadStrategy | str) -> tuple[str, ...]:
-    """Everything ``pipeline`` lets ``strategy`` offload: model level swaps the DiTs and the
-    encoders; layer strategies stream the DiTs, and the encoders too when every declared encoder
-    has a streamable (``encoder_block_attrs``) or on-demand plan.  Reads only declarations."""
+    """Everything ``pipeline`` lets ``strategy`` offload: model level swaps the DiTs and every
+    encoder kind the pipeline has; layer strategies stream the DiTs, and an encoder kind too
+    when every encoder of that kind has a streamable (``encoder_block_attrs``) or on-demand
+    plan.  ``"vae"`` is never implied (it hands the VAE to the pipeline's own lifecycle).
+    Reads only declarations."""
     strategy = OffloadStrategy(strategy)
-    if strategy is OffloadStrategy.MODEL_LEVEL:
-        return ("dit", "text_encoder")
     plan = getattr(pipeline, "_offload_plan", None)
-    declared = set()
-    if isinstance(plan, OffloadPlan):
-        declared = set(plan.encoder_block_attrs) | set(plan.on_demand_component_paths)
+    plan = plan if isinstance(plan, OffloadPlan) else None
     encoders = discover_components(pipeline, warn=lambda message: None).encoders
-    if encoders and all(path in declared for path, _ in encoders):
-        return ("dit", "text_encoder")
-    return ("dit",)
+    kinds: dict[str, list[str]] = {}
+    for path, _ in encoders:
+        kinds.setdefault(encoder_kind(plan, path), []).append(path)
+    if strategy is OffloadStrategy.MODEL_LEVEL:
+        if not kinds:
+            return ("dit", "text_encoder")
+        return ("dit", *(k for k in ENCODER_KINDS if k in kinds))
+    declared = set()
+    if plan is not None:
+        declared = set(plan.encoder_block_attrs) | set(plan.on_demand_component_paths)
+    return ("dit", *(k for k in ENCODER_KINDS
+                     if k in kinds and all(p in declared for p in kinds[k])))
 
 
 def resolve_offload_plan(pipeline: Any, config: OffloadConfig, *,

@@ -80,7 +80,7 @@ class ComponentGroups:
         txn = Transaction(platform, HookRegistry())
         residents = [("resident", _named_tensors(m)) for m in (*self._resident, *resident)]
         swappable = [
-            (name, _Group(mods)) for name, mods in self._groups.items()
+            (name, _named_tensors(_Group(mods))) for name, mods in self._groups.items()
         ]
         try:
             swapper.prepare(txn, swappable, residents, pin=pin_memory)

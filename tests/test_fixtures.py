@@ -95,6 +95,7 @@ DOCUMENTED_SHAPES = {
         "bagel", "longcat_image", "nextstep", "qwen_image", "sdxl", "wan22_i2v", "wan22_t2v"},
     "parameters_in_several_dtypes": {"cosmos3", "soulx_singer"},
     "tensor_smaller_than_its_storage": {"sd3", "soulx_singer"},
+    "resident_nested_in_a_dit": {"soulx_singer"},
 }
 
 
@@ -212,6 +213,9 @@ def _shape_inventory() -> dict[str, set[str]]:
         if any(t.untyped_storage().nbytes() > t.numel() * t.element_size()
                for t in (*pipe.parameters(), *pipe.buffers())):
             inventory["tensor_smaller_than_its_storage"].add(spec.name)
+        if any(c.role == "resident" for d in plan.dits for c in plan.components
+               if c.path in d.nested):
+            inventory["resident_nested_in_a_dit"].add(spec.name)
         dit_stacks = [s for c in plan.dits for s in c.stacks]
         if len(dit_stacks) >= 2:
             inventory["two_dit_rings"].add(spec.name)
@@ -444,7 +448,8 @@ def test_encoder_block_stacks_resolve_when_the_encoder_is_selected(
         name: str, encoders: dict[str, int]) -> None:
     plan = resolve_offload_plan(
         get_spec(name).build(),
-        OffloadConfig(strategy="layer_wise", components=("dit", "text_encoder")))
+        OffloadConfig(strategy="layer_wise",
+                      components=("dit", "text_encoder", "image_encoder")))
     assert {c.path: len(c.stacks[0].blocks) for c in plan.encoders} == encoders
     assert all(c.selected for c in plan.encoders)
 

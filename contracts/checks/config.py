@@ -28,7 +28,8 @@ MODEL_LEVEL = OffloadStrategy.MODEL_LEVEL
 LAYER_WISE = OffloadStrategy.LAYER_WISE
 DLO = OffloadStrategy.DISTRIBUTED_LAYER_WISE
 
-COMPONENT_NAMES = ("dit", "text_encoder")
+COMPONENT_NAMES = ("dit", "text_encoder", "image_encoder", "vae")
+LAYER_OPTION_COMPONENTS = ("dit", "text_encoder", "image_encoder")  # a VAE takes no options
 TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory")
 OPTION_KEYS = ("weight_transfer", "resident_layers")
 
@@ -344,10 +345,10 @@ def check_config_compact_components_of_wrong_type_are_rejected(case) -> None:
 
 @check("G", scope="global")
 def check_config_compact_empty_or_unknown_components_are_rejected(case) -> None:
-    """Empty components, unknown names (" dit ", "text-encoder", "vae", ...) and duplicates
-    are a ValueError naming components, the value and the accepted names."""
-    for components in ([], [" dit "], ["text-encoder"], ["dit", "text-encoder"], ["vae"],
-                       ["DiT"], ["image_encoder"]):
+    """Empty components, unknown names (" dit ", "text-encoder", "scheduler", ...) and
+    duplicates are a ValueError naming components, the value and the accepted names."""
+    for components in ([], [" dit "], ["text-encoder"], ["dit", "text-encoder"], ["scheduler"],
+                       ["DiT"], ["image-encoder"], ["VAE"]):
         for mode in ("module", "layer"):
             _rejects(case, {"mode": mode, "components": components}, ValueError,
                      ("components", repr(components)) + COMPONENT_NAMES)
@@ -374,8 +375,9 @@ def check_config_compact_layer_options_for_unselected_component_are_rejected(cas
              ("layer_options", "text_encoder", "components", "dit"))
     _rejects(case, _layer(["text_encoder"], dit={}), ValueError,
              ("layer_options", "'dit'", "components", "text_encoder"))
-    _rejects(case, _layer(["dit"], vae={}), ValueError,
-             ("layer_options", "vae") + COMPONENT_NAMES)
+    _rejects(case, _layer(["dit"], scheduler={}), ValueError,
+             ("layer_options", "scheduler") + COMPONENT_NAMES)
+    _rejects(case, _layer(["dit", "vae"], vae={}), ValueError, ("layer_options", "'vae'"))
 
 
 @check("G", scope="global")
@@ -401,7 +403,7 @@ def check_config_compact_unknown_weight_transfer_is_rejected(case) -> None:
     """An unknown weight_transfer ("rank_local", "AllGather", ...) is a ValueError naming
     weight_transfer, the value and the accepted transfers."""
     for transfer in ("rank_local", "AllGather", "all-gather", "ranklocal", ""):
-        for component in COMPONENT_NAMES:
+        for component in LAYER_OPTION_COMPONENTS:
             mapping = _layer(list(COMPONENT_NAMES), **{component: {"weight_transfer": transfer}})
             _rejects(case, mapping, ValueError,
                      ("weight_transfer", repr(transfer), "'allgather'", "'rank-local'"))

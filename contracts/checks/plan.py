@@ -379,3 +379,55 @@ def check_tensors_aliasing_a_block_belong_to_its_ring(case) -> None:
                for b in list(blk.parameters()) + list(blk.buffers())):
             if f"{path}.{name}" not in aliases:
                 fail(f"{path}.{name} shares storage with a block tensor but is not a ring alias")
+
+
+@check("A.5", strategies=LAYER, requires_support=False)
+def check_resident_inside_a_streamed_block_is_rejected(case) -> None:
+    """A component declared inside a streamed block (a resident submodule of a block) is
+    rejected, naming it: a block streams whole, so nothing inside it can stay resident."""
+    pipeline = case.build()
+    stack = next((s for s in case.resolve(pipeline).stacks if len(s.streamed_blocks) >= 2), None)
+    if stack is None:
+        fail("precondition: the plan streams no ring")
+    block, block_path = stack.blocks[-1], stack.block_paths[-1]
+    name = next((n for n, m in block.named_modules() if n and any(True for _ in m.parameters())),
+                None)
+    if name is None:
+        fail(f"precondition: block {block_path!r} has no submodule with parameters")
+    path = f"{block_path}.{name}"
+    pipeline.__dict__["_resident_modules"] = list(
+        getattr(pipeline, "_resident_modules", []) or []) + [path]
+    _resolve_and_expect_rejection(case, pipeline, case.config(), "a resident inside a block",
+                                  (path, block_path, "_resident_modules"))
+
+
+@check("A.5", strategies=("model_level",), applies=_not_delegated)
+def check_tensor_in_two_model_level_groups_is_rejected(case) -> None:
+    """Model level moves each DiT, each encoder and the resident state separately: pipeline
+    state sharing storage with a swapped DiT is rejected by the resolver, naming both."""
+    pipeline = case.build()
+    path, dit = first_dit(pipeline)
+    subs = {id(m) for m in dit.modules()}
+    inner = {id(t) for c in case.resolve(pipeline).components
+             if c.module is not dit and id(c.module) in subs for t in c.module.parameters()}
+    tensor = next(p for p in dit.parameters() if p.numel() > 1 and id(p) not in inner)
+    pipeline.register_buffer("_kit_tied", tensor.data.view(-1)[:1], persistent=False)
+    _resolve_and_expect_rejection(case, pipeline, case.config(), "a storage in two groups",
+                                  ("_kit_tied", path, "one offload group"))
+
+
+_has_vae = has_role("vaes")
+
+
+@check("A.5", applies=lambda spec, strategy: _has_vae(spec, strategy)
+       and _not_delegated(spec, strategy))
+def check_vae_selection_without_lifecycle_is_rejected(case) -> None:
+    """Selecting "vae" without a declared pipeline-managed lifecycle is rejected, naming the
+    VAE and what to declare."""
+    pipeline = case.build()
+    path, module = discover_components(pipeline).vaes[0]
+    if path in getattr(getattr(pipeline, "_offload_plan", None), "on_demand_component_paths", ()):
+        fail(f"precondition: {path!r} is already declared on-demand")
+    config = case.config(components=tuple(case.config().components) + ("vae",))
+    _resolve_and_expect_rejection(case, pipeline, config, "a VAE selected without a lifecycle",
+                                  (repr(path), "on_demand_component_paths", "load_to_device"))

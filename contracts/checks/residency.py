@@ -133,34 +133,57 @@ def _model_level_setup(case: Any) -> tuple[Any, Any, Any, Any]:
     return pipeline, platform, backend, plan
 
 
+def _own(plan: Any, comp: Any) -> list[torch.Tensor]:
+    """``comp``'s own tensors: its module's, minus those of the other components declared
+    inside it (a resident nested in a DiT stays on the device while the DiT swaps).  Found by
+    module identity here, independently of the library's bookkeeping."""
+    subs = {id(m) for m in comp.module.modules()}
+    inner = {id(t) for c in plan.components
+             if c.module is not comp.module and id(c.module) in subs
+             for t in tensors_of(c.module)}
+    return [t for t in tensors_of(comp.module) if id(t) not in inner]
+
+
+def _all_resident(platform: Any, tensors: list[torch.Tensor]) -> bool:
+    return all(platform.is_resident(t) for t in tensors)
+
+
+def _none_resident(platform: Any, tensors: list[torch.Tensor]) -> bool:
+    return not any(platform.is_resident(t) for t in tensors)
+
+
 @check("F.1", strategies=("model_level",), applies=_not_delegated)
 def check_model_level_keeps_one_group_resident(case) -> None:
-    """While an encoder runs every DiT is on the host; while a DiT runs the encoders and the
-    other DiTs are on the host; VAEs and residents stay on the device; device bytes stay within
-    one swap group + resident state."""
+    """While an encoder runs every swapped DiT is on the host; while a DiT runs the swapped
+    encoders and the other DiTs are on the host; VAEs, residents (also those declared inside a
+    swapped component) and unselected components stay on the device; device bytes stay within
+    one swap group (a component's own tensors) + resident state."""
     pipeline, platform, backend, plan = _model_level_setup(case)
+    swapped = [c for c in plan.components
+               if c.role in ("dit", "encoder") and c.selected and not c.on_demand]
+    own = {c.path: _own(plan, c) for c in plan.components}
     dits = [(c.path, c.module) for c in plan.components if c.role == "dit"]
     encoders = [(c.path, c.module) for c in plan.components if c.role == "encoder"]
-    always = [(c.path, c.module) for c in plan.components if c.role in ("vae", "resident")]
+    always = [c.path for c in plan.components if c not in swapped and not c.on_demand]
     a = platform.alignment  # device copies hold each storage in an aligned region
-    groups = [module_bytes(m, a) for _, m in dits] + [
-        tensor_bytes([t for _, m in encoders for t in tensors_of(m)], a)]
+    groups = [tensor_bytes(own[c.path], a) for c in swapped if c.role == "dit"]
+    groups.append(tensor_bytes([t for c in swapped if c.role == "encoder" for t in own[c.path]],
+                               a))
     backend.enable(pipeline)
     base = platform.memory_allocated()  # resident state, placed at enable
     bound = base + max(groups)
     problems: list[str] = []
 
     def before(path: str, module: nn.Module) -> None:
-        if not is_resident(platform, module):
+        if not _all_resident(platform, own[path]):
             problems.append(f"{path} runs while not resident")
         role = "dit" if any(m is module for _, m in dits) else "encoder"
-        others = [p for p, m in dits if m is not module] + (
-            [p for p, _ in encoders] if role == "dit" else [])
-        for p, m in dits + encoders:
-            if p in others and not is_offloaded(platform, m):
-                problems.append(f"{p} is on the device while {role} {path} runs")
-        for p, m in always:
-            if not is_resident(platform, m):
+        for c in swapped:
+            if c.path != path and (c.role == "dit" or role == "dit") and \
+                    not _none_resident(platform, own[c.path]):
+                problems.append(f"{c.path} is on the device while {role} {path} runs")
+        for p in always:
+            if not _all_resident(platform, own[p]):
                 problems.append(f"{p} left the device while {path} runs")
         if platform.memory_allocated() > bound:
             problems.append(f"{platform.memory_allocated()} device bytes while {path} runs > "
@@ -177,12 +200,12 @@ def check_model_level_keeps_one_group_resident(case) -> None:
 
 @check("F.1", strategies=("model_level",), applies=_not_delegated)
 def check_model_level_swaps_move_component_bytes_host_to_device_only(case) -> None:
-    """Each swap moves exactly the loaded component's bytes host -> device (observed at the
+    """Each swap moves exactly the loaded component's own bytes host -> device (observed at the
     component's forward, before it runs); nothing moves device -> host."""
     pipeline, platform, backend, plan = _model_level_setup(case)
     # A swap copies the component's aligned flat buffers: its weight bytes plus padding.
-    swappable = {c.path: module_bytes(c.module, platform.alignment) for c in plan.components
-                 if c.role in ("dit", "encoder") and c.selected}
+    swappable = {c.path: tensor_bytes(_own(plan, c), platform.alignment) for c in plan.components
+                 if c.role in ("dit", "encoder") and c.selected and not c.on_demand}
     watched = [(c.path, c.module) for c in plan.components if c.role in ("dit", "encoder")]
     backend.enable(pipeline)
     platform.copies.clear()

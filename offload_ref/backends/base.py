@@ -31,7 +31,7 @@ from torch import nn
 from ..config import OffloadConfig, OffloadStrategy
 from ..hooks import HookRegistry, ModelHook
 from ..host import HostMaster, Layout, aligned_empty, unique_tensors
-from ..plan import ResolvedOffloadPlan, resolve_offload_plan
+from ..plan import ResolvedOffloadPlan, pipeline_state, resolve_offload_plan  # noqa: F401 (re-exported)
 from ..platform import Platform, get_platform
 
 __all__ = [
@@ -388,27 +388,6 @@ class _Owner:
     def __repr__(self) -> str:
         backend = self._ref()
         return type(backend).__name__ if backend is not None else "a collected backend"
-
-
-def pipeline_state(pipeline: nn.Module, exclude: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
-    """Parameters and buffers of ``pipeline`` outside the ``exclude`` subtrees."""
-    excluded = {id(m) for root in exclude for m in root.modules()}
-    out = []
-
-    def walk(module: nn.Module, prefix: str) -> None:
-        if id(module) in excluded:
-            return
-        for registry in ("_parameters", "_buffers"):
-            for name, t in module.__dict__.get(registry, {}).items():
-                if t is not None:
-                    out.append((f"{prefix}{name}", t))
-        for name, child in module._modules.items():
-            if child is not None:
-                walk(child, f"{prefix}{name}.")
-
-    if isinstance(pipeline, nn.Module):
-        walk(pipeline, "")
-    return out
 
 
 def get_offload_backend(

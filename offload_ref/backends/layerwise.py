@@ -406,7 +406,9 @@ class LayerWiseOffloadBackend(OffloadBackend):
         if self._copy_stream is None:  # one per backend, reused by every enable
             self._copy_stream = self.platform.Stream()
         copy_stream = self._copy_stream
-        streamed = [c for c in plan.components if c.selected and not c.on_demand]
+        # Pipeline-managed (on-demand) components stream their declared rings too; only their
+        # non-block residency is left to their load_to_device / offload_to_cpu.
+        streamed = [c for c in plan.components if c.selected]
         for comp in streamed:
             for stack in comp.stacks:
                 if len(stack.streamed_blocks) < 2:

@@ -4,6 +4,11 @@ Residency rule (the bound the contract suite enforces): before an encoder runs, 
 the host; before a DiT runs, the encoders and every other DiT are on the host; VAEs, declared
 residents, unselected components and the rest of the pipeline's state stay on the device.  So
 the device holds at most one swap group (the encoders, or one DiT) plus the resident state.
+A swap group is its component's own tensors (``offload_ref.plan.owned_tensors``): a resident
+declared inside a DiT (a timestep embedder) stays on the device while the rest of the DiT swaps.
+Pipeline-managed components (a VAE selected with its declared lifecycle) are left to the
+pipeline's ``load_to_device`` / ``offload_to_cpu``.  The resolver has already checked that no
+storage belongs to two of these groups.
 
 A swap moves host -> device only: offloading rebinds the component's tensors to its immutable
 host master (no device -> host copy, no pinned memory allocated per swap).
@@ -25,7 +30,8 @@ from torch import nn
 
 from ..config import OffloadStrategy
 from ..hooks import ModelHook
-from ..plan import ResolvedComponent, ResolvedOffloadPlan
+from ..host import storage_key
+from ..plan import ResolvedComponent, ResolvedOffloadPlan, owned_tensors
 from ..platform import Platform
 from .base import (
     OffloadBackend,
@@ -55,12 +61,15 @@ class ComponentSwapper:
     def prepare(
         self,
         txn: Transaction,
-        swappable: Sequence[tuple[str, nn.Module]],
+        swappable: Sequence[tuple[str, Sequence[tuple[str, torch.Tensor]]]],
         resident: Sequence[tuple[str, Sequence[tuple[str, torch.Tensor]]]],
         *,
         pin: bool,
     ) -> None:
-        """Build masters and device copies off to the side, then commit (Note [Transactions])."""
+        """Build masters and device copies off to the side, then commit (Note [Transactions]).
+
+        ``swappable`` and ``resident`` are ``(label, [(qualified name, tensor)])`` groups; no
+        storage may appear in two groups (the resolver rejects such topologies)."""
         claimed: dict[tuple, str] = {}
 
         def claim(label: str, named: Iterable[tuple[str, torch.Tensor]]) -> list:
@@ -68,19 +77,18 @@ class ComponentSwapper:
             for name, t in named:
                 if t is None or t.numel() == 0:
                     continue
-                key = (str(t.device), t.untyped_storage().data_ptr())
-                other = claimed.get(key)
-                if other is not None and other != label:
+                other = claimed.setdefault(storage_key(t), label)
+                if other != label:  # the resolver rejects this for plans; split models' own
+                    # groups (offload_ref.split.ComponentGroups) meet it here
                     raise ValueError(
-                        f"{label}.{name} shares storage with a tensor of {other}; a tensor can "
-                        "belong to one offload group only (untie it or declare both parts as "
-                        "one component)"
+                        f"{name} (in {label}) shares storage with a tensor of {other}; a tensor "
+                        "can belong to one offload group only (untie it or declare both parts "
+                        "as one component)"
                     )
-                claimed[key] = label
-                out.append((f"{label}.{name}", t))
+                out.append((name, t))
             return out
 
-        swap_named = [(label, claim(label, _named_tensors(m))) for label, m in swappable]
+        swap_named = [(label, claim(label, named)) for label, named in swappable]
         resident_named = [(label, claim(label, named)) for label, named in resident]
         # Build everything first: nothing the pipeline sees changes until the rebinds below.
         for label, named in swap_named:
@@ -215,18 +223,21 @@ class ModelLevelOffloadBackend(OffloadBackend):
             return
         swapper = self.swapper_class(self.platform, self._stats)
         self._swapper = swapper
-        swappable = [c for c in plan.components if c.role in ("dit", "encoder") and c.selected]
-        kept = [c for c in plan.components if c not in swappable]
-        resident = [(c.path, _named_tensors(c.module)) for c in kept]
-        rest = pipeline_state(pipeline, [c.module for c in plan.components])
-        if rest:
-            resident.append(("<pipeline>", rest))
+        placed = [c for c in plan.components if not c.on_demand]  # the rest is the pipeline's
+        swappable = [c for c in placed if c.role in ("dit", "encoder") and c.selected]
+        managed = {id(t) for c in plan.components if c.on_demand
+                   for _, t in owned_tensors(plan, c)}
+        # One resident group: a tensor reachable from two kept components is one device copy.
+        kept = [(n, t) for c in placed if c not in swappable for n, t in owned_tensors(plan, c)
+                if id(t) not in managed]
+        kept += pipeline_state(pipeline, [c.module for c in plan.components])
         swapper.prepare(
-            txn, [(c.path, c.module) for c in swappable], resident, pin=self.config.pin_memory
+            txn, [(c.path, owned_tensors(plan, c)) for c in swappable],
+            [("<resident>", kept)] if kept else [], pin=self.config.pin_memory
         )
         self._components = plan.components
         for comp in plan.components:
-            if comp.role in ("dit", "encoder"):
+            if comp.role in ("dit", "encoder") and not comp.on_demand:
                 txn.register_hook(comp.module, self.hook_name, SequentialOffloadHook(self, comp),
                                   comp.path)
 
@@ -235,8 +246,11 @@ class ModelLevelOffloadBackend(OffloadBackend):
         enable = pipeline.enable_omni_model_cpu_offload
         params = inspect.signature(enable).parameters
         takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        # DESIGN's minimal signature is (*, device, pin_memory); pass the rest when accepted.
-        for name, value in (("components", self.config.components), ("platform", self.platform)):
+        # DESIGN's minimal signature is (*, device, pin_memory); pass the rest when accepted:
+        # the selection, the platform and the parallel facts the config holds.
+        facts = (("components", self.config.components), ("platform", self.platform),
+                 ("use_hsdp", self.config.use_hsdp), ("world_size", self.config.world_size))
+        for name, value in facts:
             if name in params or takes_any:
                 kwargs[name] = value
         txn.step(f"{type(pipeline).__name__}.enable_omni_model_cpu_offload")
