@@ -412,6 +412,12 @@ class _Resolver:
                 )
             if not wants_encoder or not self.explicit:
                 return "no DiT module found; layerwise offload is a no-op for this pipeline"
+        if wants_encoder and self.explicit and not found.encoders:
+            raise OffloadTopologyError(
+                f"{self.cls_name}: component 'text_encoder' is selected but no text encoder "
+                "modules were found; declare them in _encoder_modules "
+                "(offload_ref.SupportsComponentDiscovery) or drop 'text_encoder' from components"
+            )
         on_demand = set(self.plan.on_demand_component_paths)
         comps: list[ResolvedComponent] = []
         for path, module in found.dits:
