@@ -426,12 +426,13 @@ class _Resolver:
                 stacks = self._dit_stacks(path, module)
             comps.append(ResolvedComponent(path, module, "dit", bool(stacks), False, tuple(stacks)))
         for path, module in found.encoders:
-            stacks, staged = [], False
+            # A pipeline-managed encoder is left to the pipeline whether or not it is selected
+            # (as a VAE is): the backend never places it.
+            stacks, staged = [], path in on_demand
+            if staged:
+                self._require_lifecycle(path, module)
             if wants_encoder:
                 stacks = self._encoder_stacks(path, module)
-                staged = path in on_demand
-                if staged:
-                    self._require_lifecycle(path, module)
                 if staged and not stacks and self._transfer("text_encoder") is \
                         WeightTransfer.ALLGATHER and self.config.world_size > 1:
                     raise OffloadTopologyError(
@@ -446,7 +447,8 @@ class _Resolver:
                         f"OffloadPlan(encoder_block_attrs={{{path!r}: (<container>,)}}) or list "
                         "it in OffloadPlan.on_demand_component_paths"
                     )
-            comps.append(ResolvedComponent(path, module, "encoder", bool(stacks) or staged,
+            comps.append(ResolvedComponent(path, module, "encoder",
+                                           bool(stacks) or (staged and wants_encoder),
                                            staged, tuple(stacks)))
         for path, module in found.vaes:
             staged = path in on_demand
