@@ -355,6 +355,7 @@ class _Resolver:
             else:
                 self.warnings.append(message)
 
+        self._reject_unreadable_storage(found)
         if strategy is OffloadStrategy.MODEL_LEVEL:
             components = self._model_level(found)
         else:
@@ -368,6 +369,28 @@ class _Resolver:
                                    other_state_bytes=_other_state_bytes(self.pipeline,
                                                                         components))
         return dataclasses.replace(plan, device_bytes_bound=_predict(plan))
+
+    def _reject_unreadable_storage(self, found) -> None:
+        """Tensor subclasses without readable storage (DTensor, other wrapper subclasses) have
+        no storage a host master could copy or a rebind could keep: reject them here, before
+        anything is placed (the storage-key helpers would crash on them later)."""
+        if isinstance(self.pipeline, nn.Module):
+            roots = [("", self.pipeline)]
+        else:
+            roots = [(f"{path}.", module) for group in (found.dits, found.encoders, found.vaes,
+                                                        found.residents)
+                     for path, module in group]
+        for prefix, root in roots:
+            for name, t in _tensors_of(root, ""):
+                if not _has_readable_storage(t):
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: tensor {prefix + name!r} is a {type(t).__name__}, a "
+                        "tensor subclass whose storage cannot be read (a DTensor from FSDP/HSDP "
+                        "or tensor parallelism, or another wrapper subclass); offload-ref offloads "
+                        "plain dense tensors only.  Materialize it before enabling offload (a "
+                        "DTensor: .full_tensor() or .to_local()), or do not combine offload with "
+                        "sharded parameters (docs/model-authors.md)"
+                    )
 
     def _warn_scan(self, message: str) -> None:
         warnings.warn(message, OffloadDeclarationWarning, stacklevel=5)
@@ -655,6 +678,16 @@ def _tensors_of(module: nn.Module, prefix: str) -> Iterable[tuple[str, torch.Ten
     for name, b in module.named_buffers(prefix=prefix, remove_duplicate=False):
         if b is not None:
             yield name, b
+
+
+def _has_readable_storage(t: torch.Tensor) -> bool:
+    if t.device.type == "meta":
+        return True  # rejected later, with its own message (it was never materialized)
+    try:
+        t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
