@@ -157,3 +157,191 @@ def test_failed_component_groups_swap_in_releases_its_device_buffers() -> None:
     model.groups.disable()
     assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
     platform.close()
+
+
+# -- 3. an explicitly selected component that does not exist is rejected by the resolver -------
+
+
+class _DitOnly(nn.Module, SupportsComponentDiscovery):
+    _dit_modules = ["transformer"]
+    _encoder_modules: list[str] = []
+    _vae_modules: list[str] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = _Dit()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer(x)
+
+
+@pytest.mark.parametrize("strategy", ["layer_wise", "model_level"])
+def test_selecting_a_missing_encoder_is_rejected_by_the_resolver(strategy: str) -> None:
+    from offload_ref import OffloadTopologyError, resolve_offload_plan
+
+    config = OffloadConfig(strategy=strategy, components=("dit", "text_encoder"))
+    with pytest.raises(OffloadTopologyError, match="_encoder_modules") as info:
+        resolve_offload_plan(_DitOnly(), config)
+    if strategy == "layer_wise":
+        assert "'text_encoder'" in str(info.value)
+    # Selecting only what exists still works.
+    resolve_offload_plan(_DitOnly(), OffloadConfig(strategy="layer_wise", components=("dit",)))
+
+
+# -- 4. legacy layerwise leaves a pipeline-managed encoder to the pipeline -------------------
+
+
+class _ManagedEncoder(nn.Linear):
+    def load_to_device(self) -> None:  # the pipeline's own lifecycle (not exercised here)
+        pass
+
+    def offload_to_cpu(self) -> None:
+        pass
+
+
+class _OnDemandEncoderPipe(_Pipe):
+    from offload_ref import OffloadPlan as _Plan
+
+    _offload_plan = _Plan(on_demand_component_paths=("text_encoder",))
+    del _Plan
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_encoder = _ManagedEncoder(10, 10)
+
+
+def test_legacy_layerwise_leaves_an_on_demand_encoder_to_the_pipeline() -> None:
+    from types import SimpleNamespace
+
+    from offload_ref import resolve_offload_plan
+
+    config = OffloadConfig.from_od_config(SimpleNamespace(enable_layerwise_offload=True))
+    assert config.components == ("dit",) and not config.explicit
+    pipeline = _OnDemandEncoderPipe()
+    encoder = resolve_offload_plan(pipeline, config).component("text_encoder")
+    assert (encoder.on_demand, encoder.selected) == (True, False)
+    platform = CpuPlatform()
+    backend = get_offload_backend(config, platform=platform)
+    backend.enable(pipeline)
+    placed = [n for n, p in pipeline.text_encoder.named_parameters() if platform.is_resident(p)]
+    assert placed == [], f"the pipeline-managed encoder was placed on the device: {placed}"
+    backend.disable()
+    platform.close()
+
+
+# -- 5. the fallback scan finds one module under two encoder names once ----------------------
+
+
+class _Undeclared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = _Dit()
+        encoder = nn.Linear(10, 10)
+        self.text_encoder = encoder
+        self.text_encoder_2 = encoder  # one module, two well-known names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer(self.text_encoder_2(self.text_encoder(x)))
+
+
+def test_fallback_scan_deduplicates_a_module_found_under_two_names() -> None:
+    from offload_ref.discovery import discover_components
+
+    pipeline = _Undeclared()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = discover_components(pipeline)
+    assert [p for p, _ in found.encoders] == ["text_encoder"]
+    torch.manual_seed(0)
+    x = torch.randn(2, 10)
+    with torch.inference_mode():
+        reference = pipeline(x)
+    platform = CpuPlatform()
+    backend = get_offload_backend(OffloadConfig(strategy="model_level"), platform=platform)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        backend.enable(pipeline)
+    with torch.inference_mode():
+        assert torch.equal(pipeline(x), reference)
+    backend.disable()
+    platform.close()
+
+
+def test_a_module_declared_twice_is_still_rejected() -> None:
+    from offload_ref.discovery import discover_components
+
+    class Declared(_Undeclared, SupportsComponentDiscovery):
+        _dit_modules = ["transformer"]
+        _encoder_modules = ["text_encoder", "text_encoder_2"]
+
+    with pytest.raises(ValueError, match="already declared as 'text_encoder'"):
+        discover_components(Declared())
+
+
+# -- 6. tensor subclasses without readable storage are rejected before mutation --------------
+
+
+class _Wrapper(torch.Tensor):
+    """A minimal wrapper subclass: no storage of its own, every op runs on ``elem``."""
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> _Wrapper:
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype,
+                                                   device=elem.device)
+
+    def __init__(self, elem: torch.Tensor) -> None:
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        unwrap = lambda x: x.elem if isinstance(x, _Wrapper) else x  # noqa: E731
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(lambda x: _Wrapper(x) if isinstance(x, torch.Tensor) else x, out)
+
+
+def _assert_rejected_before_mutation(pipeline: nn.Module, path: str) -> None:
+    from offload_ref import OffloadTopologyError, resolve_offload_plan
+
+    ids = {n: id(t) for n, t in pipeline.state_dict(keep_vars=True).items()}
+    for strategy in ("model_level", "layer_wise"):
+        config = OffloadConfig(strategy=strategy)
+        with pytest.raises(OffloadTopologyError, match=path.replace(".", r"\.")) as info:
+            resolve_offload_plan(pipeline, config)
+        assert "full_tensor" in str(info.value)  # says what to do
+        platform = CpuPlatform()
+        backend = get_offload_backend(config, platform=platform)
+        with pytest.raises(OffloadTopologyError):
+            backend.enable(pipeline)
+        assert not backend.is_enabled()
+        assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
+        platform.close()
+    assert {n: id(t) for n, t in pipeline.state_dict(keep_vars=True).items()} == ids
+
+
+def test_wrapper_subclass_parameter_is_rejected_naming_its_path() -> None:
+    pipeline = _Pipe()
+    block = pipeline.transformer.blocks[1]
+    block.weight = nn.Parameter(_Wrapper(block.weight.detach().clone()), requires_grad=False)
+    _assert_rejected_before_mutation(pipeline, "transformer.blocks.1.weight")
+
+
+def test_dtensor_parameter_is_rejected_naming_its_path(tmp_path) -> None:
+    import torch.distributed as dist
+    from torch.distributed import FileStore
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        pipeline = _Pipe()
+        encoder = pipeline.text_encoder
+        encoder.weight = nn.Parameter(
+            distribute_tensor(encoder.weight.detach(), mesh, [Replicate()]))
+        _assert_rejected_before_mutation(pipeline, "text_encoder.weight")
+    finally:
+        dist.destroy_process_group()
