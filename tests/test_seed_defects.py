@@ -345,3 +345,38 @@ def test_dtensor_parameter_is_rejected_naming_its_path(tmp_path) -> None:
         _assert_rejected_before_mutation(pipeline, "text_encoder.weight")
     finally:
         dist.destroy_process_group()
+
+
+# -- 7. a nested parallel_config is read, and contradictions are rejected --------------------
+
+
+@pytest.mark.parametrize("nested", [
+    pytest.param(lambda: __import__("types").SimpleNamespace(use_hsdp=True, data_parallel_size=4),
+                 id="attributes"),
+    pytest.param(lambda: {"use_hsdp": True, "data_parallel_size": 4}, id="mapping"),
+])
+def test_nested_parallel_config_is_read(nested) -> None:
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="HSDP"):  # the seeds' shape, with AllGather
+        OffloadConfig.from_od_config(SimpleNamespace(
+            enable_distributed_layerwise_offload=True, dlo_use_allgather=True,
+            parallel_config=nested()))
+    config = OffloadConfig.from_od_config(SimpleNamespace(
+        enable_distributed_layerwise_offload=True, dlo_use_allgather=False,
+        parallel_config=nested()))
+    assert (config.world_size, config.use_hsdp) == (4, True)
+
+
+def test_nested_and_top_level_parallel_facts_must_agree() -> None:
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match=r"data_parallel_size = 2 contradicts "
+                                         r"parallel_config\.data_parallel_size = 4"):
+        OffloadConfig.from_od_config(SimpleNamespace(
+            enable_layerwise_offload=True, data_parallel_size=2,
+            parallel_config=SimpleNamespace(data_parallel_size=4)))
+    agreeing = OffloadConfig.from_od_config(SimpleNamespace(
+        enable_layerwise_offload=True, data_parallel_size=4,
+        parallel_config=SimpleNamespace(data_parallel_size=4, use_hsdp=None)))
+    assert (agreeing.world_size, agreeing.use_hsdp) == (4, False)
