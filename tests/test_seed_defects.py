@@ -380,3 +380,62 @@ def test_nested_and_top_level_parallel_facts_must_agree() -> None:
         enable_layerwise_offload=True, data_parallel_size=4,
         parallel_config=SimpleNamespace(data_parallel_size=4, use_hsdp=None)))
     assert (agreeing.world_size, agreeing.use_hsdp) == (4, False)
+
+
+# -- 2. a pipeline built under torch.inference_mode() survives enable and disable -------------
+
+
+@pytest.mark.parametrize("strategy", ["model_level", "layer_wise"])
+def test_pipeline_built_under_inference_mode_works_enabled_and_after_disable(strategy) -> None:
+    from offload_ref.fixtures import get_spec
+
+    spec = get_spec("flux2")
+    with torch.inference_mode():
+        reference = spec.build()(**spec.make_inputs())
+        pipeline = spec.build()
+    ids = {n: id(t) for n, t in pipeline.state_dict(keep_vars=True).items()}
+    platform = CpuPlatform(race_amplifier=True)
+    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+    backend.enable(pipeline)
+    with torch.inference_mode():
+        assert torch.equal(pipeline(**spec.make_inputs()), reference)
+    with torch.no_grad():  # outside inference mode too
+        assert torch.equal(pipeline(**spec.make_inputs()), reference)
+    backend.disable()
+    after = pipeline.state_dict(keep_vars=True)
+    assert {n: id(t) for n, t in after.items()} == ids  # the same Parameter objects
+    assert all(t.is_inference() for t in after.values() if t.numel())
+    with torch.inference_mode():
+        assert torch.equal(pipeline(**spec.make_inputs()), reference)
+    backend.enable(pipeline)  # and again
+    with torch.inference_mode():
+        assert torch.equal(pipeline(**spec.make_inputs()), reference)
+    backend.disable()
+    assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
+    platform.close()
+
+
+@pytest.mark.parametrize("strategy", ["model_level", "layer_wise"])
+def test_failed_enable_restores_inference_tensors_exactly(strategy) -> None:
+    from offload_ref import OffloadEnableError
+    from offload_ref.fixtures import get_spec
+
+    spec = get_spec("flux2")
+    with torch.inference_mode():
+        pipeline = spec.build()
+        reference = pipeline(**spec.make_inputs())
+    before = {n: (id(t), t.data_ptr()) for n, t in pipeline.state_dict(keep_vars=True).items()}
+    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=CpuPlatform())
+
+    def fault(step: int, label: str) -> None:
+        if label.startswith("hook"):  # after every rebind
+            raise RuntimeError("injected")
+
+    backend.fault_injector = fault
+    with pytest.raises(OffloadEnableError):
+        backend.enable(pipeline)
+    after = pipeline.state_dict(keep_vars=True)
+    assert {n: (id(t), t.data_ptr()) for n, t in after.items()} == before
+    assert all(t.is_inference() for t in after.values() if t.numel())
+    with torch.inference_mode():
+        assert torch.equal(pipeline(**spec.make_inputs()), reference)

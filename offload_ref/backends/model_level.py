@@ -33,6 +33,7 @@ from .base import (
     TensorGroup,
     Transaction,
     pipeline_state,
+    rebind_restored,
     restore_group,
 )
 
@@ -173,7 +174,7 @@ class ComponentSwapper:
         self.platform.synchronize()
         for group, views in zip(groups, restored):
             for t, v in zip(group.tensors, views):
-                t.data = v
+                rebind_restored(t, v)
         self.release()
 
     def release(self) -> None:
