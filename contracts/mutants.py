@@ -255,6 +255,23 @@ class _RollbackLeaksHostMasters(ModelLevelOffloadBackend):
     transaction_class = _LeakyHostTransaction
 
 
+class _InferenceBlindTransaction(Transaction):
+    def rebind(self, label, tensors, new):
+        self.step(f"rebind {label}")
+        for t, n in zip(tensors, new):  # .data of an inference tensor rebound as of any other
+            old = t.data
+            t.data = n
+            self.on_rollback(lambda t=t, old=old: setattr(t, "data", old))
+
+
+class _InferenceBlindModelLevel(ModelLevelOffloadBackend):
+    transaction_class = _InferenceBlindTransaction
+
+
+class _InferenceBlindLayerwise(LayerWiseOffloadBackend):
+    transaction_class = _InferenceBlindTransaction
+
+
 class _DoubleCopySwapper(ComponentSwapper):
     def load(self, label):
         group = self.swappable[label]
@@ -546,6 +563,12 @@ KILLS: dict[str, set[str]] = {
     "rollback_leaks_host_masters": {
         "check_failed_enable_releases_memory_and_chains_the_cause",
     },
+    "inference_tensors_rebound_as_normal": {
+        "check_pipeline_built_under_inference_mode_matches_reference",
+    },
+    "inference_tensors_rebound_as_normal_layerwise": {
+        "check_pipeline_built_under_inference_mode_matches_reference",
+    },
     "double_copy_on_swap": {
         "check_model_level_swaps_move_component_bytes_host_to_device_only",
         "check_stats_match_what_the_platform_saw",
@@ -564,6 +587,7 @@ KILLS: dict[str, set[str]] = {
         "check_failed_enable_releases_memory_and_chains_the_cause",
     },
     "disable_not_idempotent": {
+        "check_pipeline_built_under_inference_mode_matches_reference",
         "check_second_disable_is_a_noop",
     },
     "impure_resolver": {
@@ -657,6 +681,7 @@ KILLS: dict[str, set[str]] = {
     "disable_forgets_placement": {
         "check_cycles_do_not_grow_memory",
         "check_disable_restores_parameters_and_placement",
+        "check_pipeline_built_under_inference_mode_matches_reference",
         "check_random_lifecycle_sequences_keep_invariants",
         "check_views_keep_strides_and_sharing",
     },
@@ -694,6 +719,7 @@ KILLS: dict[str, set[str]] = {
         "check_offloaded_output_matches_reference_bitwise",
         "check_offloaded_output_matches_reference_without_race_amplifier",
         "check_parameter_shared_by_two_blocks_is_never_copied_twice",
+        "check_pipeline_built_under_inference_mode_matches_reference",
         "check_random_lifecycle_sequences_keep_invariants",
         "check_second_enable_is_idempotent_and_exclusive",
         "check_skipped_block_is_recovered",
@@ -770,6 +796,9 @@ MUTANTS: tuple[Mutant, ...] = (
                  _DisableNotIdempotent),
     _model_level("rollback_leaks_host_masters", "a failed enable keeps its host masters",
                  _RollbackLeaksHostMasters),
+    _model_level("inference_tensors_rebound_as_normal",
+                 "the .data of a pipeline's inference tensors is rebound to ordinary tensors",
+                 _InferenceBlindModelLevel),
     _model_level("double_copy_on_swap", "every swap uploads the component twice",
                  _DoubleCopyOnSwap),
     _model_level("stats_count_host_as_device", "stats() adds host master bytes to device bytes",
@@ -820,4 +849,7 @@ MUTANTS: tuple[Mutant, ...] = (
     _layer("silently_serial", "no prefetch, and the synchronous loads are not counted",
            _layerwise(_SilentlySerialRing)),
     _layer("three_slots", "the ring keeps a third device slot", _layerwise(_ThreeSlotsRing)),
+    _layer("inference_tensors_rebound_as_normal_layerwise",
+           "the .data of a pipeline's inference tensors is rebound to ordinary tensors",
+           _InferenceBlindLayerwise),
 )

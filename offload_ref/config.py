@@ -412,12 +412,33 @@ def _legacy_strategy(od_config: Any) -> OffloadStrategy:
     return OffloadStrategy.NONE
 
 
+def _parallel_flag(od_config: Any, name: str, default: Any) -> Any:
+    """``od_config.<name>`` or ``od_config.parallel_config.<name>`` (the seeds'
+    DiffusionParallelConfig: an object or a mapping); both set and different is a
+    contradiction, never a silent choice."""
+    top = getattr(od_config, name, None)
+    nested_config = getattr(od_config, "parallel_config", None)
+    if isinstance(nested_config, Mapping):
+        nested = nested_config.get(name)
+    else:
+        nested = getattr(nested_config, name, None) if nested_config is not None else None
+    if nested is not None and name == "use_hsdp" and type(nested) is not bool:
+        raise TypeError(f"parallel_config.use_hsdp = {nested!r}: must be True, False or None")
+    if top is not None and nested is not None and top != nested:
+        raise ValueError(
+            f"{name} = {top!r} contradicts parallel_config.{name} = {nested!r}; set it in one "
+            "place (parallel_config) or give both the same value"
+        )
+    value = top if top is not None else nested
+    return default if value is None else value
+
+
 def _from_od_config(od_config: Any) -> OffloadConfig:
     _check_bool_flags(od_config)
-    world_size = _flag(od_config, "data_parallel_size", 1)
+    world_size = _parallel_flag(od_config, "data_parallel_size", 1)
     if type(world_size) is not int or world_size < 1:
         raise ValueError(f"data_parallel_size = {world_size!r}: must be an int >= 1")
-    use_hsdp = bool(_flag(od_config, "use_hsdp", False))
+    use_hsdp = bool(_parallel_flag(od_config, "use_hsdp", False))
     legacy_strategy = _legacy_strategy(od_config)
     use_allgather = _flag(od_config, "dlo_use_allgather", True)
     resident = _flag(od_config, "dlo_resident_layers", 0)

@@ -157,7 +157,7 @@ def discover_components(pipeline: Any, *, warn: Callable[[str], None] | None = N
     missing: list[tuple[str, str]] = []
     seen: dict[int, str] = {}
 
-    def collect(role: str, paths: list[str]) -> list[tuple[str, nn.Module]]:
+    def collect(role: str, paths: list[str], *, scanned: bool = False) -> list[tuple[str, nn.Module]]:
         found = []
         for path in paths:
             module = get_submodule_path(pipeline, path)
@@ -170,7 +170,10 @@ def discover_components(pipeline: Any, *, warn: Callable[[str], None] | None = N
                     f"{type(module).__name__}, not an nn.Module"
                 )
             if id(module) in seen:
-                if seen[id(module)] == path:
+                # A scan finds names, not components: one module under two well-known names
+                # (text_encoder = text_encoder_2) is one component, under its first name.  Two
+                # explicit declarations of one module are a declaration error.
+                if seen[id(module)] == path or scanned:
                     continue
                 raise ValueError(
                     f"{type(pipeline).__name__}: the module at {path!r} is already declared as "
@@ -207,9 +210,9 @@ def discover_components(pipeline: Any, *, warn: Callable[[str], None] | None = N
                 if isinstance(get_submodule_path(pipeline, name), nn.Module)
             ]
 
-        dits = collect("dit", scan("dit"))
-        encoders = collect("encoder", scan("encoder"))
-        vaes = collect("vae", scan("vae"))
+        dits = collect("dit", scan("dit"), scanned=True)
+        encoders = collect("encoder", scan("encoder"), scanned=True)
+        vaes = collect("vae", scan("vae"), scanned=True)
         residents = []
         missing.clear()  # a scan reports what it finds, not what it looked for
 

@@ -420,6 +420,7 @@ class _Resolver:
             else:
                 self.warnings.append(message)
 
+        self._reject_unreadable_storage(found)
         if strategy is OffloadStrategy.MODEL_LEVEL:
             components = self._model_level(found)
         else:
@@ -437,6 +438,28 @@ class _Resolver:
                                        self.pipeline, components, self.alignment),
                                    alignment=self.alignment)
         return dataclasses.replace(plan, device_bytes_bound=_predict(plan))
+
+    def _reject_unreadable_storage(self, found) -> None:
+        """Tensor subclasses without readable storage (DTensor, other wrapper subclasses) have
+        no storage a host master could copy or a rebind could keep: reject them here, before
+        anything is placed (the storage-key helpers would crash on them later)."""
+        if isinstance(self.pipeline, nn.Module):
+            roots = [("", self.pipeline)]
+        else:
+            roots = [(f"{path}.", module) for group in (found.dits, found.encoders, found.vaes,
+                                                        found.residents)
+                     for path, module in group]
+        for prefix, root in roots:
+            for name, t in _tensors_of(root, ""):
+                if not _has_readable_storage(t):
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: tensor {prefix + name!r} is a {type(t).__name__}, a "
+                        "tensor subclass whose storage cannot be read (a DTensor from FSDP/HSDP "
+                        "or tensor parallelism, or another wrapper subclass); offload-ref offloads "
+                        "plain dense tensors only.  Materialize it before enabling offload (a "
+                        "DTensor: .full_tensor() or .to_local()), or do not combine offload with "
+                        "sharded parameters (docs/model-authors.md)"
+                    )
 
     def _warn_scan(self, message: str) -> None:
         warnings.warn(message, OffloadDeclarationWarning, stacklevel=5)
@@ -517,6 +540,12 @@ class _Resolver:
                 )
             if not wants_encoder or not self.explicit:
                 return "no DiT module found; layerwise offload is a no-op for this pipeline"
+        if wants_encoder and self.explicit and not found.encoders:
+            raise OffloadTopologyError(
+                f"{self.cls_name}: component 'text_encoder' is selected but no text encoder "
+                "modules were found; declare them in _encoder_modules "
+                "(offload_ref.SupportsComponentDiscovery) or drop 'text_encoder' from components"
+            )
         on_demand = set(self.plan.on_demand_component_paths)
         comps: list[ResolvedComponent] = []
         for path, module in found.dits:
@@ -525,13 +554,15 @@ class _Resolver:
                 stacks = self._dit_stacks(path, module)
             comps.append(ResolvedComponent(path, module, "dit", bool(stacks), False, tuple(stacks)))
         for path, module in found.encoders:
-            stacks, staged = [], False
+            # A pipeline-managed encoder is left to the pipeline whether or not it is selected
+            # (as a VAE is): the backend never places it, but streams its declared rings.
+            stacks, staged = [], path in on_demand
+            if staged:
+                self._require_lifecycle(path, module)
             kind = self._encoder_kind(path)
-            if self.config.selects(kind):
+            selected = self.config.selects(kind)
+            if selected:
                 stacks = self._encoder_stacks(path, module, kind)
-                staged = path in on_demand
-                if staged:
-                    self._require_lifecycle(path, module)
                 if staged and not stacks and self._transfer(kind) is \
                         WeightTransfer.ALLGATHER and self.config.world_size > 1:
                     raise OffloadTopologyError(
@@ -546,7 +577,8 @@ class _Resolver:
                         f"OffloadPlan(encoder_block_attrs={{{path!r}: (<container>,)}}) or list "
                         "it in OffloadPlan.on_demand_component_paths"
                     )
-            comps.append(ResolvedComponent(path, module, "encoder", bool(stacks) or staged,
+            comps.append(ResolvedComponent(path, module, "encoder",
+                                           bool(stacks) or (staged and selected),
                                            staged, tuple(stacks), kind))
         comps += self._vaes(found, on_demand)
         for path, module in found.residents:
@@ -825,6 +857,16 @@ def _tensors_of(module: nn.Module, prefix: str) -> Iterable[tuple[str, torch.Ten
     for name, b in module.named_buffers(prefix=prefix, remove_duplicate=False):
         if b is not None:
             yield name, b
+
+
+def _has_readable_storage(t: torch.Tensor) -> bool:
+    if t.device.type == "meta":
+        return True  # rejected later, with its own message (it was never materialized)
+    try:
+        t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:

@@ -85,9 +85,19 @@ class ComponentGroups:
         try:
             swapper.prepare(txn, swappable, residents, pin=pin_memory)
             platform.synchronize()
-        except Exception as exc:
-            txn.rollback()
-            raise OffloadEnableError(f"ComponentGroups.enable failed: {exc}") from exc
+        except BaseException as exc:  # KeyboardInterrupt too: nothing may stay half-applied
+            try:
+                try:  # let in-flight copies land before their buffers are released
+                    platform.synchronize()
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    pass
+            finally:
+                txn.rollback()
+            if not isinstance(exc, Exception):
+                raise
+            raise OffloadEnableError(
+                f"ComponentGroups.enable failed: {exc}; every change was rolled back (enable "
+                "can be retried)") from exc
         txn.commit()
         self._swapper = _Active(swapper, tuple(self._groups))
         self.stats = stats

@@ -247,6 +247,17 @@ def _silent_rank_local(od: Any) -> OffloadConfig:
 SILENT_RANK_LOCAL = DEFAULT_IMPLEMENTATION.replace(config_from_od_config=_silent_rank_local)
 
 
+# -- (o) a nested parallel_config is ignored (the seeds' DiffusionParallelConfig shape) ------------
+
+
+def _ignores_parallel_config(od: Any) -> OffloadConfig:
+    return REAL_OD(_with(od, parallel_config=None))
+
+
+IGNORES_PARALLEL_CONFIG = DEFAULT_IMPLEMENTATION.replace(
+    config_from_od_config=_ignores_parallel_config)
+
+
 # -- expected kills -------------------------------------------------------------------------------
 
 REJECTIONS = {
@@ -270,6 +281,7 @@ REJECTIONS = {
     "check_config_compact_with_legacy_dlo_tuning_is_rejected",
     "check_config_dlo_with_hsdp_and_allgather_is_rejected",
     "check_config_legacy_resident_layers_with_allgather_are_rejected",
+    "check_config_nested_parallel_config_is_read_and_contradictions_rejected",
 }
 
 TYPE_ERROR_CHECKS = {
@@ -290,6 +302,7 @@ MUTANTS: dict[str, tuple[Implementation, set[str]]] = {
     }),
     "hsdp_allgather_accepted": (HSDP_ALLGATHER_ACCEPTED, {
         "check_config_dlo_with_hsdp_and_allgather_is_rejected",
+        "check_config_nested_parallel_config_is_read_and_contradictions_rejected",
     }),
     "anonymous_errors": (ANONYMOUS_ERRORS, REJECTIONS),
     "all_value_errors": (ALL_VALUE_ERRORS, TYPE_ERROR_CHECKS),
@@ -317,6 +330,10 @@ MUTANTS: dict[str, tuple[Implementation, set[str]]] = {
     "lossy_pickle": (LOSSY_PICKLE, {"check_config_result_survives_pickle_round_trip"}),
     "rejects_hsdp_rank_local": (REJECTS_HSDP_RANK_LOCAL, {
         "check_config_dlo_with_hsdp_and_rank_local_is_accepted",
+        "check_config_nested_parallel_config_is_read_and_contradictions_rejected",
+    }),
+    "ignores_parallel_config": (IGNORES_PARALLEL_CONFIG, {
+        "check_config_nested_parallel_config_is_read_and_contradictions_rejected",
     }),
     "silent_rank_local": (SILENT_RANK_LOCAL, {
         "check_config_legacy_resident_layers_with_allgather_are_rejected",

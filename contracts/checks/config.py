@@ -532,3 +532,26 @@ def check_config_dlo_with_hsdp_and_rank_local_is_accepted(case) -> None:
         got = _strategy(config)
         if got != DLO:
             fail(f"{what}.strategy: expected {DLO}, got {got}")
+
+
+@check("G", scope="global")
+def check_config_nested_parallel_config_is_read_and_contradictions_rejected(case) -> None:
+    """The parallel facts of a nested ``parallel_config`` (the seeds' DiffusionParallelConfig,
+    an object or a mapping) count like the top-level attributes; a contradiction between the
+    two is a ValueError naming both keys."""
+    for nested in (SimpleNamespace(use_hsdp=True, data_parallel_size=4),
+                   {"use_hsdp": True, "data_parallel_size": 4}):
+        _od_rejects(case, _od(enable_distributed_layerwise_offload=True, dlo_use_allgather=True,
+                              parallel_config=nested), ValueError, ("HSDP",))
+        od = _od(enable_distributed_layerwise_offload=True, dlo_use_allgather=False,
+                 parallel_config=nested)
+        config = _from_od(case, od)
+        got = (getattr(config, "world_size", None), getattr(config, "use_hsdp", None))
+        if got != (4, True):
+            fail(f"{_describe_od(od)}: (world_size, use_hsdp) expected (4, True), got {got}")
+    _od_rejects(case, _od(enable_layerwise_offload=True, data_parallel_size=2,
+                          parallel_config=SimpleNamespace(data_parallel_size=4)), ValueError,
+                ("data_parallel_size", "parallel_config.data_parallel_size"))
+    _od_rejects(case, _od(enable_layerwise_offload=True, use_hsdp=False,
+                          parallel_config={"use_hsdp": True}), ValueError,
+                ("use_hsdp", "parallel_config.use_hsdp"))

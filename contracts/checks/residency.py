@@ -122,6 +122,35 @@ def check_offloaded_tensors_keep_their_alignment(case) -> None:
              f"platform's alignment and keep its offset modulo {a}): {problems[:4]}")
 
 
+@check("F.3", strategies=BACKENDS)
+def check_pipeline_built_under_inference_mode_matches_reference(case) -> None:
+    """A pipeline built under torch.inference_mode() (its weights are inference tensors) gives,
+    with offload enabled, in and out of inference mode (no_grad), exactly what a normally built
+    one gives under the same strategy; after disable it matches the reference again, with its
+    inference tensors restored."""
+    reference = case.reference()
+    plain = case.build()
+    backend = case.backend()
+    backend.enable(plain)
+    offloaded = case.run(plain)  # the same strategy's output on ordinary tensors
+    backend.disable()
+    with torch.inference_mode():
+        pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    try:
+        compare_outputs("enabled, inference_mode", case.run(pipeline), offloaded)
+        with torch.no_grad():
+            compare_outputs("enabled, no_grad", pipeline(**case.inputs()), offloaded)
+    finally:
+        backend.disable()
+    compare_outputs("after disable", case.run(pipeline), reference)
+    normal = [n for n, t in pipeline.state_dict(keep_vars=True).items()
+              if t.numel() and not t.is_inference()]
+    if normal:
+        fail(f"after disable these tensors are no longer inference tensors: {normal[:5]}")
+
+
 # -- F.1 model level --------------------------------------------------------------------------
 
 

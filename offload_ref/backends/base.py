@@ -10,6 +10,16 @@ Note [Transactions]
     as :class:`OffloadEnableError` chained to the cause.  The steps are enumerable (a dry run
     records their labels), which is how the conformance kit injects a fault at each one.
 
+Note [Inference tensors]
+    A pipeline built under ``torch.inference_mode()`` holds inference tensors.  Rebinding the
+    ``.data`` of one to an ordinary tensor (a host master view, a device copy, a ring slot)
+    leaves a tensor that every later op rejects ("Inference tensors do not track version
+    counter"), in or out of inference mode.  So the first rebind of enable turns each inference
+    tensor into an ordinary one in place (``torch.utils.swap_tensors``: the same Python object,
+    class and attributes; undone exactly on rollback), and ``disable`` rebuilds the segments that
+    held inference tensors as inference tensors again.  Forward works in or out of inference
+    mode while enabled, and in the mode the pipeline was built for after disable.
+
 Note [Original placement]
     ``disable`` rebuilds every tensor where it was before ``enable``: on the device if it was
     device-resident, on the host otherwise, with the same shape, stride and storage sharing,
@@ -140,6 +150,10 @@ class Transaction:
                new: Sequence[torch.Tensor]) -> None:
         self.step(f"rebind {label}")
         for t, n in zip(tensors, new):
+            if t.is_inference():  # Note [Inference tensors]
+                original = _swap_to_normal(label, t, n)
+                self.on_rollback(lambda t=t, o=original: torch.utils.swap_tensors(t, o))
+                continue
             old = t.data
             t.data = n
             self.on_rollback(lambda t=t, old=old: setattr(t, "data", old))
@@ -175,6 +189,40 @@ class Transaction:
         self._undo = []  # drops the references that kept the original storage alive
 
 
+def _swap_to_normal(label: str, t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """Turn the inference tensor ``t`` into an ordinary one viewing ``data``, keeping the Python
+    object (and its class and attributes); returns the object that now holds the original
+    (Note [Inference tensors])."""
+    fresh = data.detach()
+    if type(t) is not torch.Tensor:  # nn.Parameter and its subclasses
+        fresh = torch.Tensor._make_subclass(type(t), fresh, t.requires_grad)
+    fresh.__dict__.update(t.__dict__)
+    try:
+        torch.utils.swap_tensors(t, fresh)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"{label}: a tensor created under torch.inference_mode() cannot be converted for "
+            f"offloading ({exc}); drop the other references to it, or build the pipeline "
+            "outside inference_mode"
+        ) from exc
+    return fresh
+
+
+def rebind_restored(t: torch.Tensor, v: torch.Tensor) -> None:
+    """Give ``t`` its restored storage ``v`` at disable; an inference ``v`` (from a segment that
+    held inference tensors) makes ``t`` a genuine inference tensor again (Note [Inference
+    tensors])."""
+    if not v.is_inference():
+        t.data = v
+        return
+    with torch.inference_mode():
+        fresh = v.detach()
+        if type(t) is not torch.Tensor:
+            fresh = torch.Tensor._make_subclass(type(t), fresh, t.requires_grad)
+    fresh.__dict__.update(t.__dict__)
+    torch.utils.swap_tensors(t, fresh)
+
+
 @dataclass
 class TensorGroup:
     """Tensors moved together, their layout, and where each segment lived before enable."""
@@ -185,6 +233,7 @@ class TensorGroup:
     was_resident: list[bool]  # per segment (Note [Original placement])
     master: HostMaster | None = None  # offloaded groups
     device_flats: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    was_inference: list[bool] = field(default_factory=list)  # per segment (Note [Inference tensors])
 
     @classmethod
     def of(cls, label: str, named: Sequence[tuple[str, torch.Tensor]],
@@ -192,7 +241,9 @@ class TensorGroup:
         named = unique_tensors(named)  # Parameters reachable twice are one tensor
         layout = Layout(named, alignment=platform.alignment)
         was_resident = [platform.is_resident(src) for src in layout._sources]
-        return cls(label, [t for _, t in named], layout, was_resident)
+        was_inference = [src.is_inference() for src in layout._sources]
+        return cls(label, [t for _, t in named], layout, was_resident,
+                   was_inference=was_inference)
 
     def drop_sources(self) -> None:
         """Forget the original tensors' storage once it is copied (commit releases it)."""
@@ -216,28 +267,33 @@ def restore_group(group: TensorGroup, platform: Platform) -> list[torch.Tensor]:
     """Fresh storage for every segment at its original placement, filled from the authoritative
     copy; returns one tensor per group tensor (Note [Original placement])."""
     source = group.master.flats if group.master is not None else group.device_flats
+    inference = group.was_inference or [False] * len(group.layout.segments)
     buffers = []
-    for seg, resident in zip(group.layout.segments, group.was_resident):
-        # The segment starts ``seg.phase`` elements into its fresh storage, so every tensor keeps
-        # its alignment phase (Note [Aligned layout]).
+    for seg, resident, was_inference in zip(group.layout.segments, group.was_resident,
+                                            inference):
+        # A segment that held inference tensors is rebuilt as one (Note [Inference tensors]);
+        # it starts ``seg.phase`` elements into its fresh storage, so every tensor keeps its
+        # alignment phase (Note [Aligned layout]).
         numel = seg.phase + seg.numel
-        buf = platform.empty(numel, seg.dtype) if resident else aligned_empty(
-            numel, seg.dtype, group.layout.alignment)
-        if seg.numel:
-            src = source[seg.dtype].narrow(0, seg.offset, seg.numel)
-            dst = buf.narrow(0, seg.phase, seg.numel)
-            if resident:
-                platform.copy_(dst, src)
-            else:
-                dst.copy_(src)
+        with torch.inference_mode(was_inference):
+            buf = platform.empty(numel, seg.dtype) if resident else aligned_empty(
+                numel, seg.dtype, group.layout.alignment)
+            if seg.numel:
+                src = source[seg.dtype].narrow(0, seg.offset, seg.numel)
+                dst = buf.narrow(0, seg.phase, seg.numel)
+                if resident:
+                    platform.copy_(dst, src)
+                else:
+                    dst.copy_(src)
         buffers.append(buf)
     views = []
     for record in group.layout.records:
         seg = group.layout.segments[record.segment]
         buf = buffers[record.segment]
-        views.append(torch.as_strided(buf, record.shape, record.stride,
-                                      buf.storage_offset() + record.offset - seg.offset
-                                      + seg.phase))
+        with torch.inference_mode(inference[record.segment]):
+            views.append(torch.as_strided(buf, record.shape, record.stride,
+                                          buf.storage_offset() + record.offset - seg.offset
+                                          + seg.phase))
     return views
 
 

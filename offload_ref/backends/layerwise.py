@@ -49,7 +49,15 @@ from ..hooks import ModelHook
 from ..host import storage_key
 from ..plan import BlockStack, ResolvedOffloadPlan
 from ..platform import Platform
-from .base import OffloadBackend, OffloadStats, TensorGroup, Transaction, pipeline_state, restore_group
+from .base import (
+    OffloadBackend,
+    OffloadStats,
+    TensorGroup,
+    Transaction,
+    pipeline_state,
+    rebind_restored,
+    restore_group,
+)
 from .model_level import ComponentSwapper
 
 __all__ = ["BlockRing", "LayerWiseOffloadBackend", "LayerwiseOffloadHook"]
@@ -442,7 +450,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         for ring, views in zip(self.rings, restored):
             for group, vs in zip(ring.groups, views):
                 for t, v in zip(group.tensors, vs):
-                    t.data = v
+                    rebind_restored(t, v)
         self.registry.remove_all()
         self.platform.synchronize()
         for ring in self.rings:

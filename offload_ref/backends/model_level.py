@@ -39,6 +39,7 @@ from .base import (
     TensorGroup,
     Transaction,
     pipeline_state,
+    rebind_restored,
     restore_group,
 )
 
@@ -126,12 +127,24 @@ class ComponentSwapper:
         group = self.swappable[label]
         if group.device_flats:
             return
-        flats = {dtype: self.platform.empty(n, dtype) for dtype, n in group.layout.numel.items()}
-        for dtype, flat in flats.items():
-            self.platform.copy_(flat, group.master.flats[dtype])
-        group.device_flats = flats
-        for t, v in zip(group.tensors, group.layout.views(flats)):
-            t.data = v
+        flats: dict = {}
+        try:
+            for dtype, n in group.layout.numel.items():
+                flats[dtype] = self.platform.empty(n, dtype)
+            for dtype, flat in flats.items():
+                self.platform.copy_(flat, group.master.flats[dtype])
+            group.device_flats = flats
+            for t, v in zip(group.tensors, group.layout.views(flats)):
+                t.data = v
+        except BaseException:
+            # A failed (or interrupted) load leaves the component on its master and gives back
+            # every buffer it allocated, whatever was raised (Note [Transactions]).
+            for t, v in zip(group.tensors, group.master.host_views()):
+                t.data = v
+            group.device_flats = {}
+            for flat in flats.values():
+                self.platform.free(flat)
+            raise
         self.stats.add_h2d(group.weight_bytes, group.padding_bytes)
         self.stats.swaps += 1
         self.log.append((label, group.weight_bytes))
@@ -166,7 +179,7 @@ class ComponentSwapper:
         self.platform.synchronize()
         for group, views in zip(groups, restored):
             for t, v in zip(group.tensors, views):
-                t.data = v
+                rebind_restored(t, v)
         self.release()
 
     def release(self) -> None:
