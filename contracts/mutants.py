@@ -495,6 +495,42 @@ def _realigns_every_tensor() -> Any:
     return _patched(host, "_storage_phase", lambda ptr, offset, alignment: 0)
 
 
+# -- §J mutants: what users do next to a generation -------------------------------------------
+
+
+def _editing_in_place(base: type) -> type:
+    """edit_weights() that yields the enabled pipeline: edits hit masters and placeholders."""
+
+    @contextlib.contextmanager
+    def edit_weights(self):
+        yield self.pipeline
+
+    return type(f"EditsInPlace{base.__name__}", (base,), {"edit_weights": edit_weights})
+
+
+class _PlaceholderStateDict(LayerWiseOffloadBackend):
+    """state_dict() reads whatever the tensors are bound to (placeholders between blocks)."""
+
+    def _offloaded_tensors(self):
+        return {key: None for key in super()._offloaded_tensors()}
+
+
+def _backward_not_refused() -> Any:
+    from offload_ref.backends import layerwise
+
+    return _patched(layerwise, "refuse_autograd", lambda label, names, tensors: None)
+
+
+def _unguarded_calls() -> Any:
+    from offload_ref.backends.guard import CallGuard
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_patched(CallGuard, "enter", lambda self, label, frame: True))
+    stack.enter_context(_patched(CallGuard, "holds", lambda self, frame: True))
+    stack.enter_context(_patched(CallGuard, "exit", lambda self, frame: True))
+    return stack
+
+
 class _DelegationDropsComponents(ModelLevelOffloadBackend):
     def _enable_delegated(self, pipeline, txn):
         txn.step("delegate")
@@ -535,6 +571,8 @@ _SPLIT = dict(pipelines=("cosmos3",), sections=("E",), strategies=("model_level"
 # mutants run the alignment check alone, which fails on every machine.
 _ALIGNMENT = dict(pipelines=("flux2", "cosmos3"), sections=("F.6",),
                   strategies=("model_level", "layer_wise"))
+_MISUSE_LAYER = dict(pipelines=("flux2",), sections=("J",), strategies=("layer_wise",))
+_MISUSE_MODEL = dict(pipelines=("wan22_t2v",), sections=("J",), strategies=("model_level",))
 _NESTED_RESIDENT = dict(pipelines=("soulx_singer",), sections=("F",), strategies=("model_level",))
 
 
@@ -555,8 +593,11 @@ def _model_level(name: str, defect: str, backend: type, scope: dict = _MODEL_LEV
 
 
 def _layer(name: str, defect: str, backend: type) -> Mutant:
-    return _m(name, defect, _LAYERWISE,
-              make_backend=_backend_with(LayerWiseOffloadBackend=backend))
+    return _layer_scoped(name, defect, backend, _LAYERWISE)
+
+
+def _layer_scoped(name: str, defect: str, backend: type, scope: dict) -> Mutant:
+    return _m(name, defect, scope, make_backend=_backend_with(LayerWiseOffloadBackend=backend))
 
 #: Exactly the checks each mutant fails (asserted by tests/test_mutants.py).
 KILLS: dict[str, set[str]] = {
@@ -747,6 +788,21 @@ KILLS: dict[str, set[str]] = {
     "realigns_every_tensor": {
         "check_offloaded_tensors_keep_their_alignment",
     },
+    "edit_weights_in_place_layerwise": {
+        "check_edit_weights_round_trip_takes_effect_exactly",
+    },
+    "edit_weights_in_place_model_level": {
+        "check_edit_weights_round_trip_takes_effect_exactly",
+    },
+    "state_dict_returns_placeholders": {
+        "check_state_dict_while_enabled_returns_true_weights",
+    },
+    "backward_not_refused": {
+        "check_backward_is_exact_or_refused_at_forward",
+    },
+    "concurrent_calls_unguarded": {
+        "check_second_thread_gets_a_clear_error_or_exact_output",
+    },
     "three_slots": {
         "check_layerwise_keeps_at_most_two_blocks_resident",
         "check_stats_match_what_the_platform_saw",
@@ -833,6 +889,21 @@ MUTANTS: tuple[Mutant, ...] = (
        _ALIGNMENT, patch=_packs_without_padding),
     _m("realigns_every_tensor", "a weight stored off a 64-byte boundary is moved onto one",
        _ALIGNMENT, patch=_realigns_every_tensor),
+    # §J (misuse next to a generation)
+    _m("edit_weights_in_place_layerwise", "edit_weights() does not re-read: edits hit the ring",
+       _MISUSE_LAYER, make_backend=_backend_with(
+           LayerWiseOffloadBackend=_editing_in_place(LayerWiseOffloadBackend))),
+    _m("edit_weights_in_place_model_level",
+       "edit_weights() does not re-read: edits hit masters and device copies", _MISUSE_MODEL,
+       make_backend=_backend_with(
+           ModelLevelOffloadBackend=_editing_in_place(ModelLevelOffloadBackend))),
+    _layer_scoped("state_dict_returns_placeholders",
+                  "state_dict() while enabled returns the NaN placeholders of streamed blocks",
+                  _PlaceholderStateDict, _MISUSE_LAYER),
+    _m("backward_not_refused", "a grad-mode forward through streamed blocks is not refused",
+       _MISUSE_LAYER, patch=_backward_not_refused),
+    _m("concurrent_calls_unguarded", "a second thread runs the ring while the first is inside",
+       _MISUSE_LAYER, patch=_unguarded_calls),
     # §D, §F.2, §F.4 (layerwise)
     _layer("missing_ready_wait", "compute reads a slot without waiting for its copy",
            _layerwise(_NoReadyWait)),

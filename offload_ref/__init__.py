@@ -16,7 +16,9 @@ __all__ = [
     "HookRegistry",
     "LayerOptions",
     "ModelHook",
+    "OffloadAutogradError",
     "OffloadBackend",
+    "OffloadConcurrencyError",
     "OffloadConfig",
     "OffloadEnableError",
     "OffloadPlan",
@@ -26,7 +28,9 @@ __all__ = [
     "ResolvedOffloadPlan",
     "SupportsComponentDiscovery",
     "SupportsModelCpuOffload",
+    "OffloadWeightEditError",
     "WeightTransfer",
+    "backend_of",
     "get_offload_backend",
     "resolve_offload_plan",
 ]
@@ -48,6 +52,10 @@ _WHERE = {
     "OffloadEnableError": ".backends.base",
     "OffloadStats": ".backends.base",
     "get_offload_backend": ".backends.base",
+    "backend_of": ".backends.base",
+    "OffloadAutogradError": ".backends.guard",
+    "OffloadConcurrencyError": ".backends.guard",
+    "OffloadWeightEditError": ".backends.guard",
     "ComponentGroups": ".split",
 }
 

@@ -133,6 +133,7 @@ class ComponentGroups:
     @contextmanager
     def _activated(self, name: str) -> Iterator[None]:
         if self._swapper is not None:
+            self._swapper.check(name)
             with torch.inference_mode(False):  # Note [Hooks leave inference mode]
                 self._swapper.activate(name)
         yield
@@ -150,6 +151,15 @@ class _Active:
     def __init__(self, swapper: Any, names: tuple[str, ...]) -> None:
         self.swapper = swapper
         self.names = names
+
+    def check(self, name: str) -> None:
+        """Refuse autograd and unhonoured weight edits (Notes [Autograd], [Weight edits] in
+        backends/guard.py); called before leaving inference mode, which turns grad mode on."""
+        from .backends.guard import refuse_autograd
+
+        group = self.swapper.swappable[name]
+        refuse_autograd(name, [r.name for r in group.layout.records], group.tensors)
+        self.swapper.check_edits(self.names)
 
     def activate(self, name: str) -> None:
         self.swapper.activate(name, self.names)

@@ -13,6 +13,14 @@ from offload_ref import OffloadConfig, SupportsComponentDiscovery, get_offload_b
 from offload_ref.platform import CpuPlatform
 
 
+@pytest.fixture(autouse=True)
+def _inference_without_autograd():
+    """These pipelines are called directly, as inference; with grad mode on, the offloaded
+    forward would be refused before the defects under test are reached (Note [Autograd])."""
+    with torch.no_grad():
+        yield
+
+
 class _Dit(nn.Module):
     _layerwise_offload_blocks_attrs = ["blocks"]
 

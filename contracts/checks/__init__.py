@@ -3,6 +3,7 @@
 from . import aliases  # noqa: F401
 from . import config  # noqa: F401
 from . import lifecycle  # noqa: F401
+from . import misuse  # noqa: F401
 from . import plan  # noqa: F401
 from . import residency  # noqa: F401
 from . import split  # noqa: F401

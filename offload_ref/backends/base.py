@@ -30,8 +30,10 @@ Note [Original placement]
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -41,11 +43,14 @@ from torch import nn
 from ..config import OffloadConfig, OffloadStrategy
 from ..hooks import HookRegistry, ModelHook
 from ..host import HostMaster, Layout, aligned_empty, unique_tensors
+from ..discovery import get_submodule_path
 from ..plan import ResolvedOffloadPlan, pipeline_state, resolve_offload_plan  # noqa: F401 (re-exported)
 from ..platform import Platform, get_platform
+from .guard import CallGuard, OffloadWeightEditError
 
 __all__ = [
     "OffloadBackend",
+    "backend_of",
     "OffloadDisableError",
     "OffloadEnableError",
     "OffloadStats",
@@ -163,6 +168,13 @@ class Transaction:
         self.registry.register_hook(module, name, hook)
         self.on_rollback(lambda: self.registry.remove_hook(module, name))
 
+    def add_handle(self, label: str, install: Callable[[], Any]) -> Any:
+        """Install a torch hook (``install()`` returns its removable handle) as one step."""
+        self.step(f"hook {label}")
+        handle = install()
+        self.on_rollback(handle.remove)
+        return handle
+
     def set_attr(self, obj: Any, name: str, value: Any, label: str) -> None:
         self.step(f"set {label}.{name}")
         missing = object()
@@ -263,10 +275,13 @@ class TensorGroup:
         return self.layout.padding_bytes
 
 
-def restore_group(group: TensorGroup, platform: Platform) -> list[torch.Tensor]:
+def restore_group(group: TensorGroup, platform: Platform,
+                  source: dict[torch.dtype, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Fresh storage for every segment at its original placement, filled from the authoritative
-    copy; returns one tensor per group tensor (Note [Original placement])."""
-    source = group.master.flats if group.master is not None else group.device_flats
+    copy (or from ``source``, flats of the same layout: a device copy that holds an edit, Note
+    [Weight edits]); returns one tensor per group tensor (Note [Original placement])."""
+    if source is None:
+        source = group.master.flats if group.master is not None else group.device_flats
     inference = group.was_inference or [False] * len(group.layout.segments)
     buffers = []
     for seg, resident, was_inference in zip(group.layout.segments, group.was_resident,
@@ -313,8 +328,11 @@ class OffloadBackend:
         #: Testing hook: called as ``fault_injector(step_index, label)`` before each mutation.
         self.fault_injector: FaultInjector | None = None
         self.last_steps: list[str] = []
-        self._pipeline: weakref.ref | None = None
+        self._pipeline: Callable[[], Any] | None = None  # a weak reference where possible
         self._stats = OffloadStats()
+        self._guard = CallGuard(type(self).__name__)
+        self._handles: list[Any] = []  # state-dict hooks of the current enable
+        self._finalizer: weakref.finalize | None = None
 
     # -- public lifecycle -----------------------------------------------------------------------
 
@@ -352,13 +370,16 @@ class OffloadBackend:
         self.skip_reason = plan.skip_reason
         if plan.skip_reason is not None:
             return
+        reference = _reference(pipeline)  # before any mutation: nothing can fail after commit
         txn = self.transaction_class(self.platform, self.registry, self.fault_injector)
         self._stats = OffloadStats()
+        self._guard = CallGuard(type(self).__name__)  # hooks of an earlier enable see theirs
         # Note [Hooks leave inference mode]: what enable builds must be ordinary tensors, and
         # building it must not record autograd history, whatever mode the caller is in.
         with torch.inference_mode(False), torch.no_grad():
             try:
                 self._enable(pipeline, plan, txn)
+                self._install_state_hooks(pipeline, plan, txn)
                 txn.set_attr(pipeline, PIPELINE_ATTR, _Owner(self), type(pipeline).__name__)
                 self.platform.synchronize()
             except BaseException as exc:
@@ -381,7 +402,11 @@ class OffloadBackend:
                 ) from exc
         self.last_steps = list(txn.steps)
         txn.commit()
-        self._pipeline = weakref.ref(pipeline)
+        self._pipeline = reference
+        if isinstance(reference, weakref.ref):
+            # The pipeline keeps its backend alive (PIPELINE_ATTR); if the pipeline is collected
+            # while enabled, this releases the device and host buffers it still held.
+            self._finalizer = weakref.finalize(pipeline, _release_orphan, self)
 
     def disable(self) -> None:
         """Remove our hooks and rebuild every tensor at its original placement.  Idempotent.
@@ -392,7 +417,9 @@ class OffloadBackend:
         if self._pipeline is None:
             return
         pipeline = self.pipeline
-        with torch.inference_mode(False), torch.no_grad():
+        # Note [One thread at a time]: wait until no other thread is inside an offloaded
+        # forward; hooks that fire from now on leave their modules alone.
+        with self._guard.exclusive(close=True), torch.inference_mode(False), torch.no_grad():
             try:
                 self._disable(pipeline)
             except Exception as exc:
@@ -400,12 +427,83 @@ class OffloadBackend:
                     f"Failed to fully disable {type(self).__name__}: {exc}; the backend stays "
                     "enabled with its host masters, call disable() again"
                 ) from exc
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
         if pipeline is not None:
             pipeline.__dict__.pop(PIPELINE_ATTR, None)
         else:
             self.plan = None
         self._pipeline = None
         self._forget()
+
+    @contextmanager
+    def edit_weights(self) -> Iterator[Any]:
+        """Edit the weights of the enabled pipeline: LoRA loading and fusing, ``load_state_dict``,
+        in-place updates (Note [Weight edits])::
+
+            with backend.edit_weights() as pipe:
+                pipe.transformer.load_state_dict(new_weights)
+
+        Inside the block the pipeline holds ordinary tensors at their original placement (the
+        backend is disabled, edits made before are kept); on exit, also after an exception,
+        the backend is enabled again and reads every weight anew, so edits take effect exactly.
+        ``stats()`` then count from the new enable.
+        """
+        pipeline = self.pipeline
+        if pipeline is None:
+            raise RuntimeError(f"{type(self).__name__}.edit_weights: the backend is not enabled")
+        self.disable()
+        try:
+            yield pipeline
+        finally:
+            self.enable(pipeline)
+
+    def _install_state_hooks(self, pipeline: Any, plan: ResolvedOffloadPlan,
+                             txn: Transaction) -> None:
+        """``state_dict()`` returns true weights and ``load_state_dict`` refuses to run while
+        enabled (Note [Weight edits]), on every module that holds an offloaded tensor (and on its
+        ancestors for ``load_state_dict``)."""
+        live = self._offloaded_tensors()
+        if not live:
+            return
+        by_path: dict[str, nn.Module] = {}
+        for root_path, root in _roots(pipeline, plan):
+            for path, module in root.named_modules(prefix=root_path):
+                by_path.setdefault(path, module)
+        owners = []
+        guarded: dict[int, tuple[str, nn.Module]] = {}
+        for path, module in by_path.items():
+            entries = [(n, live[id(t)]) for n, t in _direct_tensors(module) if id(t) in live]
+            if not entries:
+                continue
+            owners.append((path, module, entries))
+            parts = path.split(".") if path else []
+            for i in range(len(parts) + 1):  # the module and every ancestor
+                ancestor = by_path.get(".".join(parts[:i]))
+                if ancestor is not None:
+                    guarded.setdefault(id(ancestor), (".".join(parts[:i]), ancestor))
+        name = type(self).__name__
+        for path, module, entries in owners:
+            if any(value is not None for _, value in entries):
+                hook = _true_weights_hook(entries)
+                self._handles.append(txn.add_handle(
+                    f"state_dict of {path or '<pipeline>'}",
+                    lambda m=module, h=hook: m.register_state_dict_post_hook(h)))
+        for path, module in guarded.values():
+            hook = _refuse_load_hook(path or type(pipeline).__name__, name)
+            self._handles.append(txn.add_handle(
+                f"load_state_dict of {path or '<pipeline>'}",
+                lambda m=module, h=hook: m.register_load_state_dict_pre_hook(h)))
+
+    def _offloaded_tensors(self) -> dict[int, Callable[[], torch.Tensor | None] | None]:
+        """``id(tensor) -> value`` for every tensor the backend streams or swaps: ``value()``
+        returns its true weight when the tensor is not bound to it (a placeholder), else None;
+        ``value`` is None for tensors always bound to real storage."""
+        return {}
 
     def _forget(self) -> None:
         self._reset()
@@ -433,17 +531,90 @@ class OffloadBackend:
 
 
 class _Owner:
-    """What PIPELINE_ATTR holds: a weak reference that prints as the owning backend."""
+    """What PIPELINE_ATTR holds: the owning backend (a strong reference: an enabled pipeline
+    keeps its backend alive, so dropping the backend never strands the pipeline)."""
 
     def __init__(self, backend: OffloadBackend) -> None:
-        self._ref = weakref.ref(backend)
+        self._backend = backend
 
-    def __call__(self) -> OffloadBackend | None:
-        return self._ref()
+    def __call__(self) -> OffloadBackend:
+        return self._backend
 
     def __repr__(self) -> str:
-        backend = self._ref()
-        return type(backend).__name__ if backend is not None else "a collected backend"
+        return type(self._backend).__name__
+
+
+class _Strong:
+    """A strong stand-in for ``weakref.ref`` for pipelines that refuse weak references."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __call__(self) -> Any:
+        return self._obj
+
+
+def _reference(pipeline: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(pipeline)
+    except TypeError:  # e.g. types.SimpleNamespace, or __slots__ without __weakref__
+        return _Strong(pipeline)
+
+
+def _release_orphan(backend: OffloadBackend) -> None:
+    """The pipeline was collected while enabled: give back what the backend still holds."""
+    try:
+        backend.disable()
+    except Exception as exc:  # noqa: BLE001 - a finalizer must not raise
+        warnings.warn(f"offload-ref: releasing the buffers of a collected pipeline's "
+                      f"{type(backend).__name__} failed: {exc}", RuntimeWarning, stacklevel=1)
+
+
+def backend_of(pipeline: Any) -> OffloadBackend | None:
+    """The backend that currently owns ``pipeline``'s offload (None if none does).
+
+    An enabled pipeline keeps its backend alive, so a backend whose last reference was dropped
+    without ``disable()`` is reachable here: ``backend_of(pipe).disable()``."""
+    owner = getattr(pipeline, PIPELINE_ATTR, None)
+    return owner() if isinstance(owner, _Owner) else None
+
+
+def _direct_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = [(n, t) for n, t in module._parameters.items() if t is not None]
+    out += [(n, t) for n, t in module._buffers.items() if t is not None]
+    return out
+
+
+def _roots(pipeline: Any, plan: ResolvedOffloadPlan) -> list[tuple[str, nn.Module]]:
+    if isinstance(pipeline, nn.Module):
+        return [("", pipeline)]
+    return [(c.path, c.module) for c in plan.components]
+
+
+def _true_weights_hook(entries: list[tuple[str, Callable[[], Any] | None]]) -> Callable:
+    def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        for name, value in entries:
+            key = prefix + name
+            if value is None or key not in state_dict:
+                continue
+            current = state_dict[key]
+            if isinstance(current, nn.Parameter) or current is getattr(module, name, None):
+                continue  # keep_vars=True: the caller asked for the objects themselves
+            true = value()
+            if true is not None:
+                state_dict[key] = true
+    return hook
+
+
+def _refuse_load_hook(path: str, backend: str) -> Callable:
+    def hook(module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
+        raise OffloadWeightEditError(
+            f"load_state_dict on {path} while {backend} offloads its weights: offloaded weights "
+            "live in host masters and device slots, and an in-place load would be lost or half "
+            "applied; load them inside `with backend.edit_weights(): ...` (offload_ref."
+            "backend_of(pipeline) finds the backend), which re-reads every weight on exit"
+        )
+    return hook
 
 
 def get_offload_backend(

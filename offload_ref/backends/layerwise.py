@@ -58,6 +58,7 @@ from .base import (
     rebind_restored,
     restore_group,
 )
+from .guard import CallGuard, OffloadWeightEditError, call_frame, refuse_autograd
 from .model_level import ComponentSwapper
 
 __all__ = ["BlockRing", "LayerWiseOffloadBackend", "LayerwiseOffloadHook"]
@@ -369,24 +370,58 @@ def _block_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 class LayerwiseOffloadHook(ModelHook):
-    """Thin callbacks from one block into its ring."""
+    """Thin callbacks from one block into its ring, inside the backend's call guard (Note [One
+    thread at a time] in guard.py), refusing autograd and weight edits it cannot honour (Notes
+    [Autograd], [Weight edits])."""
 
-    def __init__(self, ring: BlockRing, index: int) -> None:
+    def __init__(self, ring: BlockRing, index: int, guard: CallGuard | None = None) -> None:
         self.ring = ring
         self.index = index
+        self.guard = guard if guard is not None else CallGuard(ring.label)
+        group = ring.groups[index]
+        self.path = ring.block_paths[index]
+        self.names = [r.name for r in group.layout.records]
+        self.versions = [t._version for t in group.tensors]  # our rebinds never bump them
 
     # Note [Hooks leave inference mode]: tensors the offloader creates or views inside a hook
     # must be ordinary tensors, or disable (run outside inference mode) could not reuse them.
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        with torch.inference_mode(False):
-            self.ring.before(self.index)
+        frame = call_frame()
+        if not self.guard.enter(self.path, frame):
+            return None  # the backend is being disabled: leave the block alone
+        try:
+            tensors = self.ring.groups[self.index].tensors
+            refuse_autograd(self.path, self.names, tensors)
+            edited = self.edited()
+            if edited:
+                raise OffloadWeightEditError(
+                    f"{edited[0]} (and {len(edited) - 1} more of {self.path}) was edited in place "
+                    "while its block streams; the ring would drop the edit at the next swap.  "
+                    "Edit weights inside `with backend.edit_weights(): ...` so the backend re-reads "
+                    "them (disable() keeps an edit made while the block was on the device)"
+                )
+            with torch.inference_mode(False):
+                self.ring.before(self.index)
+        except BaseException:
+            self.guard.exit(frame)
+            raise
         return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        with torch.inference_mode(False):
-            self.ring.after(self.index)
+        frame = call_frame()
+        if not self.guard.holds(frame):
+            return None
+        try:
+            with torch.inference_mode(False):
+                self.ring.after(self.index)
+        finally:
+            self.guard.exit(frame)
         return None
+
+    def edited(self) -> list[str]:
+        tensors = self.ring.groups[self.index].tensors
+        return [n for n, t, v in zip(self.names, tensors, self.versions) if t._version != v]
 
 
 class LayerWiseOffloadBackend(OffloadBackend):
@@ -408,6 +443,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         self.rings: list[BlockRing] = []
         self._resident: ComponentSwapper | None = None
         self._copy_stream: Any = None
+        self._hooks: list[LayerwiseOffloadHook] = []
 
     def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         placeholders = _Placeholders()
@@ -438,12 +474,40 @@ class LayerWiseOffloadBackend(OffloadBackend):
         resident.prepare(txn, [], [("<resident>", rest)], pin=False)
         for ring in self.rings:
             ring.commit(txn)
+        self._hooks = []
         for ring in self.rings:
             for k, (block, path) in enumerate(zip(ring.blocks, ring.block_paths)):
-                txn.register_hook(block, self.hook_name, LayerwiseOffloadHook(ring, k), path)
+                hook = LayerwiseOffloadHook(ring, k, self._guard)
+                self._hooks.append(hook)
+                txn.register_hook(block, self.hook_name, hook, path)
+
+    def _offloaded_tensors(self) -> dict[int, Any]:
+        """A streamed tensor reads as a copy of its host master (Note [Weight edits]): a copy,
+        so editing a state_dict value never writes a master; from the master even while the
+        block is bound to a slot, whose prefetch copy may still be in flight on the copy
+        stream."""
+        out: dict[int, Any] = {}
+        for ring in self.rings:
+            for group in ring.groups:
+                layout = group.layout
+                for t, record in zip(group.tensors, layout.records):
+                    def value(record=record, layout=layout, group=group):
+                        flat = group.master.flats[layout.segments[record.segment].dtype]
+                        return record.view(flat).detach().clone()
+                    out[id(t)] = value
+        return out
 
     def _disable(self, pipeline: Any) -> None:
-        restored = [ring.restored_views() for ring in self.rings]  # may raise: nothing changed
+        # A block edited in place while bound to its slot keeps the edit (Note [Weight edits]).
+        edited = {(id(h.ring), h.index) for h in self._hooks if h.edited()}
+        if edited:
+            self.platform.synchronize()  # the edited slots' prefetch copies have landed
+        restored = [[restore_group(g, self.platform,  # may raise: nothing changed
+                                   ring._slot_flats(k, ring.slot_of[k])
+                                   if (id(ring), k) in edited and ring.slot_of[k] is not None
+                                   else None)
+                     for k, g in enumerate(ring.groups)]
+                    for ring in self.rings]
         self.platform.synchronize()
         assert self._resident is not None
         self._resident.restore()
@@ -459,6 +523,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
     def _reset(self) -> None:
         # After a rollback the undo log has already freed the slots and masters.
         self.rings = []
+        self._hooks = []
         self._resident = None
 
     def materialized_blocks(self) -> dict[str, list[int]]:

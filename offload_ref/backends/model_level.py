@@ -33,6 +33,7 @@ from ..hooks import ModelHook
 from ..host import storage_key
 from ..plan import ResolvedComponent, ResolvedOffloadPlan, owned_tensors
 from ..platform import Platform
+from .guard import CallGuard, OffloadWeightEditError, call_frame, refuse_autograd
 from .base import (
     OffloadBackend,
     OffloadStats,
@@ -56,6 +57,7 @@ class ComponentSwapper:
         self.swappable: dict[str, TensorGroup] = {}
         self.resident: list[TensorGroup] = []
         self.log: list[tuple[str, int]] = []  # (component, bytes) of every load, in order
+        self.versions: dict[str, list[int]] = {}  # swappable label -> version counters at enable
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -117,6 +119,30 @@ class ComponentSwapper:
         for group in self.resident:
             txn.rebind(group.label, group.tensors, group.layout.views(group.device_flats))
         txn.on_rollback(self.forget)
+        # Note [Weight edits] (guard.py): our own rebinds never bump a version counter.
+        self.versions = {label: [t._version for t in g.tensors]
+                         for label, g in self.swappable.items()}
+
+    def edited(self, label: str) -> list[str]:
+        """Names of ``label``'s tensors edited in place since enable (Note [Weight edits])."""
+        group = self.swappable[label]
+        return [r.name for r, t, v in zip(group.layout.records, group.tensors,
+                                          self.versions.get(label, ()))
+                if t._version != v]
+
+    def check_edits(self, labels: Iterable[str]) -> None:
+        """Raise OffloadWeightEditError if a component about to be swapped was edited in place
+        outside ``edit_weights()``: swapping it would drop the edit (a device copy) or serve it
+        from a host master that is meant to be immutable."""
+        for label in labels:
+            names = self.edited(label) if label in self.swappable else []
+            if names:
+                where = "its device copy" if self.is_loaded(label) else "its host master"
+                raise OffloadWeightEditError(
+                    f"{names[0]} (and {len(names) - 1} more of {label}) was edited in place while "
+                    f"offloaded, in {where}; edit weights inside `with backend.edit_weights(): "
+                    "...` so the backend re-reads them (disable() keeps this edit)"
+                )
 
     # -- steady state ---------------------------------------------------------------------------
 
@@ -175,7 +201,11 @@ class ComponentSwapper:
     def restore(self) -> None:
         """Rebuild every tensor at its original placement (Note [Original placement])."""
         groups = list(self.swappable.values()) + self.resident
-        restored = [restore_group(g, self.platform) for g in groups]  # may raise: nothing changed
+        # A loaded component edited in place keeps the edit: restore it from its device copy.
+        restored = [restore_group(g, self.platform,  # may raise: nothing changed
+                                  g.device_flats if g.label in self.swappable and g.device_flats
+                                  and self.edited(g.label) else None)
+                    for g in groups]
         self.platform.synchronize()
         for group, views in zip(groups, restored):
             for t, v in zip(group.tensors, views):
@@ -203,15 +233,34 @@ def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 class SequentialOffloadHook(ModelHook):
-    """Pre-forward hook of one component: make it the resident swap group."""
+    """Hooks of one component: make it the resident swap group before its forward; enter and
+    leave the backend's call guard (Note [One thread at a time] in guard.py)."""
 
-    def __init__(self, backend: ModelLevelOffloadBackend, component: ResolvedComponent) -> None:
+    def __init__(self, backend: ModelLevelOffloadBackend, component: ResolvedComponent,
+                 guard: CallGuard) -> None:
         self.backend = backend
         self.component = component
+        self.guard = guard
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        with torch.inference_mode(False):  # Note [Hooks leave inference mode] (layerwise.py)
-            self.backend._activate(self.component)
+        frame = call_frame()
+        if not self.guard.enter(self.component.path, frame):
+            return None  # the backend is being disabled: leave the module alone
+        try:
+            swapper = self.backend._swapper
+            group = swapper.swappable.get(self.component.path) if swapper else None
+            if group is not None:  # Note [Autograd]
+                refuse_autograd(self.component.path,
+                                [r.name for r in group.layout.records], group.tensors)
+            with torch.inference_mode(False):  # Note [Hooks leave inference mode] (layerwise.py)
+                self.backend._activate(self.component)
+        except BaseException:
+            self.guard.exit(frame)
+            raise
+        return None
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.guard.exit(call_frame())
         return None
 
 
@@ -251,8 +300,8 @@ class ModelLevelOffloadBackend(OffloadBackend):
         self._components = plan.components
         for comp in plan.components:
             if comp.role in ("dit", "encoder") and not comp.on_demand:
-                txn.register_hook(comp.module, self.hook_name, SequentialOffloadHook(self, comp),
-                                  comp.path)
+                txn.register_hook(comp.module, self.hook_name,
+                                  SequentialOffloadHook(self, comp, self._guard), comp.path)
 
     def _enable_delegated(self, pipeline: Any, txn: Transaction) -> None:
         kwargs = {"device": self.platform.device, "pin_memory": self.config.pin_memory}
@@ -299,7 +348,9 @@ class ModelLevelOffloadBackend(OffloadBackend):
                      if c.role in ("dit", "encoder") and c is not comp]
         else:
             evict = [c.path for c in self._components if c.role == "dit"]
-        swapper.activate(comp.path, [p for p in evict if p in swapper.swappable])
+        evict = [p for p in evict if p in swapper.swappable]
+        swapper.check_edits([comp.path, *evict])  # Note [Weight edits]
+        swapper.activate(comp.path, evict)
 
     @contextmanager
     def use_component(self, path: str) -> Iterator[None]:
@@ -321,6 +372,13 @@ class ModelLevelOffloadBackend(OffloadBackend):
                 return
         known = [c.path for c in self._components]
         raise ValueError(f"unknown component {path!r}; the plan's components are {known}")
+
+    def _offloaded_tensors(self) -> dict[int, Any]:
+        # Swapped tensors always view real storage (a host master or a device copy): state_dict
+        # reads them as they are; load_state_dict must go through edit_weights.
+        if self._swapper is None:
+            return {}
+        return {id(t): None for g in self._swapper.swappable.values() for t in g.tensors}
 
     def stats(self) -> OffloadStats:
         if not self._delegated or self.pipeline is None:

@@ -1,0 +1,308 @@
+"""CONTRACTS.md §J: what users do next to a plain generation -- edit weights, read a state dict,
+record autograd, call from a second thread -- is served exactly or refused loudly."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..registry import check, fail
+from ._observe import compare_outputs, observe
+from .lifecycle import BACKENDS
+
+_EDIT_SCALE = 1.25  # a power-of-two-free factor: every edited weight changes
+
+
+def _floating(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if v.is_floating_point() and v.numel()}
+
+
+def _edit(pipeline: nn.Module) -> None:
+    """The edit under test: load a scaled copy of every floating weight (as a LoRA merge or a
+    checkpoint reload does), then scale the first parameter in place once more."""
+    scaled = {k: v * _EDIT_SCALE for k, v in _floating(pipeline.state_dict()).items()}
+    pipeline.load_state_dict(scaled, strict=False)
+    first = next((p for p in pipeline.parameters() if p.is_floating_point() and p.numel()), None)
+    if first is not None:
+        with torch.no_grad():
+            first.mul_(2.0)
+
+
+def _same_state(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    if set(got) != set(want):
+        fail(f"{what}: state_dict keys differ: {sorted(set(got) ^ set(want))[:4]}")
+    bad = [k for k in want if got[k].shape != want[k].shape or not torch.equal(
+        got[k].detach().cpu().nan_to_num(), want[k].detach().cpu().nan_to_num())
+           or bool(got[k].detach().cpu().isnan().any())]
+    if bad:
+        fail(f"{what}: {len(bad)} state_dict entries differ from the true weights "
+             f"(e.g. {bad[:3]}); an offloaded pipeline's state_dict must return the weights, not "
+             "placeholders")
+
+
+def _is_module(spec: Any, strategy: str) -> bool:
+    return isinstance(spec.build(), nn.Module)
+
+
+def _guarded(spec: Any, strategy: str) -> bool:
+    """Split models delegate model level to their own ComponentGroups (one thread per model)."""
+    pipeline = spec.build()
+    return isinstance(pipeline, nn.Module) and not (
+        strategy == "model_level" and callable(getattr(pipeline, "enable_omni_model_cpu_offload",
+                                                       None)))
+
+
+@check("J.3", strategies=BACKENDS, applies=_is_module)
+def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
+    """Weights edited inside ``backend.edit_weights()`` (``load_state_dict`` of scaled weights and
+    an in-place ``mul_``) take effect exactly: the next generation equals an un-offloaded
+    pipeline with the same edit, bit for bit, and ``disable()`` leaves the edited weights."""
+    edited_reference = case.build()
+    _edit(edited_reference)
+    want = case.run(edited_reference)
+    want_state = edited_reference.state_dict()
+    pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    case.run(pipeline)  # edit a pipeline that has run (prefetched blocks, a loaded component)
+    with backend.edit_weights() as pipe:
+        if pipe is not pipeline:
+            fail("edit_weights() must yield the pipeline it edits")
+        _edit(pipe)
+    if not backend.is_enabled():
+        fail("the backend is not enabled again after edit_weights()")
+    compare_outputs("after edit_weights", case.run(pipeline), want)
+    backend.disable()
+    _same_state("after disable", pipeline.state_dict(), want_state)
+
+
+@check("J.4", strategies=BACKENDS, applies=_is_module)
+def check_state_dict_while_enabled_returns_true_weights(case) -> None:
+    """While enabled -- before and after a generation, for the pipeline and for each of its
+    children -- ``state_dict()`` returns the true weights bit for bit (a checkpoint saved then
+    is the model, not placeholders)."""
+    reference = case.build()
+    want = reference.state_dict()
+    pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    _same_state("after enable", pipeline.state_dict(), want)
+    case.run(pipeline)
+    _same_state("after a generation", pipeline.state_dict(), want)
+    for name, child in pipeline.named_children():
+        prefix = f"{name}."
+        _same_state(f"{name}.state_dict()", child.state_dict(),
+                    {k[len(prefix):]: v for k, v in want.items() if k.startswith(prefix)})
+    compare_outputs("after state_dict", case.run(pipeline), case.reference())
+    backend.disable()
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _grads(pipeline: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: (None if p.grad is None else p.grad.detach().clone())
+            for n, p in pipeline.named_parameters()}
+
+
+def _leaves(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _leaves(v)]
+    if isinstance(tree, (tuple, list)):
+        return [t for v in tree for t in _leaves(v)]
+    return [t for v in getattr(tree, "__dict__", {}).values() for t in _leaves(v)] \
+        if hasattr(tree, "__dataclass_fields__") else []
+
+
+def _fresh(tree: Any) -> Any:
+    """Ordinary copies of the tensors of ``tree`` (captured under inference mode)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _fresh(v) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_fresh(v) for v in tree)
+    return tree
+
+
+def _first_calls(case: Any, pipeline: Any, paths: list[str]) -> dict[str, tuple]:
+    """The arguments of the first call of each module at ``paths`` during one generation."""
+    from offload_ref.discovery import get_submodule_path
+
+    calls: dict[str, tuple] = {}
+    handles = []
+    for path in paths:
+        def grab(module, args, kwargs, path=path):
+            if path not in calls:
+                with torch.inference_mode(False):
+                    calls[path] = (_fresh(args), _fresh(kwargs))
+        handles.append(get_submodule_path(pipeline, path).register_forward_pre_hook(
+            grab, with_kwargs=True))
+    try:
+        case.run(pipeline)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _backward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    with torch.enable_grad():
+        out = module(*_fresh(args), **_fresh(kwargs))
+        loss = sum(t.float().sum() for t in _leaves(out) if t.requires_grad)
+        if isinstance(loss, torch.Tensor):  # else its output does not depend on its weights
+            loss.backward()
+
+
+@check("J.5", strategies=BACKENDS, applies=_guarded)
+def check_backward_is_exact_or_refused_at_forward(case) -> None:
+    """Calling an offloaded component (each DiT and encoder, with the arguments the pipeline
+    gives it) with autograd recording, while its weights require grad, is refused before it runs
+    with a RuntimeError that says what to do -- or, if served, gives the un-offloaded gradients
+    bit for bit: never a NaN or wrong gradient.  The next generation is exact."""
+    from offload_ref.discovery import get_submodule_path
+
+    reference = case.build()
+    paths = [c.path for c in case.resolve(reference).components
+             if c.role in ("dit", "encoder") and c.selected and not c.on_demand]
+    calls = _first_calls(case, reference, paths)
+    reference.requires_grad_(True)  # fixtures are frozen; a fine-tuning user unfreezes them
+    want: dict[str, dict] = {}
+    for path, (args, kwargs) in calls.items():
+        module = get_submodule_path(reference, path)
+        module.zero_grad(set_to_none=True)
+        _backward(module, args, kwargs)
+        want[path] = _grads(module)
+    pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    case.run(pipeline)  # steady state: prefetched blocks, a loaded component
+    pipeline.requires_grad_(True)
+    for path, (args, kwargs) in calls.items():
+        module = get_submodule_path(pipeline, path)
+        try:
+            _backward(module, args, kwargs)
+        except RuntimeError as exc:
+            if "grad" not in str(exc) or "no_grad" not in str(exc):
+                fail(f"calling {path} with autograd was refused without saying what to do "
+                     f"(run under torch.no_grad() / inference_mode, or freeze the weights): "
+                     f"{exc}")
+            got = [n for n, p in module.named_parameters() if p.grad is not None]
+            if got:
+                fail(f"the grad-mode call of {path} was refused after gradients existed: "
+                     f"{got[:3]}")
+            continue
+        got = _grads(module)
+        bad = [n for n in want[path] if (got[n] is None) != (want[path][n] is None) or (
+            want[path][n] is not None and not torch.equal(got[n], want[path][n]))]
+        if bad:
+            fail(f"backward through offloaded {path} gave {len(bad)} wrong or NaN gradients "
+                 f"(e.g. {bad[:3]}); refuse grad-mode forwards at forward time instead")
+    compare_outputs("the next generation", case.run(pipeline), case.reference())
+    backend.disable()
+
+
+def _pause_point(case: Any, pipeline: Any) -> tuple[str, nn.Module]:
+    """Where the first thread waits: inside the last streamed block (layerwise; a second
+    generation would leave it a placeholder), or inside the first DiT (model level)."""
+    plan = case.resolve(pipeline)
+    rings = [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
+    if rings:
+        ring = rings[0]
+        return ring.block_paths[-1], ring.streamed_blocks[-1]
+    dit = next(c for c in plan.components if c.role == "dit")
+    return dit.path, dit.module
+
+
+def _same_threads(fn: Any) -> Any:
+    """``fn`` for another thread, with this thread's intra-op thread count (OpenMP keeps it per
+    thread: a fresh thread would use every core and split reductions differently)."""
+    n = torch.get_num_threads()
+
+    def run(*args: Any) -> Any:
+        torch.set_num_threads(n)
+        return fn(*args)
+
+    return run
+
+
+def _in_thread(fn: Any) -> Any:
+    """``fn()`` run in a fresh thread (as the first thread of the check runs)."""
+    box: dict[str, Any] = {}
+
+    @_same_threads
+    def run() -> None:
+        try:
+            box["out"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
+@check("J.6", strategies=BACKENDS, applies=_guarded)
+def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
+    """A second thread calling a pipeline while another thread is inside one of its offloaded
+    modules gets a clear error (or an exact output), and the first thread's generation stays
+    exact; afterwards a single-threaded generation is exact again."""
+    reference = case.reference()
+    threaded_reference = _in_thread(lambda: case.run(case.build()))
+    pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    path, module = _pause_point(case, pipeline)
+    entered, release = threading.Event(), threading.Event()
+    result: dict[str, Any] = {}
+
+    def pause(p: str, m: nn.Module) -> None:
+        if threading.current_thread().name == "offload-ref-first" and not entered.is_set():
+            entered.set()
+            release.wait(timeout=30)
+
+    @_same_threads
+    def first() -> None:
+        try:
+            result["out"] = case.run(pipeline)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            result["error"] = exc
+
+    with observe([(path, module)], pause):
+        thread = threading.Thread(target=first, name="offload-ref-first", daemon=True)
+        thread.start()
+        if not entered.wait(timeout=30):
+            release.set()
+            fail(f"the first thread never reached {path}")
+        try:
+            second = case.run(pipeline)
+        except RuntimeError as exc:
+            if "thread" not in str(exc):
+                release.set()
+                thread.join(timeout=30)
+                fail(f"the second thread got an error that does not say it is a concurrent "
+                     f"call: {type(exc).__name__}: {exc}")
+        else:
+            release.set()
+            thread.join(timeout=30)
+            compare_outputs("second thread (served while another was inside)", second, reference)
+        finally:
+            release.set()
+        thread.join(timeout=30)
+    if thread.is_alive():
+        fail("the first thread did not finish after it was released")
+    if "error" in result:
+        fail(f"the first thread's generation failed: {type(result['error']).__name__}: "
+             f"{result['error']}")
+    compare_outputs("first thread", result["out"], threaded_reference)
+    compare_outputs("afterwards, one thread", case.run(pipeline), reference)
+    backend.disable()

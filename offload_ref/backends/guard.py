@@ -1,0 +1,221 @@
+"""What an enabled backend refuses: a second thread inside it, autograd through streamed weights,
+and weight edits it cannot honour.
+
+Note [One thread at a time]
+    An enabled pipeline serves one thread at a time.  Every offload hook *enters* the backend's
+    :class:`CallGuard` before it touches a ring or a swap group and *exits* it after the module's
+    forward.  A hook that fires in thread B while thread A is inside an offloaded module's forward
+    raises :class:`OffloadConcurrencyError` in B before anything changes, so A's generation
+    stays correct.  ``disable()`` and ``edit_weights()`` take the guard exclusively: they wait
+    until no other thread is inside an offloaded forward, and hooks that fire meanwhile wait for
+    them and then leave the module alone.
+
+    torch skips ``always_call`` forward hooks for a ``BaseException`` (Ctrl-C), so an entry can
+    outlive its forward.  Each entry records the frame of the ``nn.Module.__call__`` running
+    it; an entry whose frame is no longer on its thread's stack is stale and dropped.  Frames are
+    only inspected on a conflict, so the steady state costs a lock and a list append per call.
+
+Note [Autograd]
+    Streamed and swapped weights are rebound after every forward (to placeholders or host
+    masters), so a backward would read other values than the forward did.  A hook that sees grad
+    mode on while the weights it is about to stream require grad raises
+    :class:`OffloadAutogradError` before the module runs: never a NaN gradient.  Run under
+    ``torch.no_grad()`` / ``torch.inference_mode()`` (diffusers pipelines do), or freeze the
+    weights with ``requires_grad_(False)``.
+
+Note [Weight edits]
+    Inside ``backend.edit_weights()`` the pipeline holds ordinary tensors (the backend is
+    disabled); on exit it is enabled again and reads every weight anew.  Outside it, the backend
+    records each offloaded tensor's version counter when it binds it; an in-place edit (``mul_``,
+    ``copy_``, LoRA fusing) bumps it, and the next hook that would use or evict the tensor raises
+    :class:`OffloadWeightEditError` naming it.  ``load_state_dict`` on a module holding offloaded
+    weights raises before it copies anything.  ``disable()`` keeps an edit that reached real
+    storage (a device copy or a host master), so nothing is silently lost.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CallGuard",
+    "OffloadAutogradError",
+    "OffloadConcurrencyError",
+    "OffloadWeightEditError",
+    "call_frame",
+    "refuse_autograd",
+]
+
+
+class OffloadConcurrencyError(RuntimeError):
+    """A second thread called a pipeline while another thread was inside one of its offloaded
+    modules (Note [One thread at a time])."""
+
+
+class OffloadAutogradError(RuntimeError):
+    """A forward through streamed or swapped weights ran with autograd recording (Note
+    [Autograd])."""
+
+
+class OffloadWeightEditError(RuntimeError):
+    """An offloaded weight was edited outside ``backend.edit_weights()`` (Note [Weight edits])."""
+
+
+_CALL_CODES = {nn.Module._call_impl.__code__}
+
+
+def call_frame() -> FrameType | None:
+    """The frame of the ``nn.Module`` call that is running the current hook (None if torch's
+    call path is not recognised: such entries are then never considered stale)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code in _CALL_CODES:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _on_stack(frame: FrameType, top: FrameType | None) -> bool:
+    while top is not None:
+        if top is frame:
+            return True
+        top = top.f_back
+    return False
+
+
+class CallGuard:
+    """Which threads are inside an offloaded module's forward (Note [One thread at a time])."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._cond = threading.Condition(threading.Lock())
+        self._inside: dict[int, list[tuple[str, FrameType | None]]] = {}
+        self._exclusive: int | None = None  # thread holding the guard exclusively
+        self._closed = False  # set by exclusive(close=True): hooks leave modules alone
+
+    # -- hooks ------------------------------------------------------------------------------------
+
+    def enter(self, label: str, frame: FrameType | None) -> bool:
+        """Register a forward of ``label`` in this thread.  False: the backend is being (or was)
+        disabled, leave the module alone.  Raises OffloadConcurrencyError if another thread is
+        inside."""
+        me = threading.get_ident()
+        with self._cond:
+            while self._exclusive is not None and self._exclusive != me:
+                self._cond.wait()
+            if self._closed:
+                return False
+            busy = self._busy_elsewhere(me)
+            if busy:
+                thread, where = busy
+                raise OffloadConcurrencyError(
+                    f"{label} was called in thread {me} while thread {thread} is inside {where} "
+                    f"of the same pipeline, offloaded by {self.owner}; an enabled pipeline serves "
+                    "one thread at a time (its weights stream through shared device slots): "
+                    "give each thread its own pipeline and backend, or serialize the calls"
+                )
+            mine = self._inside.setdefault(me, [])
+            if mine:
+                self._prune_own(mine)
+            mine.append((label, frame))
+            return True
+
+    def holds(self, frame: FrameType | None) -> bool:
+        """Whether this thread entered the forward running in ``frame``."""
+        mine = self._inside.get(threading.get_ident())
+        if not mine:
+            return False
+        return frame is None or any(f is frame for _, f in mine)
+
+    def exit(self, frame: FrameType | None) -> bool:
+        """Unregister this thread's forward that runs in ``frame``; False if it was never entered
+        (the hook's ``enter`` returned False)."""
+        me = threading.get_ident()
+        with self._cond:
+            mine = self._inside.get(me)
+            if not mine:
+                return False
+            for i in range(len(mine) - 1, -1, -1):
+                if mine[i][1] is frame:
+                    del mine[i:]
+                    break
+            else:
+                if frame is not None:
+                    return False
+                mine.pop()
+            if not mine:
+                del self._inside[me]
+                self._cond.notify_all()
+            return True
+
+    # -- disable, edit_weights --------------------------------------------------------------------
+
+    @contextmanager
+    def exclusive(self, *, close: bool) -> Iterator[None]:
+        """Wait until no other thread is inside, then keep new entries out until the block ends.
+        With ``close``, hooks that fire after the block leave their modules alone."""
+        me = threading.get_ident()
+        with self._cond:
+            while self._exclusive is not None and self._exclusive != me:
+                self._cond.wait()
+            while self._busy_elsewhere(me):
+                self._cond.wait(timeout=0.05)  # also re-checks entries left by an interrupt
+            outer = self._exclusive
+            self._exclusive = me
+        try:
+            yield
+            if close:
+                with self._cond:
+                    self._closed = True
+        finally:
+            with self._cond:
+                self._exclusive = outer
+                self._cond.notify_all()
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _busy_elsewhere(self, me: int) -> tuple[int, str] | None:
+        """Another thread's live entry (caller holds the lock); stale entries are dropped."""
+        others = [t for t, entries in self._inside.items() if t != me and entries]
+        if not others:
+            return None
+        frames = sys._current_frames()
+        for thread in others:
+            entries = self._inside[thread]
+            top = frames.get(thread)
+            live = [(label, f) for label, f in entries
+                    if top is not None and (f is None or _on_stack(f, top))]
+            if live:
+                self._inside[thread] = live
+                return thread, live[-1][0]
+            del self._inside[thread]
+        return None
+
+    def _prune_own(self, mine: list[tuple[str, FrameType | None]]) -> None:
+        top = sys._getframe()
+        mine[:] = [(label, f) for label, f in mine if f is None or _on_stack(f, top)]
+
+
+def refuse_autograd(label: str, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
+    """Raise OffloadAutogradError if autograd would record a graph over ``tensors`` (Note
+    [Autograd]).  Cheap when grad mode is off (the normal case)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in zip(names, tensors):
+        if t.requires_grad:
+            raise OffloadAutogradError(
+                f"{label} runs with autograd recording and its offloaded weight {name} requires "
+                "grad: offloaded weights are rebound after each forward, so a backward would read "
+                "other values than the forward did.  Run the pipeline under torch.no_grad() or "
+                "torch.inference_mode(), or freeze the weights (module.requires_grad_(False)); "
+                "training through an offloaded module is not supported"
+            )

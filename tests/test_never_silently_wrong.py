@@ -1,0 +1,334 @@
+"""Issue 9 (CONTRACTS.md §J.3-J.6): weight edits, state_dict, autograd, threads and lifetime.
+
+Each test names the defect it pins; all run on the CPU platform with the race amplifier where a
+race could hide."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from offload_ref import (
+    OffloadAutogradError,
+    OffloadConcurrencyError,
+    OffloadConfig,
+    OffloadWeightEditError,
+    backend_of,
+    get_offload_backend,
+)
+from offload_ref.fixtures import get_spec
+from offload_ref.platform import CpuPlatform
+
+STRATEGIES = ["model_level", "layer_wise"]
+SPEC = get_spec("flux2")
+
+
+def _run(pipeline) -> torch.Tensor:
+    with torch.inference_mode():
+        return pipeline(**SPEC.make_inputs())
+
+
+@pytest.fixture
+def platform():
+    p = CpuPlatform(race_amplifier=True)
+    yield p
+    p.close()
+
+
+def _enabled(strategy: str, platform: CpuPlatform):
+    pipeline = SPEC.build()
+    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+    backend.enable(pipeline)
+    return pipeline, backend
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _equal_states(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- weight edits (J.3) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_load_state_dict_while_enabled_is_refused_before_any_copy(strategy, platform) -> None:
+    """Before: layerwise load_state_dict updated some tensors, then failed on a placeholder with
+    torch's internal-overlap error; the mix survived disable (16 of 133 new)."""
+    pipeline, backend = _enabled(strategy, platform)
+    _run(pipeline)
+    before = _state(pipeline)
+    scaled = {k: v * 2 for k, v in before.items() if v.is_floating_point()}
+    for target, prefix in ((pipeline, ""), (pipeline.transformer, "transformer.")):
+        part = {k[len(prefix):]: v for k, v in scaled.items() if k.startswith(prefix)}
+        with pytest.raises(OffloadWeightEditError, match="edit_weights"):
+            target.load_state_dict(part, strict=False)
+    backend.disable()
+    assert _equal_states(_state(pipeline), before), "a refused load changed some weights"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_lora_fusing_inside_edit_weights_takes_effect_exactly(strategy, platform) -> None:
+    """The supported route: fuse a low-rank delta into a DiT block and a non-block weight."""
+    def fuse(pipe) -> None:
+        gen = torch.Generator().manual_seed(7)
+        for linear in (pipe.transformer.single_transformer_blocks[1].proj_mlp,
+                       pipe.transformer.x_embedder):
+            out_f, in_f = linear.weight.shape
+            down, up = torch.randn(2, in_f, generator=gen), torch.randn(out_f, 2, generator=gen)
+            with torch.no_grad():
+                linear.weight.add_(0.01 * up @ down)
+
+    want_pipe = SPEC.build()
+    fuse(want_pipe)
+    want = _run(want_pipe)
+    pipeline, backend = _enabled(strategy, platform)
+    _run(pipeline)
+    with backend.edit_weights() as pipe:
+        fuse(pipe)
+    assert backend.is_enabled()
+    assert torch.equal(_run(pipeline), want)
+    backend.disable()
+    assert _equal_states(_state(pipeline), _state(want_pipe))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_in_place_edit_outside_edit_weights_is_refused_and_kept(strategy, platform) -> None:
+    """Before: model level dropped an in-place edit of a loaded component at the next swap and
+    at disable (later generations used the old weights)."""
+    pipeline, backend = _enabled(strategy, platform)
+    _run(pipeline)  # layerwise: block 0 is bound to its slot; model level: the DiT is loaded
+    weight = pipeline.transformer.transformer_blocks[0].img_mod.weight
+    with torch.no_grad():
+        weight.mul_(2)
+    edited = weight.detach().clone()
+    with pytest.raises(OffloadWeightEditError, match="transformer_blocks.0.img_mod.weight"):
+        _run(pipeline)
+    with pytest.raises(OffloadWeightEditError):
+        _run(pipeline)  # still refused: never served with the edit half applied
+    backend.disable()
+    assert torch.equal(pipeline.transformer.transformer_blocks[0].img_mod.weight, edited)
+    reference = SPEC.build()
+    with torch.no_grad():
+        reference.transformer.transformer_blocks[0].img_mod.weight.mul_(2)
+    assert torch.equal(_run(pipeline), _run(reference))
+
+
+# -- state_dict (J.4) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_state_dict_while_enabled_is_the_true_weights(strategy, platform) -> None:
+    """Before: layerwise state_dict() returned NaN placeholders for streamed blocks (flux2: 84
+    of 174 entries)."""
+    want = _state(SPEC.build())
+    pipeline, backend = _enabled(strategy, platform)
+    for _ in range(2):
+        assert _equal_states(_state(pipeline), want)
+        block = {k[len("transformer.transformer_blocks.1."):]: v for k, v in want.items()
+                 if k.startswith("transformer.transformer_blocks.1.")}
+        assert _equal_states(_state(pipeline.transformer.transformer_blocks[1]), block)
+        _run(pipeline)
+    backend.disable()
+
+
+# -- autograd (J.5) --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_grad_mode_forward_through_offloaded_weights_is_refused(strategy, platform) -> None:
+    """Before: backward through streamed blocks gave NaN gradients with no error (flux2: 127 of
+    133)."""
+    pipeline, backend = _enabled(strategy, platform)
+    _run(pipeline)
+    pipeline.requires_grad_(True)
+    latents = torch.randn(1, 16, 4)
+    context = torch.randn(1, 6, 32)
+    with pytest.raises(OffloadAutogradError, match="no_grad"):
+        with torch.enable_grad():
+            pipeline.transformer(latents, context, torch.tensor([500.0]),
+                                 guidance=torch.tensor([4000.0]))
+    assert all(p.grad is None for p in pipeline.parameters())
+    pipeline.requires_grad_(False)  # frozen weights: grad mode on is fine
+    with torch.enable_grad():
+        out = pipeline.transformer(latents, context, torch.tensor([500.0]),
+                                   guidance=torch.tensor([4000.0]))
+    assert not out.isnan().any()
+    assert torch.equal(_run(pipeline), _run(SPEC.build()))
+    backend.disable()
+
+
+# -- threads (J.6) ---------------------------------------------------------------------------
+
+
+def _pause_inside(module: nn.Module, thread_name: str):
+    entered, release = threading.Event(), threading.Event()
+
+    def pre(mod, args):
+        if threading.current_thread().name == thread_name and not entered.is_set():
+            entered.set()
+            release.wait(timeout=20)
+
+    return module.register_forward_pre_hook(pre), entered, release
+
+
+def _threaded(fn, name: str):
+    box: dict = {}
+    n = torch.get_num_threads()
+
+    def run() -> None:
+        torch.set_num_threads(n)
+        try:
+            box["out"] = fn()
+        except BaseException as exc:  # noqa: BLE001
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread, box
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_second_thread_gets_a_clear_error_and_the_first_stays_exact(strategy, platform) -> None:
+    """Before: two threads on one pipeline gave NaN outputs and StreamOrderErrors that persisted
+    into later single-threaded runs."""
+    reference = _run(SPEC.build())
+    pipeline, backend = _enabled(strategy, platform)
+    block = pipeline.transformer.single_transformer_blocks[-1]
+    handle, entered, release = _pause_inside(block, "first")
+    thread, box = _threaded(lambda: _run(pipeline), "first")
+    assert entered.wait(timeout=20)
+    with pytest.raises(OffloadConcurrencyError, match="one thread at a time"):
+        _run(pipeline)
+    release.set()
+    thread.join(timeout=20)
+    handle.remove()
+    assert "error" not in box, box.get("error")
+    assert torch.equal(box["out"], reference)
+    assert torch.equal(_run(pipeline), reference)
+    backend.disable()
+
+
+def test_two_pipelines_with_their_own_backends_run_in_two_threads(platform) -> None:
+    reference = _run(SPEC.build())
+    pipes = [_enabled(s, platform) for s in STRATEGIES]
+    threads = [_threaded(lambda p=p: [_run(p) for _ in range(3)], f"t{i}")
+               for i, (p, _) in enumerate(pipes)]
+    for thread, box in threads:
+        thread.join(timeout=60)
+        assert "error" not in box, box.get("error")
+        assert all(torch.equal(out, reference) for out in box["out"])
+    for _, backend in pipes:
+        backend.disable()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_disable_from_another_thread_waits_for_the_running_forward(strategy, platform) -> None:
+    """Before: disable() returned at once, then the generating thread rebound a block to
+    placeholders after the masters were freed (flux2: 17 tensors NaN for good)."""
+    reference = _run(SPEC.build())
+    want = _state(SPEC.build())
+    pipeline, backend = _enabled(strategy, platform)
+    block = pipeline.transformer.single_transformer_blocks[1]
+    handle, entered, release = _pause_inside(block, "generating")
+    thread, box = _threaded(lambda: _run(pipeline), "generating")
+    assert entered.wait(timeout=20)
+    disabling, done = _threaded(backend.disable, "disabling")
+    time.sleep(0.2)
+    assert disabling.is_alive(), "disable() returned while another thread was inside a block"
+    release.set()
+    thread.join(timeout=20)
+    disabling.join(timeout=20)
+    handle.remove()
+    assert "error" not in box and "error" not in done, (box.get("error"), done.get("error"))
+    assert torch.equal(box["out"], reference)
+    assert not backend.is_enabled()
+    assert _equal_states(_state(pipeline), want), "weights were lost"
+    assert torch.equal(_run(pipeline), reference)
+    assert platform.memory_allocated() == 0
+
+
+# -- lifetime --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_dropped_backend_stays_reachable_through_its_pipeline(strategy, platform) -> None:
+    """Before: `del backend` left the pipeline offloaded with no way back ("disable that backend
+    first" -- there was none)."""
+    reference = _run(SPEC.build())
+    pipeline, backend = _enabled(strategy, platform)
+    del backend
+    gc.collect()
+    owner = backend_of(pipeline)
+    assert owner is not None and owner.is_enabled()
+    assert torch.equal(_run(pipeline), reference)
+    owner.disable()
+    assert backend_of(pipeline) is None
+    assert platform.memory_allocated() == 0 and platform.host_allocated() == 0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_collected_pipeline_releases_its_buffers(strategy, platform) -> None:
+    pipeline, backend = _enabled(strategy, platform)
+    _run(pipeline)
+    del pipeline
+    gc.collect()
+    assert not backend.is_enabled()
+    assert platform.memory_allocated() == 0 and platform.host_allocated() == 0
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class _Dit(nn.Module):
+    _layerwise_offload_blocks_attrs = ["blocks"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_pipeline_without_weak_references_is_supported(strategy, platform) -> None:
+    """Before: a SimpleNamespace pipeline failed after commit: nothing rolled back, a block left
+    NaN, and it could never be enabled again."""
+    torch.manual_seed(0)
+    pipe = types.SimpleNamespace(transformer=_Dit().requires_grad_(False),
+                                 text_encoder=_Encoder().requires_grad_(False))
+    x = torch.randn(1, 8)
+
+    def run():
+        with torch.inference_mode():
+            return pipe.transformer(pipe.text_encoder(x))
+
+    reference = run()
+    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+    with pytest.warns(Warning):  # the fallback scan names what it found
+        backend.enable(pipe)
+    for _ in range(2):
+        assert backend.is_enabled() and backend_of(pipe) is backend
+        assert torch.equal(run(), reference)
+        backend.disable()
+        assert torch.equal(run(), reference)
+        backend.enable(pipe)
+    backend.disable()
+    assert platform.memory_allocated() == 0
