@@ -352,6 +352,7 @@ class OffloadBackend:
         self.skip_reason = plan.skip_reason
         if plan.skip_reason is not None:
             return
+        _require_ownable(pipeline)  # enable ends by recording its owner: check that it can
         txn = self.transaction_class(self.platform, self.registry, self.fault_injector)
         self._stats = OffloadStats()
         # Note [Hooks leave inference mode]: what enable builds must be ordinary tensors, and
@@ -430,6 +431,25 @@ class OffloadBackend:
     def __repr__(self) -> str:
         state = "enabled" if self.is_enabled() else "disabled"
         return f"<{type(self).__name__} {state} on {self.platform.name}>"
+
+
+def _require_ownable(pipeline: Any) -> None:
+    """``enable`` holds the pipeline by weak reference and records its owner in the pipeline's
+    ``__dict__`` (PIPELINE_ATTR); a pipeline that allows neither is rejected before the first
+    mutation (the weak reference used to fail after the commit, leaving it half offloaded)."""
+    missing = []
+    try:
+        weakref.ref(pipeline)
+    except TypeError:
+        missing.append("weak references ('__weakref__')")
+    if not isinstance(getattr(pipeline, "__dict__", None), dict):
+        missing.append(f"an instance __dict__ (for {PIPELINE_ATTR})")
+    if missing:
+        raise TypeError(
+            f"{type(pipeline).__name__} cannot be offloaded: it supports no "
+            f"{' and no '.join(missing)}; use a pipeline class without __slots__ (an nn.Module "
+            "or a plain class), or add '__dict__' and '__weakref__' to its __slots__"
+        )
 
 
 class _Owner:
