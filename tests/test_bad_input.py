@@ -8,12 +8,19 @@ pipeline left half offloaded."""
 from __future__ import annotations
 
 import types
+import warnings
 
 import pytest
-from offload_ref import OffloadConfig
+import torch
+from torch import nn
+
+from offload_ref import OffloadConfig, SupportsComponentDiscovery, get_offload_backend
 from offload_ref.config import LayerOptions, OffloadStrategy
+from offload_ref.plan import OffloadTopologyError, pipeline_state, resolve_offload_plan
+from offload_ref.platform import CpuPlatform
 
 LAYER_WISE = OffloadStrategy.LAYER_WISE
+STRATEGIES = ("model_level", "layer_wise")
 
 
 def _deep(depth: int) -> list:
@@ -173,3 +180,237 @@ def test_short_values_are_still_quoted_exactly() -> None:
         OffloadConfig.from_mapping({"mode": "layer", "components": ["dit"],
                                     "layer_options": {"dit": options}})
     assert repr(options) in str(info.value)  # insertion order, as repr() prints it
+
+
+# -- pipelines -------------------------------------------------------------------------------------
+
+
+class _Dit(nn.Module):
+    _layerwise_offload_blocks_attrs = ["blocks"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _Pipe(nn.Module, SupportsComponentDiscovery):
+    _dit_modules = ["transformer"]
+    _encoder_modules = ["text_encoder"]
+    _vae_modules: list[str] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = _Dit()
+        self.text_encoder = nn.Linear(4, 4)
+
+
+def _state(pipeline) -> dict:
+    """Identity, storage and values of every tensor, and the hooks, of a (possibly non-module)
+    pipeline's components (taken without walking a cycle: call it before adding one)."""
+    roots = [("", pipeline)] if isinstance(pipeline, nn.Module) else [
+        ("transformer.", pipeline.transformer), ("text_encoder.", pipeline.text_encoder)]
+    out = {}
+    for prefix, root in roots:
+        for name, t in list(root.named_parameters()) + list(root.named_buffers()):
+            dense = t.layout is torch.strided
+            out[prefix + name] = (id(t), t.layout, t.untyped_storage().data_ptr() if dense else 0,
+                                  t.detach().clone() if dense else t.to_dense().clone())
+        for name, m in root.named_modules():
+            out[f"hooks {prefix}{name}"] = (len(m._forward_pre_hooks), len(m._forward_hooks),
+                                            sorted(k for k in vars(m) if k.startswith("_offload")))
+    return out
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if key.startswith("hooks"):
+            assert a[key] == b[key], key
+        else:
+            assert a[key][:3] == b[key][:3] and torch.equal(a[key][3], b[key][3]), key
+
+
+def _enable_is_rejected_cleanly(pipeline, strategy: str, error, match: str,
+                                before: dict | None = None) -> None:
+    """``enable`` raises ``error`` before any mutation: no hooks, no bytes, same tensors."""
+    before = _state(pipeline) if before is None else before
+    platform = CpuPlatform()
+    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+    with pytest.raises(error, match=match):
+        backend.enable(pipeline)
+    assert not backend.is_enabled() and backend.last_steps == []
+    assert platform.memory_allocated() == 0 and platform.pinned_bytes() == 0
+    return before
+
+
+# -- non-strided tensors ---------------------------------------------------------------------------
+
+
+_LAYOUTS = {
+    "sparse_coo": lambda t: t.to_sparse(),
+    "sparse_csr": lambda t: t.to_sparse_csr(),
+}
+if torch.backends.mkldnn.is_available():
+    _LAYOUTS["mkldnn"] = lambda t: t.to_mkldnn()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+@pytest.mark.parametrize("where", ["transformer.blocks.1", "text_encoder", ""])
+def test_non_strided_buffer_is_rejected_by_the_resolver(strategy, layout, where) -> None:
+    pipeline = _Pipe()
+    owner = pipeline.get_submodule(where) if where else pipeline
+    owner.register_buffer("kit_sparse", _LAYOUTS[layout](torch.eye(4)))
+    path = f"{where}.kit_sparse" if where else "kit_sparse"
+    config = OffloadConfig(strategy=strategy)
+    with pytest.raises(OffloadTopologyError) as info:
+        resolve_offload_plan(pipeline, config)
+    message = str(info.value)
+    assert repr(path) in message and "to_dense()" in message, message
+    assert "torch." + layout.replace("mkldnn", "_mkldnn") in message, message
+    _same(_enable_is_rejected_cleanly(pipeline, strategy, OffloadTopologyError, "to_dense"),
+          _state(pipeline))
+
+
+def test_sparse_parameter_of_a_non_module_pipeline_is_rejected() -> None:
+    pipeline = types.SimpleNamespace(transformer=_Dit(), text_encoder=nn.Linear(4, 4))
+    pipeline.transformer.blocks[0].extra = nn.Parameter(torch.eye(4).to_sparse(),
+                                                        requires_grad=False)
+    with pytest.raises(OffloadTopologyError, match=r"'transformer.blocks.0.extra'.*sparse"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            resolve_offload_plan(pipeline, OffloadConfig(strategy=LAYER_WISE))
+
+
+# -- cyclic module graphs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("child, ancestor, cycle", [
+    ("transformer.blocks.2", "transformer", "'transformer.blocks.2.kit_loop' -> 'transformer'"),
+    ("text_encoder", "", "'text_encoder.kit_loop' -> '' (the pipeline)"),
+    ("transformer.blocks.0", "transformer.blocks.0",
+     "'transformer.blocks.0.kit_loop' -> 'transformer.blocks.0'"),
+])
+def test_cyclic_module_graph_is_rejected_naming_the_cycle(strategy, child, ancestor,
+                                                          cycle) -> None:
+    pipeline = _Pipe()
+    before = _state(pipeline)
+    target = pipeline.get_submodule(ancestor) if ancestor else pipeline
+    pipeline.get_submodule(child)._modules["kit_loop"] = target
+    with pytest.raises(OffloadTopologyError) as info:
+        resolve_offload_plan(pipeline, OffloadConfig(strategy=strategy))
+    assert cycle in str(info.value) and "cycle" in str(info.value), str(info.value)
+    _enable_is_rejected_cleanly(pipeline, strategy, OffloadTopologyError, "cycle", before)
+    del pipeline.get_submodule(child)._modules["kit_loop"]
+    _same(before, _state(pipeline))
+
+
+def test_cycle_inside_a_component_of_a_non_module_pipeline_is_rejected() -> None:
+    pipeline = types.SimpleNamespace(transformer=_Dit(), text_encoder=nn.Linear(4, 4))
+    pipeline.transformer.blocks[1]._modules["kit_loop"] = pipeline.transformer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(OffloadTopologyError, match="'transformer.blocks.1.kit_loop'"):
+            resolve_offload_plan(pipeline, OffloadConfig(strategy=LAYER_WISE))
+
+
+def test_pipeline_state_rejects_a_cycle() -> None:
+    pipeline = _Pipe()
+    pipeline.text_encoder._modules["kit_loop"] = pipeline
+    with pytest.raises(OffloadTopologyError, match="'text_encoder.kit_loop'"):
+        pipeline_state(pipeline, [])
+
+
+def test_a_module_shared_by_two_parents_is_not_a_cycle() -> None:
+    pipeline = _Pipe()
+    pipeline.shared_head = pipeline.text_encoder  # two paths to one module: a DAG, not a cycle
+    plan = resolve_offload_plan(pipeline, OffloadConfig(strategy="model_level"))
+    assert plan.dits and plan.encoders
+
+
+# -- pipelines that are not plain objects ----------------------------------------------------------
+
+
+class _SlotsPipe:  # declares its components without the mixin (which would add a __dict__)
+    __slots__ = ("transformer", "text_encoder", "unset")
+    _dit_modules = ["transformer"]
+    _encoder_modules = ["text_encoder"]
+    _vae_modules: list[str] = []
+
+    def __init__(self) -> None:
+        self.transformer = _Dit()
+        self.text_encoder = nn.Linear(4, 4)
+
+
+class _OwnableSlotsPipe(_SlotsPipe):
+    __slots__ = ("__dict__", "__weakref__")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_slots_pipeline_is_resolved_from_its_slot_values(strategy) -> None:
+    pipeline = _SlotsPipe()
+    plan = resolve_offload_plan(pipeline, OffloadConfig(strategy=strategy))
+    assert plan.component("transformer").module is pipeline.transformer
+    assert plan.component("text_encoder").module is pipeline.text_encoder
+
+
+def test_unset_slot_is_a_missing_declaration() -> None:
+    class Pipe(_SlotsPipe):
+        __slots__ = ()
+        _encoder_modules = ["text_encoder", "unset"]
+
+    with pytest.raises(OffloadTopologyError, match="'unset' does not exist"):
+        resolve_offload_plan(Pipe(), OffloadConfig(strategy="model_level"))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_slots_pipeline_with_dict_and_weakref_is_offloaded(strategy) -> None:
+    pipeline = _OwnableSlotsPipe()
+    x = torch.randn(2, 4)
+    want = pipeline.transformer(pipeline.text_encoder(x))
+    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=CpuPlatform())
+    backend.enable(pipeline)
+    assert backend.is_enabled()
+    torch.testing.assert_close(pipeline.transformer(pipeline.text_encoder(x)), want)
+    backend.disable()
+    assert not hasattr(pipeline, "_offload_ref_backend")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("make", [
+    _SlotsPipe,
+    lambda: types.SimpleNamespace(transformer=_Dit(), text_encoder=nn.Linear(4, 4)),
+], ids=["slots", "simple_namespace"])
+def test_non_weakrefable_pipeline_enable_is_clean_or_supported(strategy, make) -> None:
+    """enable used to fail after its commit (the weak reference is taken last): nothing rolled
+    back, a block left NaN, and the pipeline marked as owned forever.  Now it is rejected before
+    the first mutation, and can be retried (here: by a supported pipeline kind)."""
+    pipeline = make()
+    x = torch.randn(2, 4)
+    want = pipeline.transformer(pipeline.text_encoder(x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SimpleNamespace declares nothing: the scan warns
+        before = _state(pipeline)
+        platform = CpuPlatform()
+        backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+        try:
+            backend.enable(pipeline)
+        except TypeError as exc:
+            assert "weak reference" in str(exc) or "__dict__" in str(exc), str(exc)
+            assert type(pipeline).__name__ in str(exc)
+            assert not backend.is_enabled() and backend.last_steps == []
+            assert platform.memory_allocated() == 0
+            _same(before, _state(pipeline))
+            assert getattr(pipeline, "_offload_ref_backend", None) is None
+        else:  # supported: it must work and undo exactly
+            assert backend.is_enabled()
+            torch.testing.assert_close(pipeline.transformer(pipeline.text_encoder(x)), want)
+            backend.disable()
+            assert getattr(pipeline, "_offload_ref_backend", None) is None
+    torch.testing.assert_close(pipeline.transformer(pipeline.text_encoder(x)), want)
