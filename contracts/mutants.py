@@ -191,6 +191,20 @@ def _vae_without_lifecycle(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     return _VaeWithoutLifecycle(pipeline, config).resolve()
 
 
+class _AcceptsSparse(_Resolver):
+    def _reject_unreadable_storage(self, found):
+        pass  # layouts and storages are never looked at: a sparse tensor crashes a later walk
+
+
+def _sparse_accepted(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    return _AcceptsSparse(pipeline, config).resolve()
+
+
+def _cycles_unchecked() -> Any:
+    """Discovery walks the module graph without looking for a back edge."""
+    return _patched(discovery, "require_acyclic", lambda *args, **kwargs: None)
+
+
 # -- backend mutants (§B, §C, §E, §F.1) ---------------------------------------------------------
 
 
@@ -571,8 +585,10 @@ _SPLIT = dict(pipelines=("cosmos3",), sections=("E",), strategies=("model_level"
 # mutants run the alignment check alone, which fails on every machine.
 _ALIGNMENT = dict(pipelines=("flux2", "cosmos3"), sections=("F.6",),
                   strategies=("model_level", "layer_wise"))
-_MISUSE_LAYER = dict(pipelines=("flux2",), sections=("J",), strategies=("layer_wise",))
-_MISUSE_MODEL = dict(pipelines=("wan22_t2v",), sections=("J",), strategies=("model_level",))
+_MISUSE = ("J.3", "J.4", "J.5", "J.6")
+_MISUSE_LAYER = dict(pipelines=("flux2",), sections=_MISUSE, strategies=("layer_wise",))
+_MISUSE_MODEL = dict(pipelines=("wan22_t2v",), sections=_MISUSE, strategies=("model_level",))
+_J7 = dict(pipelines=("flux2",), sections=("J.7",), strategies=("model_level", "layer_wise"))
 _NESTED_RESIDENT = dict(pipelines=("soulx_singer",), sections=("F",), strategies=("model_level",))
 
 
@@ -692,6 +708,12 @@ KILLS: dict[str, set[str]] = {
         "check_on_demand_component_without_lifecycle_is_rejected",
         "check_vae_selection_without_lifecycle_is_rejected",
     },
+    "sparse_buffer_accepted": {
+        "check_sparse_buffer_is_rejected_before_mutation",
+    },
+    "cyclic_graph_unchecked": {
+        "check_cyclic_module_graph_is_rejected_before_mutation",
+    },
     "nested_resident_swaps_with_its_dit": {
         "check_model_level_keeps_one_group_resident",
         "check_model_level_swaps_move_component_bytes_host_to_device_only",
@@ -716,6 +738,7 @@ KILLS: dict[str, set[str]] = {
         "check_model_level_keeps_one_group_resident",
     },
     "d2h_copy_on_swap": {
+        "check_pipeline_built_under_inference_mode_matches_reference",
         "check_model_level_swaps_move_component_bytes_host_to_device_only",
         "check_stats_match_what_the_platform_saw",
     },
@@ -841,6 +864,11 @@ MUTANTS: tuple[Mutant, ...] = (
     _resolver("vae_selection_without_lifecycle",
               "a selected VAE is handed to a lifecycle the pipeline never declared",
               _vae_without_lifecycle),
+    # §J.7 (rejections the resolver owns)
+    _m("sparse_buffer_accepted", "a sparse buffer reaches the storage walks", _J7,
+       resolve_offload_plan=_sparse_accepted),
+    _m("cyclic_graph_unchecked", "a cyclic module graph is walked without a cycle check", _J7,
+       patch=_cycles_unchecked),
     # §B, §C, §F.1 (model level)
     _model_level("rollback_misses_a_hook", "a failed enable leaves one hook installed",
                  _RollbackMissesAHook),

@@ -19,7 +19,10 @@ rules); a compact mapping yields ``explicit=True`` (every declaration problem is
 
 from __future__ import annotations
 
+import difflib
 import enum
+import itertools
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -72,6 +75,49 @@ _VAE_OPTIONS = ("layer_options['vae'] is not accepted: a selected VAE follows th
                 "pipeline declares (load_to_device / offload_to_cpu), it does not stream; "
                 "remove layer_options['vae']")
 _LEGACY_DLO_DEFAULTS = {"dlo_use_allgather": True, "dlo_resident_layers": 0}
+#: The longest value an error message quotes; longer ones are abbreviated with "...".
+_MAX_REPR = 200
+
+
+class _ShortRepr(reprlib.Repr):
+    """``repr`` abbreviated: a bounded nesting depth, a few items per container, mappings in
+    insertion order (as ``repr`` shows them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 4, 80, 80, 40
+        self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = self.maxdict = 8
+
+    def repr_dict(self, x: dict, level: int) -> str:
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+                 for k, v in itertools.islice(x.items(), self.maxdict)]
+        if len(x) > self.maxdict:
+            items.append("...")
+        return "{" + ", ".join(items) + "}"
+
+
+_SHORT_REPR = _ShortRepr()
+
+
+def _r(value: Any) -> str:
+    """The ``repr`` an error message quotes: short values as ``repr`` gives them, deep or huge
+    ones abbreviated (never a RecursionError, never megabytes of message)."""
+    try:
+        text = _SHORT_REPR.repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails still gets an error message
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= _MAX_REPR else text[:_MAX_REPR - 3] + "..."
+
+
+def _require_bool(name: str, value: Any) -> None:
+    """Flags are real booleans: ``"false"`` is truthy, and a list would make the frozen config
+    unhashable."""
+    if type(value) is not bool:
+        raise TypeError(f"{name} = {_r(value)}: must be True or False")
 
 
 @dataclass(frozen=True)
@@ -82,11 +128,38 @@ class LayerOptions:
     resident_layers: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "weight_transfer", WeightTransfer(self.weight_transfer))
+        accepted = [t.value for t in WeightTransfer]
+        transfer = self.weight_transfer
+        if not isinstance(transfer, str) or transfer not in accepted:
+            raise ValueError(
+                f"LayerOptions.weight_transfer = {_r(transfer)}: accepted: {accepted}"
+            )
+        object.__setattr__(self, "weight_transfer", WeightTransfer(transfer))
         if type(self.resident_layers) is not int or self.resident_layers < 0:
             raise ValueError(
-                f"resident_layers must be a non-negative int, got {self.resident_layers!r}"
+                f"LayerOptions.resident_layers must be a non-negative int, got "
+                f"{_r(self.resident_layers)}"
             )
+
+
+def _layer_options(name: Any, opts: Any) -> LayerOptions:
+    """One entry of ``OffloadConfig.layer_options``: a LayerOptions or a mapping of its fields."""
+    where = f"OffloadConfig.layer_options[{_r(name)}]"
+    if isinstance(opts, LayerOptions):
+        return opts
+    if not isinstance(opts, Mapping):
+        raise TypeError(
+            f"{where} = {_r(opts)}: must be a LayerOptions or a mapping with keys "
+            f"{list(_LAYER_OPTION_KEYS)}"
+        )
+    bad = [k for k in opts if k not in _LAYER_OPTION_KEYS]
+    if bad:
+        raise ValueError(f"{where}: unknown option(s) {_r(bad)}; accepted: "
+                         f"{list(_LAYER_OPTION_KEYS)}")
+    try:
+        return LayerOptions(**opts)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -97,6 +170,10 @@ class OffloadConfig:
     ``OffloadStrategy.NONE``.  ``explicit`` says whether the selection was asked for (compact
     config or a direct constructor call) or derived from legacy flags, which keep the historical
     lenient topology rules (a pipeline without a DiT is a recorded no-op instead of an error).
+
+    Every constructor error names the field (``OffloadConfig.<field>``), the value it got
+    (abbreviated) and what it accepts.  Flags are real booleans; ``world_size`` is an int;
+    ``components`` is a collection of names, never a single string (as in the compact mapping).
     """
 
     strategy: OffloadStrategy = OffloadStrategy.NONE
@@ -108,43 +185,66 @@ class OffloadConfig:
     explicit: bool = True
 
     def __post_init__(self) -> None:
+        strategies = [s.value for s in OffloadStrategy]
+        if not isinstance(self.strategy, str) or self.strategy not in strategies:
+            raise ValueError(
+                f"OffloadConfig.strategy = {_r(self.strategy)}: unknown strategy; accepted: "
+                f"{strategies}"
+            )
         strategy = OffloadStrategy(self.strategy)
         object.__setattr__(self, "strategy", strategy)
         components = self.components
-        if components is None or isinstance(components, (str, bytes)):
+        if isinstance(components, (str, bytes, Mapping)) or not isinstance(
+            components, (list, tuple, set, frozenset)
+        ):
             raise TypeError(
-                f"OffloadConfig.components must be a tuple of names from {list(COMPONENTS)}, "
-                f"got {components!r}"
+                f"OffloadConfig.components = {_r(components)}: must be a tuple of names from "
+                f"{list(COMPONENTS)}"
             )
         components = tuple(components)
+        for c in components:
+            if not isinstance(c, str):
+                raise TypeError(
+                    f"OffloadConfig.components = {_r(components)}: entries must be strings, got "
+                    f"{_r(c)}; accepted: {list(COMPONENTS)}"
+                )
         if strategy is not OffloadStrategy.NONE and not components:
             components = ("dit",) if strategy is not OffloadStrategy.MODEL_LEVEL \
                 else _MODEL_LEVEL_DEFAULT
         unknown = [c for c in components if c not in COMPONENTS]
         if unknown:
             raise ValueError(
-                f"OffloadConfig.components: unknown component(s) {unknown}; accepted: "
+                f"OffloadConfig.components: unknown component(s) {_r(unknown)}; accepted: "
                 f"{list(COMPONENTS)}"
             )
         if len(set(components)) != len(components):
-            raise ValueError(f"OffloadConfig.components lists a component twice: {components}")
+            raise ValueError(
+                f"OffloadConfig.components lists a component twice: {_r(components)}")
         # Canonical order so equal selections compare (and hash) equal.
         object.__setattr__(self, "components", tuple(c for c in COMPONENTS if c in components))
-        if type(self.pin_memory) is not bool:
-            raise TypeError(f"OffloadConfig.pin_memory must be a bool, got {self.pin_memory!r}")
+        for name in ("pin_memory", "use_hsdp", "explicit"):
+            _require_bool(f"OffloadConfig.{name}", getattr(self, name))
+        if not isinstance(self.layer_options, Mapping):
+            raise TypeError(
+                f"OffloadConfig.layer_options = {_r(self.layer_options)}: must be a mapping of "
+                f"component name to LayerOptions (or a mapping with keys "
+                f"{list(_LAYER_OPTION_KEYS)})"
+            )
         options = {}
         for name, opts in dict(self.layer_options).items():
             if name not in self.components:
                 raise ValueError(
-                    f"layer_options[{name!r}] requires selecting the same component in "
-                    f"components (selected: {list(self.components)})"
+                    f"OffloadConfig.layer_options[{_r(name)}] requires selecting the same "
+                    f"component in components (selected: {list(self.components)})"
                 )
-            options[name] = opts if isinstance(opts, LayerOptions) else LayerOptions(**opts)
+            options[name] = _layer_options(name, opts)
         if options and strategy is OffloadStrategy.MODEL_LEVEL:
-            raise ValueError("layer_options requires a layer strategy, not model_level")
+            raise ValueError("OffloadConfig.layer_options requires a layer strategy, not "
+                             "model_level")
         object.__setattr__(self, "layer_options", MappingProxyType(options))
         if type(self.world_size) is not int or self.world_size < 1:
-            raise ValueError(f"OffloadConfig.world_size must be an int >= 1, got {self.world_size!r}")
+            raise ValueError(
+                f"OffloadConfig.world_size must be an int >= 1, got {_r(self.world_size)}")
         for name, opts in options.items():
             if opts.resident_layers and opts.weight_transfer is WeightTransfer.ALLGATHER:
                 raise ValueError(
@@ -215,9 +315,15 @@ class OffloadConfig:
 
     @classmethod
     def from_od_config(cls, od_config: Any) -> OffloadConfig:
-        """Build the config from a diffusion config object (any object with the attributes).
+        """Build the config from a diffusion config object (any object with the attributes), or
+        a mapping of the same names.
 
-        Missing attributes take their defaults.  See the module docstring for the schema.
+        Missing attributes (and ``None``) take their defaults.  A mapping's keys are read as the
+        attributes: keys unrelated to offloading are ignored, as an object's other attributes
+        are, but a key that looks like an offload setting (it contains "offload", starts with
+        "dlo_", or nearly spells a known key) and is not one is rejected (a typo would otherwise
+        silently select no offload).
+        See the module docstring for the schema.
         """
         return _from_od_config(od_config)
 
@@ -242,30 +348,35 @@ def _rebuild(strategy, components, pin_memory, layer_options, world_size, use_hs
 
 
 def _key(path: str, value: Any) -> str:
-    return f"diffusion_offload_config{path} = {value!r}"
+    return f"diffusion_offload_config{path} = {_r(value)}"
 
 
 def _require_str_keys(mapping: Mapping, path: str, accepted: list[str]) -> None:
     for k in mapping:
         if not isinstance(k, str):
             raise TypeError(
-                f"{_key(path, mapping)}: keys must be strings, got key {k!r}; accepted: {accepted}"
+                f"{_key(path, mapping)}: keys must be strings, got key {_r(k)}; accepted: "
+                f"{accepted}"
             )
 
 
 def _parse_compact(mapping: Any, *, world_size: int, use_hsdp: bool) -> OffloadConfig:
+    _require_bool("use_hsdp", use_hsdp)
+    if type(world_size) is not int or world_size < 1:
+        raise ValueError(f"world_size = {_r(world_size)}: must be an int >= 1")
     if not isinstance(mapping, Mapping):
         raise TypeError(f"{_key('', mapping)}: must be a mapping with keys {list(_TOP_LEVEL_KEYS)}")
     _require_str_keys(mapping, "", list(_TOP_LEVEL_KEYS))
     unknown = sorted(set(mapping) - set(_TOP_LEVEL_KEYS))
     if unknown:
         raise ValueError(
-            f"diffusion_offload_config: unknown key(s) {unknown}; accepted: {list(_TOP_LEVEL_KEYS)}"
+            f"diffusion_offload_config: unknown key(s) {_r(unknown)}; accepted: "
+            f"{list(_TOP_LEVEL_KEYS)}"
         )
     for required, accepted in (("mode", list(_MODES)), ("components", list(COMPONENTS))):
         if required not in mapping:
             raise ValueError(
-                f"diffusion_offload_config: missing required key {required!r} "
+                f"diffusion_offload_config: missing required key {_r(required)} "
                 f"(accepted values: {accepted})"
             )
 
@@ -286,7 +397,7 @@ def _parse_compact(mapping: Any, *, world_size: int, use_hsdp: bool) -> OffloadC
     for c in components:
         if not isinstance(c, str):
             raise TypeError(
-                f"{_key('[components]', components)}: entries must be strings, got {c!r}; "
+                f"{_key('[components]', components)}: entries must be strings, got {_r(c)}; "
                 f"accepted: {list(COMPONENTS)}"
             )
     if not components:
@@ -297,7 +408,7 @@ def _parse_compact(mapping: Any, *, world_size: int, use_hsdp: bool) -> OffloadC
     for c in components:
         if c not in COMPONENTS:
             raise ValueError(
-                f"{_key('[components]', components)}: unknown component {c!r}; accepted: "
+                f"{_key('[components]', components)}: unknown component {_r(c)}; accepted: "
                 f"{list(COMPONENTS)}"
             )
     if len(set(components)) != len(components):
@@ -313,11 +424,11 @@ def _parse_compact(mapping: Any, *, world_size: int, use_hsdp: bool) -> OffloadC
     if raw_options and mode != "layer":
         raise ValueError(
             f"{_key('[layer_options]', dict(raw_options))}: layer_options requires "
-            f"mode='layer' (got mode={mode!r})"
+            f"mode='layer' (got mode={_r(mode)})"
         )
     options: dict[str, LayerOptions] = {}
     for name, opts in raw_options.items():
-        path = f"[layer_options][{name!r}]"
+        path = f"[layer_options][{_r(name)}]"
         if name not in COMPONENTS:
             raise ValueError(f"{_key(path, opts)}: unknown component; accepted: {list(COMPONENTS)}")
         if name not in components:
@@ -335,7 +446,7 @@ def _parse_compact(mapping: Any, *, world_size: int, use_hsdp: bool) -> OffloadC
         bad = sorted(set(opts) - set(_LAYER_OPTION_KEYS))
         if bad:
             raise ValueError(
-                f"{_key(path, dict(opts))}: unknown option(s) {bad}; accepted: "
+                f"{_key(path, dict(opts))}: unknown option(s) {_r(bad)}; accepted: "
                 f"{list(_LAYER_OPTION_KEYS)}"
             )
         transfer = opts.get("weight_transfer", WeightTransfer.RANK_LOCAL.value)
@@ -399,7 +510,7 @@ def _check_bool_flags(od_config: Any) -> None:
     for name in _BOOL_FLAGS:
         value = getattr(od_config, name, None)
         if value is not None and type(value) is not bool:
-            raise TypeError(f"{name} = {value!r}: must be True, False or None")
+            raise TypeError(f"{name} = {_r(value)}: must be True, False or None")
 
 
 def _legacy_strategy(od_config: Any) -> OffloadStrategy:
@@ -423,29 +534,64 @@ def _parallel_flag(od_config: Any, name: str, default: Any) -> Any:
     else:
         nested = getattr(nested_config, name, None) if nested_config is not None else None
     if nested is not None and name == "use_hsdp" and type(nested) is not bool:
-        raise TypeError(f"parallel_config.use_hsdp = {nested!r}: must be True, False or None")
+        raise TypeError(f"parallel_config.use_hsdp = {_r(nested)}: must be True, False or None")
     if top is not None and nested is not None and top != nested:
         raise ValueError(
-            f"{name} = {top!r} contradicts parallel_config.{name} = {nested!r}; set it in one "
+            f"{name} = {_r(top)} contradicts parallel_config.{name} = {_r(nested)}; set it in one "
             "place (parallel_config) or give both the same value"
         )
     value = top if top is not None else nested
     return default if value is None else value
 
 
+#: Keys of a mapping given as a diffusion config that look like offload settings (so a key
+#: that does not match a known one is a typo, not an unrelated setting of the model).
+_OD_KEYS = (*_BOOL_FLAGS, "dlo_resident_layers", "data_parallel_size", "parallel_config",
+            "diffusion_offload_config")
+
+
+class _MappingAttributes:
+    """A mapping given as a diffusion config, read as an object: its keys are the attributes.
+
+    Keys unrelated to offloading (a model path, a dtype, ...) are ignored, as the other attributes
+    of a config object are; a key that looks like an offload setting (it contains "offload",
+    starts with "dlo_", or nearly spells a known key) but is not one is a typo and is
+    rejected."""
+
+    def __init__(self, mapping: Mapping) -> None:
+        for key in mapping:
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"from_od_config: the mapping's keys must be attribute names (strings), got "
+                    f"key {_r(key)}"
+                )
+            if key in _OD_KEYS:
+                continue
+            close = difflib.get_close_matches(key, _OD_KEYS, n=1, cutoff=0.85)
+            if close or "offload" in key.lower() or key.startswith("dlo_"):
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(
+                    f"from_od_config: unknown offload key {_r(key)}{hint}; accepted: "
+                    f"{list(_OD_KEYS)}"
+                )
+        self.__dict__.update(mapping)
+
+
 def _from_od_config(od_config: Any) -> OffloadConfig:
+    if isinstance(od_config, Mapping):
+        od_config = _MappingAttributes(od_config)
     _check_bool_flags(od_config)
     world_size = _parallel_flag(od_config, "data_parallel_size", 1)
     if type(world_size) is not int or world_size < 1:
-        raise ValueError(f"data_parallel_size = {world_size!r}: must be an int >= 1")
-    use_hsdp = bool(_parallel_flag(od_config, "use_hsdp", False))
+        raise ValueError(f"data_parallel_size = {_r(world_size)}: must be an int >= 1")
+    use_hsdp = _parallel_flag(od_config, "use_hsdp", False)  # a bool (checked above)
     legacy_strategy = _legacy_strategy(od_config)
     use_allgather = _flag(od_config, "dlo_use_allgather", True)
     resident = _flag(od_config, "dlo_resident_layers", 0)
     if type(use_allgather) is not bool:
-        raise TypeError(f"dlo_use_allgather = {use_allgather!r}: must be True or False")
+        raise TypeError(f"dlo_use_allgather = {_r(use_allgather)}: must be True or False")
     if type(resident) is not int or resident < 0:
-        raise ValueError(f"dlo_resident_layers = {resident!r}: must be an int >= 0")
+        raise ValueError(f"dlo_resident_layers = {_r(resident)}: must be an int >= 0")
 
     compact = getattr(od_config, "diffusion_offload_config", None)
     if compact is not None:
@@ -462,7 +608,7 @@ def _from_od_config(od_config: Any) -> OffloadConfig:
                 "the legacy flag"
             )
         non_default = [
-            f"{name}={_flag(od_config, name, default)!r}"
+            f"{name}={_r(_flag(od_config, name, default))}"
             for name, default in _LEGACY_DLO_DEFAULTS.items()
             if _flag(od_config, name, default) != default
         ]
@@ -481,7 +627,7 @@ def _from_od_config(od_config: Any) -> OffloadConfig:
 
     pin_memory = _flag(od_config, "pin_cpu_memory", True)
     if type(pin_memory) is not bool:
-        raise TypeError(f"pin_cpu_memory = {pin_memory!r}: must be True or False")
+        raise TypeError(f"pin_cpu_memory = {_r(pin_memory)}: must be True or False")
     if legacy_strategy is OffloadStrategy.NONE:
         return OffloadConfig(world_size=world_size, use_hsdp=use_hsdp, pin_memory=pin_memory,
                              explicit=False)

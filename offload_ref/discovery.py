@@ -10,6 +10,7 @@ Everything here only reads the pipeline.
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ __all__ = [
     "declares_components",
     "discover_components",
     "get_submodule_path",
+    "require_acyclic",
     "supports_model_cpu_offload",
 ]
 
@@ -125,7 +127,53 @@ def _lookup_attribute(obj: Any, name: str) -> Any:
         return _MISSING
     if isinstance(attr, property):
         return _MISSING
+    if isinstance(attr, types.MemberDescriptorType):  # a __slots__ attribute: read its value
+        try:
+            return attr.__get__(obj, type(obj))
+        except AttributeError:  # the slot was never set
+            return _MISSING
     return attr
+
+
+class ModuleCycleError(ValueError):
+    """A module is registered as a child of its own descendant (the resolver reports it as an
+    OffloadTopologyError)."""
+
+
+def require_acyclic(root: nn.Module, prefix: str = "",
+                    error: type[ValueError] = ModuleCycleError) -> None:
+    """Raise ``error`` naming the back edge if ``root``'s module graph has a cycle.
+
+    Every walk of a module tree (``named_modules(remove_duplicate=False)``, recursive
+    ``_modules`` walks) recurses forever on a cycle, so this runs before them.  A module reachable
+    under two parents is fine (each subtree is walked once); only a path back to an ancestor is
+    a cycle.  Iterative, so a deep but acyclic tree does not hit the recursion limit either."""
+    done: set[int] = set()
+    on_path: dict[int, str] = {id(root): prefix.rstrip(".")}
+    stack = [(root, iter(root._modules.items()))]
+    while stack:
+        module, children = stack[-1]
+        for name, child in children:
+            if child is None or id(child) in done:
+                continue
+            path = f"{on_path[id(module)]}.{name}".lstrip(".")
+            if id(child) in on_path:
+                ancestor = on_path[id(child)]
+                shown = repr(ancestor) if ancestor else "'' (the pipeline)"
+                raise error(
+                    f"the module graph has a cycle: {path!r} -> {shown}; a module is registered "
+                    f"as a child of its own descendant ({type(child).__name__} at {shown} "
+                    "contains itself), and offloading walks modules as a tree.  Keep the back "
+                    "reference out of the module tree (store it with object.__setattr__, or as a "
+                    "weakref) so it is not a registered child"
+                )
+            on_path[id(child)] = path
+            stack.append((child, iter(child._modules.items())))
+            break
+        else:
+            stack.pop()
+            done.add(id(module))
+            on_path.pop(id(module), None)
 
 
 @dataclass(frozen=True)
@@ -216,6 +264,11 @@ def discover_components(pipeline: Any, *, warn: Callable[[str], None] | None = N
         residents = []
         missing.clear()  # a scan reports what it finds, not what it looked for
 
+    if isinstance(pipeline, nn.Module):
+        require_acyclic(pipeline)
+    else:
+        for path, module in (*dits, *encoders, *vaes, *residents):
+            require_acyclic(module, f"{path}.")
     dits = _outermost(dits)
     return ComponentSet(
         dits=tuple(dits),

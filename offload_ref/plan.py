@@ -32,9 +32,11 @@ from .config import ENCODER_KINDS, OffloadConfig, OffloadStrategy, WeightTransfe
 from .host import ALLOCATOR_ALIGNMENT, padded_span_bytes
 from .discovery import (
     _MISSING,
+    ModuleCycleError,
     OffloadDeclarationWarning,
     discover_components,
     get_submodule_path,
+    require_acyclic,
     supports_model_cpu_offload,
 )
 
@@ -316,6 +318,8 @@ def owned_tensors(plan: ResolvedOffloadPlan,
 def pipeline_state(pipeline: Any, exclude: Iterable[nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """Parameters and buffers of ``pipeline`` outside the ``exclude`` subtrees (what no
     component owns: it stays on the device under every strategy)."""
+    if isinstance(pipeline, nn.Module):
+        require_acyclic(pipeline, error=OffloadTopologyError)  # the walk below is recursive
     excluded = {id(m) for root in exclude for m in root.modules()}
     out = []
 
@@ -408,7 +412,10 @@ class _Resolver:
         if strategy is OffloadStrategy.MODEL_LEVEL and supports_model_cpu_offload(self.pipeline):
             return ResolvedOffloadPlan(strategy, delegated=True)
 
-        found = discover_components(self.pipeline, warn=self._warn_scan)
+        try:
+            found = discover_components(self.pipeline, warn=self._warn_scan)
+        except ModuleCycleError as exc:
+            raise OffloadTopologyError(f"{self.cls_name}: {exc}") from None
         for role, path in found.missing:
             wanted = {"dit": "dit", "encoder": "text_encoder"}.get(role)
             message = (
@@ -451,6 +458,17 @@ class _Resolver:
                      for path, module in group]
         for prefix, root in roots:
             for name, t in _tensors_of(root, ""):
+                if t.layout is not torch.strided:
+                    layout = str(t.layout)
+                    kind = "sparse" if t.is_sparse or "sparse" in layout else "non-strided"
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: tensor {prefix + name!r} has layout {layout} "
+                        f"({kind}); offload-ref offloads dense strided tensors only (a host "
+                        "master is a flat copy of a strided storage).  Convert it with "
+                        ".to_dense() before enabling offload, or keep it out of the module tree "
+                        "(a plain attribute, not a parameter or buffer), where it stays where it "
+                        "is (docs/model-authors.md)"
+                    )
                 if not _has_readable_storage(t):
                     raise OffloadTopologyError(
                         f"{self.cls_name}: tensor {prefix + name!r} is a {type(t).__name__}, a "
@@ -730,6 +748,10 @@ class _Resolver:
                 f"{self.cls_name}: OffloadPlan.offload_submodules names {path!r}, which is not a "
                 "module of the pipeline"
             )
+        try:
+            require_acyclic(module, f"{path}.")
+        except ModuleCycleError as exc:
+            raise OffloadTopologyError(f"{self.cls_name}: {exc}") from None
         target = get_submodule_path(module, container)
         if isinstance(target, (nn.ModuleList, nn.Sequential)) and len(target) >= 2:
             blocks, block_paths, container_paths = self._blocks_of(

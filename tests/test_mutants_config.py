@@ -34,7 +34,9 @@ def _fields(config: OffloadConfig) -> dict[str, Any]:
                 explicit=config.explicit)
 
 
-def _with(od: Any, **changes: Any) -> SimpleNamespace:
+def _with(od: Any, **changes: Any) -> Any:
+    if isinstance(od, Mapping):  # a diffusion config given as a mapping
+        return {**od, **changes}
     return SimpleNamespace(**{**vars(od), **changes})
 
 
@@ -73,7 +75,7 @@ NO_VALIDATION = DEFAULT_IMPLEMENTATION.replace(config_from_mapping=_lenient(REAL
 
 def _inverted_priority(od: Any) -> OffloadConfig:
     if getattr(od, "diffusion_offload_config", None) is None and getattr(
-            od, "enable_cpu_offload", False):
+            od, "enable_cpu_offload", False) is True:
         return OffloadConfig(strategy=OffloadStrategy.MODEL_LEVEL,
                              components=("dit", "text_encoder"), explicit=False)
     return REAL_OD(od)
@@ -258,9 +260,56 @@ IGNORES_PARALLEL_CONFIG = DEFAULT_IMPLEMENTATION.replace(
     config_from_od_config=_ignores_parallel_config)
 
 
+# -- (p) error messages quote the whole input (full repr: deep values recurse, huge ones are huge) --
+
+
+def _quotes_whole_input(m: Any, *, world_size: int = 1, use_hsdp: bool = False) -> OffloadConfig:
+    try:
+        return REAL_MAPPING(m, world_size=world_size, use_hsdp=use_hsdp)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} (in {m!r})") from None
+
+
+UNBOUNDED_MESSAGES = DEFAULT_IMPLEMENTATION.replace(config_from_mapping=_quotes_whole_input)
+
+
+# -- (q) flags read by truthiness: "false" is True, [True] is True -------------------------------
+
+_FLAGS = ("enable_cpu_offload", "enable_layerwise_offload", "enable_distributed_layerwise_offload",
+          "pin_cpu_memory", "dlo_use_allgather", "use_hsdp")
+
+
+def _truthy_mapping(m: Any, *, world_size: int = 1, use_hsdp: Any = False) -> OffloadConfig:
+    return REAL_MAPPING(m, world_size=world_size, use_hsdp=bool(use_hsdp))
+
+
+def _truthy_od(od: Any) -> OffloadConfig:
+    if isinstance(od, Mapping):
+        return REAL_OD(od)
+    return REAL_OD(_with(od, **{f: bool(getattr(od, f)) for f in _FLAGS
+                                if getattr(od, f, None) is not None}))
+
+
+TRUTHY_FLAGS = DEFAULT_IMPLEMENTATION.replace(config_from_mapping=_truthy_mapping,
+                                              config_from_od_config=_truthy_od)
+
+
+# -- (r) a mapping given as the diffusion config is read as an object without the attributes ------
+
+
+def _mapping_is_empty(od: Any) -> OffloadConfig:
+    return REAL_OD(SimpleNamespace() if isinstance(od, Mapping) else od)
+
+
+OD_MAPPING_IGNORED = DEFAULT_IMPLEMENTATION.replace(config_from_od_config=_mapping_is_empty)
+
+
 # -- expected kills -------------------------------------------------------------------------------
 
 REJECTIONS = {
+    "check_config_boolean_flags_must_be_bools",
+    "check_config_error_messages_are_bounded",
+    "check_config_od_config_mapping_is_read_as_attributes",
     "check_config_compact_components_of_wrong_type_are_rejected",
     "check_config_compact_empty_or_unknown_components_are_rejected",
     "check_config_compact_invalid_mode_is_rejected",
@@ -285,6 +334,7 @@ REJECTIONS = {
 }
 
 TYPE_ERROR_CHECKS = {
+    "check_config_boolean_flags_must_be_bools",
     "check_config_compact_components_of_wrong_type_are_rejected",
     "check_config_compact_invalid_mode_is_rejected",
     "check_config_compact_layer_options_of_wrong_type_are_rejected",
@@ -300,7 +350,8 @@ MUTANTS: dict[str, tuple[Implementation, set[str]]] = {
         "check_config_compact_with_conflicting_legacy_strategy_is_rejected",
         "check_config_compact_with_legacy_dlo_tuning_is_rejected",
     }),
-    "hsdp_allgather_accepted": (HSDP_ALLGATHER_ACCEPTED, {
+    "hsdp_allgather_accepted": (HSDP_ALLGATHER_ACCEPTED, {  # the flag also skips its type check
+        "check_config_boolean_flags_must_be_bools",
         "check_config_dlo_with_hsdp_and_allgather_is_rejected",
         "check_config_nested_parallel_config_is_read_and_contradictions_rejected",
     }),
@@ -337,6 +388,13 @@ MUTANTS: dict[str, tuple[Implementation, set[str]]] = {
     }),
     "silent_rank_local": (SILENT_RANK_LOCAL, {
         "check_config_legacy_resident_layers_with_allgather_are_rejected",
+    }),
+    "unbounded_error_messages": (UNBOUNDED_MESSAGES, {
+        "check_config_error_messages_are_bounded",
+    }),
+    "truthy_flags": (TRUTHY_FLAGS, {"check_config_boolean_flags_must_be_bools"}),
+    "od_mapping_ignored": (OD_MAPPING_IGNORED, {
+        "check_config_od_config_mapping_is_read_as_attributes",
     }),
 }
 

@@ -555,3 +555,65 @@ def check_config_nested_parallel_config_is_read_and_contradictions_rejected(case
     _od_rejects(case, _od(enable_layerwise_offload=True, use_hsdp=False,
                           parallel_config={"use_hsdp": True}), ValueError,
                 ("use_hsdp", "parallel_config.use_hsdp"))
+
+
+# -- bad values of any type (CONTRACTS.md §J.7) ---------------------------------------------------
+
+
+def _deep_list(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@check("G", scope="global")
+def check_config_error_messages_are_bounded(case) -> None:
+    """A deeply nested or huge value gets an ordinary TypeError/ValueError naming the key, with
+    the value abbreviated (no RecursionError while formatting it, no megabyte messages)."""
+    for what, mapping in (
+        ("components nested 3000 deep", {"mode": "layer", "components": _deep_list(3000)}),
+        ("components of 1,000,000 ints", {"mode": "layer", "components": list(range(10**6))}),
+        ("a mode of 1,000,000 characters", {"mode": "m" * 10**6, "components": ["dit"]}),
+    ):
+        key = "components" if "components" in what else "mode"
+        # Not through _parse: deepcopy itself would recurse too deep.
+        exc = expect_error(f"config_from_mapping({what})",
+                           lambda mapping=mapping: case.impl.config_from_mapping(
+                               mapping, world_size=1, use_hsdp=False),
+                           types=(TypeError, ValueError), mentions=(key,))
+        if len(str(exc)) > 1000:
+            fail(f"config_from_mapping({what}): the error message is {len(str(exc))} characters; "
+                 "abbreviate long values")
+
+
+@check("G", scope="global")
+def check_config_boolean_flags_must_be_bools(case) -> None:
+    """A flag that is not exactly True or False ("false" is truthy, a list is unhashable) is a
+    TypeError naming the flag and the value, through both entry points."""
+    for value in ("false", [True]):
+        _rejects(case, _layer(), TypeError, ("use_hsdp", repr(value)), use_hsdp=value)
+        for flag in ("enable_cpu_offload", "enable_layerwise_offload",
+                     "enable_distributed_layerwise_offload", "pin_cpu_memory",
+                     "dlo_use_allgather", "use_hsdp"):
+            _od_rejects(case, _od(**{flag: value}), TypeError, (flag, repr(value)))
+
+
+@check("G", scope="global")
+def check_config_od_config_mapping_is_read_as_attributes(case) -> None:
+    """A mapping given as the diffusion config is read key by key, like an object's attributes
+    (unrelated keys ignored); an unknown offload-looking key is a ValueError naming it."""
+    table = [
+        ({"enable_layerwise_offload": True, "model": "org/name"}, LAYER_WISE),
+        ({"enable_cpu_offload": True}, MODEL_LEVEL),
+        ({"diffusion_offload_config": _layer(dit={"weight_transfer": "allgather"})}, DLO),
+        ({"dtype": "bfloat16"}, NONE),
+    ]
+    for mapping, expected in table:
+        got = _strategy(case.impl.config_from_od_config(copy.deepcopy(mapping)))
+        if got != expected:
+            fail(f"config_from_od_config({mapping!r}).strategy: expected {expected}, got {got}")
+    for key in ("enable_layerwise_ofload", "enable_sequential_offload"):
+        expect_error(f"config_from_od_config({{{key!r}: True}})",
+                     lambda key=key: case.impl.config_from_od_config({key: True}),
+                     types=(ValueError,), mentions=(repr(key), "enable_layerwise_offload"))

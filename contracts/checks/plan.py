@@ -6,6 +6,7 @@ import dataclasses
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
 from offload_ref.config import LayerOptions, OffloadConfig, OffloadStrategy, WeightTransfer
@@ -431,3 +432,63 @@ def check_vae_selection_without_lifecycle_is_rejected(case) -> None:
     config = case.config(components=tuple(case.config().components) + ("vae",))
     _resolve_and_expect_rejection(case, pipeline, config, "a VAE selected without a lifecycle",
                                   (repr(path), "on_demand_component_paths", "load_to_device"))
+
+
+# -- J.7: unsupported tensors and graphs are rejected by the resolver, before anything changes ----
+
+
+#: Strategies with a backend to enable (distributed layerwise resolves, but is not built yet).
+_BUILT = ("model_level", "layer_wise")
+
+
+def _rejected_before_any_change(case, pipeline, before, what: str, mentions) -> None:
+    """Resolution and enable both raise (ValueError, naming ``mentions``); enable leaves no
+    device or pinned bytes and no hook, and the backend stays disabled."""
+    expect_error(f"resolving {what}", lambda: case.resolve(pipeline), mentions=mentions)
+    platform = case.platform()
+    backend = case.backend(case.config(), platform)
+    expect_error(f"enable on {what}", lambda: backend.enable(pipeline),
+                 types=(ValueError, TypeError, RuntimeError), mentions=mentions)
+    if backend.is_enabled() or platform.memory_allocated() or platform.pinned_bytes():
+        fail(f"enable on {what} left enabled={backend.is_enabled()}, device bytes="
+             f"{platform.memory_allocated()}, pinned bytes={platform.pinned_bytes()}")
+
+
+@check("J.7", strategies=_BUILT, applies=_not_delegated)
+def check_sparse_buffer_is_rejected_before_mutation(case) -> None:
+    """A sparse buffer in a DiT block is rejected by the resolver, naming its path and the fix
+    (.to_dense()); enable changes nothing."""
+    pipeline = case.build()
+    path, dit = first_dit(pipeline)
+    block = dit_blocks(pipeline, path, dit)[-1]
+    before = snapshot(pipeline, values=True)
+    block.register_buffer("_kit_sparse", torch.eye(4).to_sparse(), persistent=False)
+    qual = next(f"{path}.{n}" for n, b in dit.named_buffers() if b is block._kit_sparse)
+    try:
+        _rejected_before_any_change(case, pipeline, before, "a sparse buffer",
+                                    (qual, "to_dense"))
+    finally:
+        del block._buffers["_kit_sparse"]
+    problems = before.diff(snapshot(pipeline, values=True))
+    if problems:
+        fail(f"the pipeline changed although a sparse buffer was rejected: {problems[:5]}")
+
+
+@check("J.7", strategies=_BUILT, applies=_not_delegated)
+def check_cyclic_module_graph_is_rejected_before_mutation(case) -> None:
+    """A DiT registered as a child of its own last block (a cycle) is rejected by the resolver,
+    naming the back edge; nothing recurses forever and enable changes nothing."""
+    pipeline = case.build()
+    path, dit = first_dit(pipeline)
+    block = dit_blocks(pipeline, path, dit)[-1]
+    block_path = next(f"{path}.{n}" for n, m in dit.named_modules() if m is block)
+    before = snapshot(pipeline, values=True)
+    block._modules["_kit_loop"] = dit
+    try:
+        _rejected_before_any_change(case, pipeline, before, "a cyclic module graph",
+                                    (f"{block_path}._kit_loop", repr(path), "cycle"))
+    finally:
+        del block._modules["_kit_loop"]
+    problems = before.diff(snapshot(pipeline, values=True))
+    if problems:
+        fail(f"the pipeline changed although a cyclic graph was rejected: {problems[:5]}")

@@ -370,6 +370,7 @@ class OffloadBackend:
         self.skip_reason = plan.skip_reason
         if plan.skip_reason is not None:
             return
+        _require_ownable(pipeline)  # enable ends by recording its owner: check that it can
         reference = _reference(pipeline)  # before any mutation: nothing can fail after commit
         txn = self.transaction_class(self.platform, self.registry, self.fault_injector)
         self._stats = OffloadStats()
@@ -528,6 +529,18 @@ class OffloadBackend:
     def __repr__(self) -> str:
         state = "enabled" if self.is_enabled() else "disabled"
         return f"<{type(self).__name__} {state} on {self.platform.name}>"
+
+
+def _require_ownable(pipeline: Any) -> None:
+    """``enable`` records its owner in the pipeline's ``__dict__`` (PIPELINE_ATTR); a pipeline
+    without one (``__slots__`` and no ``__dict__``) is rejected before the first mutation.  A
+    pipeline without weak references is supported: the backend holds it strongly."""
+    if not isinstance(getattr(pipeline, "__dict__", None), dict):
+        raise TypeError(
+            f"{type(pipeline).__name__} cannot be offloaded: it has no instance __dict__ (for "
+            f"{PIPELINE_ATTR}, which says which backend owns it); use a pipeline class without "
+            "__slots__ (an nn.Module or a plain class), or add '__dict__' to its __slots__"
+        )
 
 
 class _Owner:
