@@ -411,6 +411,11 @@ class LayerWiseOffloadBackend(OffloadBackend):
 
     def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         placeholders = _Placeholders()
+        if self._copy_stream is not None:
+            try:  # a stream whose work failed skips all later work: this enable starts clean
+                self._copy_stream.synchronize()
+            except Exception:  # noqa: BLE001 - raised at the generation it broke (and reported)
+                self._copy_stream = None
         if self._copy_stream is None:  # one per backend, reused by every enable
             self._copy_stream = self.platform.Stream()
         copy_stream = self._copy_stream
