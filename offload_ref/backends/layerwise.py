@@ -123,6 +123,17 @@ class CallOrderPredictor:
         if len(h) > self.cap:
             self._trim()
 
+    def repair(self) -> None:
+        """Rebuild the derived state from the history, after an ``observe`` or a trim that was
+        interrupted between two statements (Note [Interrupted blocks])."""
+        positions: dict[int, list[int]] = {}
+        for i, k in enumerate(self.history):
+            positions.setdefault(k, []).append(i)
+        self._positions = positions
+        self._match = None
+        if self.history:
+            self._match = self._search()
+
     def predict(self, k: int) -> int:
         """The block expected after ``k`` (the call just observed)."""
         if self._match is not None:
@@ -392,6 +403,7 @@ class BlockRing:
             if s not in keep:
                 self.occupant[s] = None
         self._running = live
+        self.order.repair()  # an interrupted observe may have left it half updated
         if calling is not None:
             self._complete_the_interrupted_pass(calling)
         self._dirty = False
