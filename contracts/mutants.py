@@ -437,6 +437,15 @@ class _ThreeSlotsRing(BlockRing):
         self._build_flats()
 
 
+class _KeepsInterruptedBlocksRunning(BlockRing):
+    """Trusts the post-hook to end every forward: torch skips it for a KeyboardInterrupt, so the
+    interrupted block stays running (holding its slot) forever."""
+
+    def _recover(self, calling, finishing):
+        if self._dirty:  # interrupted hook work is still repaired; a stale block is not seen
+            super()._recover(calling, finishing)
+
+
 # -- split-model mutants (§E): defects in the shared helper, the delegation, the pipeline ------
 
 
@@ -535,6 +544,7 @@ _SPLIT = dict(pipelines=("cosmos3",), sections=("E",), strategies=("model_level"
 # mutants run the alignment check alone, which fails on every machine.
 _ALIGNMENT = dict(pipelines=("flux2", "cosmos3"), sections=("F.6",),
                   strategies=("model_level", "layer_wise"))
+_INTERRUPTS = dict(pipelines=("flux2",), sections=("J",), strategies=("layer_wise",))
 _NESTED_RESIDENT = dict(pipelines=("soulx_singer",), sections=("F",), strategies=("model_level",))
 
 
@@ -747,6 +757,9 @@ KILLS: dict[str, set[str]] = {
     "realigns_every_tensor": {
         "check_offloaded_tensors_keep_their_alignment",
     },
+    "interrupted_block_stays_running": {
+        "check_interrupt_inside_a_block_leaves_a_recoverable_ring",
+    },
     "three_slots": {
         "check_layerwise_keeps_at_most_two_blocks_resident",
         "check_stats_match_what_the_platform_saw",
@@ -849,6 +862,11 @@ MUTANTS: tuple[Mutant, ...] = (
     _layer("silently_serial", "no prefetch, and the synchronous loads are not counted",
            _layerwise(_SilentlySerialRing)),
     _layer("three_slots", "the ring keeps a third device slot", _layerwise(_ThreeSlotsRing)),
+    # §J.1 (interrupts)
+    _m("interrupted_block_stays_running",
+       "a block interrupted by Ctrl-C stays running: its slot is never released",
+       _INTERRUPTS, make_backend=_backend_with(
+           LayerWiseOffloadBackend=_layerwise(_KeepsInterruptedBlocksRunning))),
     _layer("inference_tensors_rebound_as_normal_layerwise",
            "the .data of a pipeline's inference tensors is rebound to ordinary tensors",
            _InferenceBlindLayerwise),
