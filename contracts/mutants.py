@@ -451,6 +451,15 @@ class _ThreeSlotsRing(BlockRing):
         self._build_flats()
 
 
+class _KeepsInterruptedBlocksRunning(BlockRing):
+    """Trusts the post-hook to end every forward: torch skips it for a KeyboardInterrupt, so the
+    interrupted block stays running (holding its slot) forever."""
+
+    def _recover(self, calling, finishing):
+        if self._dirty:  # interrupted hook work is still repaired; a stale block is not seen
+            super()._recover(calling, finishing)
+
+
 # -- split-model mutants (§E): defects in the shared helper, the delegation, the pipeline ------
 
 
@@ -589,6 +598,7 @@ _MISUSE = ("J.3", "J.4", "J.5", "J.6")
 _MISUSE_LAYER = dict(pipelines=("flux2",), sections=_MISUSE, strategies=("layer_wise",))
 _MISUSE_MODEL = dict(pipelines=("wan22_t2v",), sections=_MISUSE, strategies=("model_level",))
 _J7 = dict(pipelines=("flux2",), sections=("J.7",), strategies=("model_level", "layer_wise"))
+_INTERRUPTS = dict(pipelines=("flux2",), sections=("J.1",), strategies=("layer_wise",))
 _NESTED_RESIDENT = dict(pipelines=("soulx_singer",), sections=("F",), strategies=("model_level",))
 
 
@@ -826,6 +836,9 @@ KILLS: dict[str, set[str]] = {
     "concurrent_calls_unguarded": {
         "check_second_thread_gets_a_clear_error_or_exact_output",
     },
+    "interrupted_block_stays_running": {
+        "check_interrupt_inside_a_block_leaves_a_recoverable_ring",
+    },
     "three_slots": {
         "check_layerwise_keeps_at_most_two_blocks_resident",
         "check_stats_match_what_the_platform_saw",
@@ -948,6 +961,11 @@ MUTANTS: tuple[Mutant, ...] = (
     _layer("silently_serial", "no prefetch, and the synchronous loads are not counted",
            _layerwise(_SilentlySerialRing)),
     _layer("three_slots", "the ring keeps a third device slot", _layerwise(_ThreeSlotsRing)),
+    # §J.1 (interrupts)
+    _m("interrupted_block_stays_running",
+       "a block interrupted by Ctrl-C stays running: its slot is never released",
+       _INTERRUPTS, make_backend=_backend_with(
+           LayerWiseOffloadBackend=_layerwise(_KeepsInterruptedBlocksRunning))),
     _layer("inference_tensors_rebound_as_normal_layerwise",
            "the .data of a pipeline's inference tensors is rebound to ordinary tensors",
            _InferenceBlindLayerwise),

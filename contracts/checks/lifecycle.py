@@ -1,9 +1,11 @@
-"""CONTRACTS.md §B (rollback on failed enable) and §C (disable / enable cycles)."""
+"""CONTRACTS.md §B (rollback on failed enable), §C (disable / enable cycles) and §J.1 (interrupts)."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
+
+from torch import nn
 
 from ..registry import check, fail
 from ._observe import compare_outputs
@@ -295,3 +297,85 @@ def check_random_lifecycle_sequences_keep_invariants(case) -> None:
                     fail(f"sequence {sequence} {ops}: disabled pipeline keeps {residue[:3]} and "
                          f"{platform.memory_allocated()} device bytes")
         backend.disable()
+
+
+# -- §J.1: interrupts --------------------------------------------------------------------------
+
+
+class _KitInterrupt(KeyboardInterrupt):
+    """The Ctrl-C the kit raises inside a block's (or a component's) forward."""
+
+
+def _interrupt_targets(case: Any, pipeline: Any) -> list[tuple[str, Any]]:
+    """Where to interrupt: two blocks of every ring (layerwise: a second interrupt in another
+    block of the same ring), or every swapped component (model level)."""
+    plan = case.resolve(pipeline)
+    if case.strategy.value == "layer_wise":
+        targets = []
+        for stack in plan.stacks:
+            blocks = list(zip(stack.block_paths[stack.resident_head:], stack.streamed_blocks))
+            if len(blocks) >= 2:
+                targets += [blocks[len(blocks) // 2], blocks[-1]]
+        return targets
+    targets = [(c.path, c.module) for c in plan.components if c.role in ("dit", "encoder")]
+    if not targets and plan.delegated:  # a split model: inside the components it declares
+        from offload_ref.discovery import get_submodule_path
+
+        for path in getattr(pipeline, "_dit_modules", ()):
+            module = get_submodule_path(pipeline, path)
+            if isinstance(module, nn.Module):
+                targets.append((path, module))
+    return targets
+
+
+def _arm(module: Any) -> Any:
+    """Raise _KitInterrupt once, from a pre-hook registered after the offloader's: the
+    offloader's pre-hook has run, torch skips its post-hook (always_call covers Exception
+    only), as for a Ctrl-C inside the forward."""
+    def hook(mod: Any, args: Any) -> None:
+        handle.remove()
+        raise _KitInterrupt
+
+    handle = module.register_forward_pre_hook(hook)
+    return handle
+
+
+@check("J.1", strategies=BACKENDS)
+def check_interrupt_inside_a_block_leaves_a_recoverable_ring(case) -> None:
+    """A KeyboardInterrupt inside a block's forward (model level: a component's) leaves a state
+    the next generation recovers from: bitwise output, and from the pass after on the same
+    synchronous recoveries per generation as a clean run; disable then holds no device bytes."""
+    reference = case.reference()
+    pipeline = case.build()
+    platform = case.platform()
+    backend = case.backend(platform=platform)
+    backend.enable(pipeline)
+
+    def generation(what: str) -> int:
+        before = backend.stats().sync_recoveries
+        compare_outputs(what, case.run(pipeline), reference)
+        return backend.stats().sync_recoveries - before
+
+    generation("warm-up generation")
+    clean = generation("clean generation")
+    interrupted = 0
+    for path, module in _interrupt_targets(case, pipeline):
+        handle = _arm(module)
+        try:
+            case.run(pipeline)
+        except _KitInterrupt:
+            interrupted += 1
+        finally:
+            handle.remove()
+        generation(f"the generation after an interrupt inside {path}")
+        again = generation(f"the second generation after an interrupt inside {path}")
+        if again > clean:
+            fail(f"after an interrupt inside {path}: {again} synchronous recoveries per "
+                 f"generation, {clean} in a clean run (a block left running after the "
+                 "interrupt still holds its slot)")
+    if not interrupted:
+        fail("precondition: no interrupt target ran during a generation")
+    backend.disable()
+    if platform.memory_allocated():
+        fail(f"after interrupts and disable, {platform.memory_allocated()} device bytes are "
+             "still held")

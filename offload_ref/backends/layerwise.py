@@ -37,7 +37,9 @@ Note [Slot layout]
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 import torch
@@ -64,6 +66,9 @@ from .model_level import ComponentSwapper
 __all__ = ["BlockRing", "LayerWiseOffloadBackend", "LayerwiseOffloadHook"]
 
 _NUM_SLOTS = 2
+# The frame of ``nn.Module.__call__`` that runs a block (Note [Interrupted blocks]).
+_CALL_IMPL_CODE = nn.Module._call_impl.__code__
+_MAX_HOOK_DEPTH = 12  # frames between BlockRing.before and the _call_impl that runs the block
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -117,6 +122,17 @@ class CallOrderPredictor:
             self._match = self._search()
         if len(h) > self.cap:
             self._trim()
+
+    def repair(self) -> None:
+        """Rebuild the derived state from the history, after an ``observe`` or a trim that was
+        interrupted between two statements (Note [Interrupted blocks])."""
+        positions: dict[int, list[int]] = {}
+        for i, k in enumerate(self.history):
+            positions.setdefault(k, []).append(i)
+        self._positions = positions
+        self._match = None
+        if self.history:
+            self._match = self._search()
 
     def predict(self, k: int) -> int:
         """The block expected after ``k`` (the call just observed)."""
@@ -175,7 +191,10 @@ class BlockRing:
         self.order = CallOrderPredictor(n)
         self.slot_of: list[int | None] = [None] * n
         self.occupant: list[int | None] = [None] * _NUM_SLOTS
-        self.running: list[int] = []  # blocks whose forward is in progress (nested calls)
+        # Blocks whose forward is in progress (nested calls), each with the frame of the
+        # nn.Module call that runs it (None: unknown); see Note [Interrupted blocks].
+        self._running: list[tuple[int, FrameType | None]] = []
+        self._dirty = False  # hook work in progress, or interrupted (Note [Interrupted blocks])
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -288,7 +307,29 @@ class BlockRing:
 
     # -- hooks ----------------------------------------------------------------------------------
 
+    # Note [Interrupted blocks]
+    #     torch runs a block's post-hook (always_call) for an Exception only: a KeyboardInterrupt
+    #     (any BaseException) inside a block's forward skips it, and one that lands inside our
+    #     own hook work can stop it between any two instructions.  Two rules make every such
+    #     state recoverable by the next hook call:
+    #
+    #     * A running block remembers the frame of the ``nn.Module`` call that runs it.  When
+    #       ``running`` is not empty (nested calls, or an interrupted forward: rare, so the
+    #       steady state walks no frames), ``before`` checks that each running block's frame is
+    #       still on this thread's stack; one that is not ended without its post-hook (stale).
+    #     * Hook work runs under ``_dirty``: set first, cleared last.  A ring found dirty, or
+    #       holding a stale block, is reset (``_recover``): every slot no live block reads gets a
+    #       fresh ready event after all the copies issued into it, compute waits for it, the
+    #       slot is discarded and its free event recorded, every other block is rebound to its
+    #       placeholders and unmarked.  Each step is idempotent, so an interrupted reset is
+    #       simply redone.  The call-order predictor relearns the order from the next call on
+    #       (the interrupted pass would otherwise stay in its history as a fragment it keeps
+    #       matching), so prefetch is as good as before once the order has repeated once.
+
     def before(self, k: int) -> None:
+        if self._dirty or self._running:
+            self._recover(k, None)  # cheap when every running block is live (nested calls)
+        self._dirty = True
         self.order.observe(k)  # learn the order the caller actually runs
         s = self.slot_of[k]
         if s is None:  # skipped, reordered, or prefetch disabled: load it now
@@ -297,33 +338,83 @@ class BlockRing:
             self.stats.sync_recoveries += 1
         self._wait_ready(s)
         self.platform.record_use(self.slots[s])
-        busy = {self.slot_of[r] for r in self.running}
-        self.running.append(k)
+        busy = {self.slot_of[r] for r, _ in self._running}
+        self._running.append((k, _block_call_frame()))
         if self.prefetch_enabled and (1 - s) not in busy:
             q = self.order.predict(k)
             if q != k and self.slot_of[q] is None:
                 self._load(q, 1 - s)
+        self._dirty = False
+
+    @property
+    def running(self) -> list[int]:
+        """Blocks whose forward is in progress (more than one: nested calls)."""
+        return [r for r, _ in self._running]
 
     def _wait_ready(self, s: int) -> None:
         """Order compute after the copy that filled slot s (a device-side wait)."""
         self.platform.current_stream().wait_event(self.ready[s])
 
     def after(self, k: int) -> None:
-        s = self.slot_of[k]
-        if k in self.running:
-            self.running.remove(k)
-        if s is None:  # pragma: no cover - the pre-hook always materializes k
+        if self._dirty:  # our hook work was interrupted (or raised): reset, k included
+            self._recover(None, k)
             return
+        self._dirty = True
+        for i in range(len(self._running) - 1, -1, -1):
+            if self._running[i][0] == k:
+                del self._running[i]
+                break
+        s = self.slot_of[k]
+        if s is not None:
+            platform = self.platform
+            platform.record_use(self.slots[s])
+            platform.discard(self.slots[s])
+            self.free[s].record(platform.current_stream())
+            self.slot_of[k] = None  # unmarked before its tensors lose the slot
+            self.occupant[s] = None
+            self._rebind(k, self._placeholder_views(k))
+        self._dirty = False
+
+    def _recover(self, calling: int | None, finishing: int | None) -> None:
+        """Reset the ring after interrupted hook work or a stale running block (Note
+        [Interrupted blocks]); ``calling`` is the block whose pre-hook runs now, ``finishing``
+        the one whose post-hook does."""
+        stack = _stack_frame_ids() if self._running else set()
+        live = [(r, f) for r, f in self._running
+                if r != finishing and (f is None or id(f) in stack)]
+        if not self._dirty and len(live) == len(self._running):
+            return  # nested calls: every running block is still running
+        self._dirty = True
         platform = self.platform
-        platform.record_use(self.slots[s])
-        platform.discard(self.slots[s])
-        self.free[s].record(platform.current_stream())
-        self._rebind(k, self._placeholder_views(k))
-        self.slot_of[k] = None
-        self.occupant[s] = None
+        live_blocks = {r for r, _ in live}
+        keep = {self.slot_of[r] for r in live_blocks}
+        compute = platform.current_stream()
+        for s in range(_NUM_SLOTS):
+            if s in keep:
+                continue
+            self.ready[s].record(self.copy_stream)  # after every copy issued into slot s
+            compute.wait_event(self.ready[s])
+            platform.discard(self.slots[s])
+            self.free[s].record(compute)
+        for b in range(len(self.blocks)):
+            if b not in live_blocks:
+                self.slot_of[b] = None
+                self._rebind(b, self._placeholder_views(b))
+        for s in range(_NUM_SLOTS):
+            if s not in keep:
+                self.occupant[s] = None
+        self._running = live
+        if calling is not None and not live:
+            # An interrupted pass leaves a fragment in the call history that the predictor
+            # would keep matching (skip-layer guidance orders are not first-order): relearn the
+            # order from here, which takes one repetition of it.
+            self.order = CallOrderPredictor(len(self.blocks))
+        else:
+            self.order.repair()  # an interrupted observe may have left it half updated
+        self._dirty = False
 
     def _recovery_slot(self, k: int) -> int:
-        busy = {self.slot_of[r] for r in self.running}
+        busy = {self.slot_of[r] for r, _ in self._running}
         free = [s for s in range(_NUM_SLOTS) if s not in busy]
         if not free:
             raise RuntimeError(
@@ -357,10 +448,33 @@ class BlockRing:
             self.platform.free(slot)
         self.slots = []
         self._flats = []
+        self._running = []  # drops the frames of interrupted blocks
         for g in self.groups:
             if g.master is not None:
                 g.master.release()
         self.groups = []
+
+
+def _block_call_frame() -> FrameType | None:
+    """The frame of the ``nn.Module._call_impl`` whose pre-hook called ``BlockRing.before``."""
+    f = sys._getframe(2)
+    for _ in range(_MAX_HOOK_DEPTH):
+        if f is None:
+            return None
+        if f.f_code is _CALL_IMPL_CODE:
+            return f
+        f = f.f_back
+    return None
+
+
+def _stack_frame_ids() -> set[int]:
+    """ids of the frames on this thread's stack (live frames, so no id is reused)."""
+    ids = set()
+    f = sys._getframe(1)
+    while f is not None:
+        ids.add(id(f))
+        f = f.f_back
+    return ids
 
 
 def _block_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -447,6 +561,11 @@ class LayerWiseOffloadBackend(OffloadBackend):
 
     def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         placeholders = _Placeholders()
+        if self._copy_stream is not None:
+            try:  # a stream whose work failed skips all later work: this enable starts clean
+                self._copy_stream.synchronize()
+            except Exception:  # noqa: BLE001 - raised at the generation it broke (and reported)
+                self._copy_stream = None
         if self._copy_stream is None:  # one per backend, reused by every enable
             self._copy_stream = self.platform.Stream()
         copy_stream = self._copy_stream

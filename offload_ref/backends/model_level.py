@@ -58,6 +58,10 @@ class ComponentSwapper:
         self.resident: list[TensorGroup] = []
         self.log: list[tuple[str, int]] = []  # (component, bytes) of every load, in order
         self.versions: dict[str, list[int]] = {}  # swappable label -> version counters at enable
+        # The component whose load or offload is in progress, or was interrupted; the next
+        # swap settles it first (Note [Interrupted swaps]).
+        self._unsettled: str | None = None
+        self._held: set[str] = set()  # components whose device bytes are counted in stats
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -146,47 +150,72 @@ class ComponentSwapper:
 
     # -- steady state ---------------------------------------------------------------------------
 
+    # Note [Interrupted swaps]
+    #     A load or an offload can stop at any instruction (a KeyboardInterrupt lands between
+    #     two of them, a copy or an allocation raises).  It marks its component unsettled first
+    #     and clears the mark last; every buffer it allocates is entered in ``device_flats`` in
+    #     the statement that allocates it, and leaves it in the statement that frees it.  The
+    #     next swap (or disable) settles an unsettled component: every tensor back on its host
+    #     master, every buffer still listed freed.  Settling is idempotent, so an interrupted
+    #     settle is simply redone.
+
     def is_loaded(self, label: str) -> bool:
-        return bool(self.swappable[label].device_flats)
+        return bool(self.swappable[label].device_flats) and label != self._unsettled
+
+    def settle(self) -> None:
+        """Put an interrupted load or offload back on its host master (Note [Interrupted
+        swaps])."""
+        label = self._unsettled
+        if label is None:
+            return
+        group = self.swappable.get(label)
+        if group is not None:
+            for t, v in zip(group.tensors, group.master.host_views()):
+                t.data = v
+            for dtype in list(group.device_flats):
+                self.platform.free(group.device_flats.pop(dtype))
+            if label in self._held:
+                self.stats.release_device(group.weight_bytes, group.padding_bytes)
+                self._held.discard(label)
+        self._unsettled = None
 
     def load(self, label: str) -> None:
+        self.settle()
         group = self.swappable[label]
         if group.device_flats:
             return
-        flats: dict = {}
+        self._unsettled = label
         try:
+            flats = group.device_flats
             for dtype, n in group.layout.numel.items():
                 flats[dtype] = self.platform.empty(n, dtype)
             for dtype, flat in flats.items():
                 self.platform.copy_(flat, group.master.flats[dtype])
-            group.device_flats = flats
             for t, v in zip(group.tensors, group.layout.views(flats)):
                 t.data = v
         except BaseException:
             # A failed (or interrupted) load leaves the component on its master and gives back
             # every buffer it allocated, whatever was raised (Note [Transactions]).
-            for t, v in zip(group.tensors, group.master.host_views()):
-                t.data = v
-            group.device_flats = {}
-            for flat in flats.values():
-                self.platform.free(flat)
+            self.settle()
             raise
         self.stats.add_h2d(group.weight_bytes, group.padding_bytes)
         self.stats.swaps += 1
         self.log.append((label, group.weight_bytes))
+        self._held.add(label)
         self.stats.hold_device(group.weight_bytes, group.padding_bytes)
+        self._unsettled = None
 
     def offload(self, label: str) -> None:
+        self.settle()
         group = self.swappable[label]
         if not group.device_flats:
             return
+        self._unsettled = label
         for t, v in zip(group.tensors, group.master.host_views()):
             t.data = v  # back to the immutable master: no device -> host copy
-        flats, group.device_flats = group.device_flats, {}
-        for flat in flats.values():
-            self.platform.discard(flat)
-            self.platform.free(flat)
-        self.stats.release_device(group.weight_bytes, group.padding_bytes)
+        for dtype in list(group.device_flats):
+            self.platform.discard(group.device_flats[dtype])
+        self.settle()  # frees the buffers and releases their bytes in stats
 
     def activate(self, label: str | None, evict: Iterable[str]) -> None:
         """Offload ``evict`` then load ``label`` (the bound holds at every instant)."""
@@ -200,6 +229,7 @@ class ComponentSwapper:
 
     def restore(self) -> None:
         """Rebuild every tensor at its original placement (Note [Original placement])."""
+        self.settle()
         groups = list(self.swappable.values()) + self.resident
         # A loaded component edited in place keeps the edit: restore it from its device copy.
         restored = [restore_group(g, self.platform,  # may raise: nothing changed
@@ -224,6 +254,8 @@ class ComponentSwapper:
     def forget(self) -> None:
         self.swappable = {}
         self.resident = []
+        self._unsettled = None
+        self._held = set()
 
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -108,9 +108,11 @@ class _Recording:
     """One ``record`` of an event: set when the work issued before it has run.
 
     ``clock`` is the recording stream's vector clock at record time (Note [Stream-order
-    checking]); ``failure`` is (stream name, cause) when the stream was broken by then."""
+    checking]); ``failure`` is (stream name, cause) when the stream was broken by then, and
+    ``worker`` the broken stream's worker (raising the failure here reports it, so a later
+    platform-wide synchronize does not raise it a second time)."""
 
-    __slots__ = ("clock", "done", "failure", "stream_name", "time")
+    __slots__ = ("clock", "done", "failure", "stream_name", "time", "worker")
 
     def __init__(self, stream_name: str, clock: dict[int, int]) -> None:
         self.stream_name = stream_name
@@ -118,14 +120,19 @@ class _Recording:
         self.done = threading.Event()
         self.time: float | None = None
         self.failure: tuple[str, BaseException] | None = None
+        self.worker: _Worker | None = None
 
-    def complete(self, failure: tuple[str, BaseException] | None = None) -> None:
+    def complete(self, failure: tuple[str, BaseException] | None = None,
+                 worker: _Worker | None = None) -> None:
         self.time = time.perf_counter()
         self.failure = failure
+        self.worker = worker if failure is not None else None
         self.done.set()
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
+            if self.worker is not None:
+                self.worker.failure_reported = True  # it surfaced here, loudly
             raise _failure(*self.failure)
 
 
@@ -157,7 +164,9 @@ class _Worker:
         self._stream_ref = weakref.ref(stream)
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.failure: BaseException | None = None
-        self.failure_reported = False  # by CpuPlatform.synchronize, which reports it once
+        # Whether the failure has been raised on the host (by an event wait, a stream or a
+        # platform synchronize): CpuPlatform.synchronize raises each failure only once.
+        self.failure_reported = False
         self.stopping = False
         self.pending = 0
         self.cond = threading.Condition()
@@ -195,7 +204,10 @@ class _Worker:
 
     def _execute(self, kind: str, payload: Any) -> None:
         if kind == "mark":
-            payload.complete((self.name, self.failure) if self.failure is not None else None)
+            if self.failure is not None:
+                payload.complete((self.name, self.failure), self)
+            else:
+                payload.complete()
             return
         if self.failure is not None or self._platform._abort.is_set():
             return  # a broken stream runs nothing after the failed item
@@ -283,6 +295,7 @@ class _CpuStream:
         with platform._lock:
             platform._merge_clock(None, snapshot)
         if worker is not None and worker.failure is not None:
+            worker.failure_reported = True
             raise _failure(worker.name, worker.failure)
 
 
@@ -466,8 +479,8 @@ class CpuPlatform:
             return
         self._check_own_stream(stream)
         previous = getattr(self._tls, "stream", None)
-        self._tls.stream = stream
-        try:
+        try:  # switched inside the try: an interrupt right after it still switches back
+            self._tls.stream = stream
             yield stream
         finally:
             self._tls.stream = previous
