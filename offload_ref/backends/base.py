@@ -168,12 +168,14 @@ class Transaction:
         self.registry.register_hook(module, name, hook)
         self.on_rollback(lambda: self.registry.remove_hook(module, name))
 
-    def add_handle(self, label: str, install: Callable[[], Any]) -> Any:
-        """Install a torch hook (``install()`` returns its removable handle) as one step."""
-        self.step(f"hook {label}")
-        handle = install()
-        self.on_rollback(handle.remove)
-        return handle
+    def add_handles(self, label: str, installs: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Install torch hooks (each ``install()`` returns a removable handle) as one step."""
+        self.step(f"hooks {label}")
+        handles = []
+        for install in installs:
+            handles.append(install())
+            self.on_rollback(handles[-1].remove)
+        return handles
 
     def set_attr(self, obj: Any, name: str, value: Any, label: str) -> None:
         self.step(f"set {label}.{name}")
@@ -468,6 +470,7 @@ class OffloadBackend:
         """``state_dict()`` returns true weights and ``load_state_dict`` refuses to run while
         enabled (Note [Weight edits]), on every module that holds an offloaded tensor (and on its
         ancestors for ``load_state_dict``)."""
+        self._handles = []
         live = self._offloaded_tensors()
         if not live:
             return
@@ -488,17 +491,17 @@ class OffloadBackend:
                 if ancestor is not None:
                     guarded.setdefault(id(ancestor), (".".join(parts[:i]), ancestor))
         name = type(self).__name__
+        installs = []
         for path, module, entries in owners:
             if any(value is not None for _, value in entries):
                 hook = _true_weights_hook(entries)
-                self._handles.append(txn.add_handle(
-                    f"state_dict of {path or '<pipeline>'}",
-                    lambda m=module, h=hook: m.register_state_dict_post_hook(h)))
+                installs.append(lambda m=module, h=hook: m.register_state_dict_post_hook(h))
         for path, module in guarded.values():
             hook = _refuse_load_hook(path or type(pipeline).__name__, name)
-            self._handles.append(txn.add_handle(
-                f"load_state_dict of {path or '<pipeline>'}",
-                lambda m=module, h=hook: m.register_load_state_dict_pre_hook(h)))
+            installs.append(lambda m=module, h=hook: m.register_load_state_dict_pre_hook(h))
+        # One step: the rollback suite injects a fault at every step, so per-module steps
+        # would cost a full enable per module for nothing.
+        self._handles = txn.add_handles("state_dict / load_state_dict", installs)
 
     def _offloaded_tensors(self) -> dict[int, Callable[[], torch.Tensor | None] | None]:
         """``id(tensor) -> value`` for every tensor the backend streams or swaps: ``value()``
