@@ -392,15 +392,15 @@ class _NoFreeWait(BlockRing):
 
 
 class _NoWrapAround(BlockRing):
-    def before(self, k):
+    def before(self, k, frame=None):
         if k == len(self.blocks) - 1:
             self.prefetch_enabled = False
             try:
-                super().before(k)
+                super().before(k, frame)
             finally:
                 self.prefetch_enabled = True
         else:
-            super().before(k)
+            super().before(k, frame)
 
 
 class _NameBasedRing(BlockRing):
@@ -421,13 +421,13 @@ class _TwoMastersRing(BlockRing):
 
 
 class _NoRecoveryRing(BlockRing):
-    def before(self, k):
+    def before(self, k, frame=None):
         if self.slot_of[k] is None:  # run on whatever the slot holds
             s = 0 if self.occupant[0] is not None else 1
             self.slot_of[k] = s
             self.occupant[s] = k
             self._rebind(k, self._slot_views(k, s))
-        super().before(k)
+        super().before(k, frame)
 
 
 class _SilentlySerialRing(BlockRing):
@@ -437,9 +437,9 @@ class _SilentlySerialRing(BlockRing):
         super().__init__(*args, **kwargs)
         self.prefetch_enabled = False
 
-    def before(self, k):
+    def before(self, k, frame=None):
         recoveries = self.stats.sync_recoveries
-        super().before(k)
+        super().before(k, frame)
         self.stats.sync_recoveries = recoveries
 
 
@@ -471,6 +471,14 @@ def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(owner, name, original)
+
+
+def _patched_all(owner: Any, **values: Any) -> contextlib.ExitStack:
+    """``_patched`` for several names of one owner, undone together."""
+    stack = contextlib.ExitStack()
+    for name, value in values.items():
+        stack.enter_context(_patched(owner, name, value))
+    return stack
 
 
 def _unchecked_component_names() -> Any:
@@ -505,10 +513,8 @@ def _packs_without_padding() -> Any:
     """Segments packed back to back at element alignment (the layout before aligned regions)."""
     from offload_ref import host
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(_patched(host, "_storage_phase", lambda ptr, offset, alignment: 0))
-    stack.enter_context(_patched(host, "region_bytes", lambda phase, nbytes, alignment: nbytes))
-    return stack
+    return _patched_all(host, _storage_phase=lambda ptr, offset, alignment: 0,
+                        region_bytes=lambda phase, nbytes, alignment: nbytes)
 
 
 def _realigns_every_tensor() -> Any:
@@ -547,11 +553,8 @@ def _backward_not_refused() -> Any:
 def _unguarded_calls() -> Any:
     from offload_ref.backends.guard import CallGuard
 
-    stack = contextlib.ExitStack()
-    stack.enter_context(_patched(CallGuard, "enter", lambda self, label, frame: True))
-    stack.enter_context(_patched(CallGuard, "holds", lambda self, frame: True))
-    stack.enter_context(_patched(CallGuard, "exit", lambda self, frame: True))
-    return stack
+    return _patched_all(CallGuard, enter=lambda self, label, frame: True,
+                        holds=lambda self, frame: True, exit=lambda self, frame: True)
 
 
 class _DelegationDropsComponents(ModelLevelOffloadBackend):

@@ -72,10 +72,10 @@ _CALL_CODES = {nn.Module._call_impl.__code__}
 
 
 def call_frame() -> FrameType | None:
-    """The frame of the ``nn.Module`` call that is running the current hook (None if torch's
+    """The frame of the ``nn.Module`` call whose hooks are running the caller (None if torch's
     call path is not recognised: such entries are then never considered stale)."""
-    frame = sys._getframe(2)
-    for _ in range(8):
+    frame = sys._getframe(1)
+    for _ in range(12):
         if frame is None:
             return None
         if frame.f_code in _CALL_CODES:

@@ -67,8 +67,6 @@ __all__ = ["BlockRing", "LayerWiseOffloadBackend", "LayerwiseOffloadHook"]
 
 _NUM_SLOTS = 2
 # The frame of ``nn.Module.__call__`` that runs a block (Note [Interrupted blocks]).
-_CALL_IMPL_CODE = nn.Module._call_impl.__code__
-_MAX_HOOK_DEPTH = 12  # frames between BlockRing.before and the _call_impl that runs the block
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -326,7 +324,9 @@ class BlockRing:
     #       (the interrupted pass would otherwise stay in its history as a fragment it keeps
     #       matching), so prefetch is as good as before once the order has repeated once.
 
-    def before(self, k: int) -> None:
+    def before(self, k: int, frame: FrameType | None = None) -> None:
+        """Pre-forward of block k; ``frame`` is the ``nn.Module`` call running it (the hook
+        found it already; found here when None)."""
         if self._dirty or self._running:
             self._recover(k, None)  # cheap when every running block is live (nested calls)
         self._dirty = True
@@ -339,7 +339,7 @@ class BlockRing:
         self._wait_ready(s)
         self.platform.record_use(self.slots[s])
         busy = {self.slot_of[r] for r, _ in self._running}
-        self._running.append((k, _block_call_frame()))
+        self._running.append((k, frame if frame is not None else call_frame()))
         if self.prefetch_enabled and (1 - s) not in busy:
             q = self.order.predict(k)
             if q != k and self.slot_of[q] is None:
@@ -455,18 +455,6 @@ class BlockRing:
         self.groups = []
 
 
-def _block_call_frame() -> FrameType | None:
-    """The frame of the ``nn.Module._call_impl`` whose pre-hook called ``BlockRing.before``."""
-    f = sys._getframe(2)
-    for _ in range(_MAX_HOOK_DEPTH):
-        if f is None:
-            return None
-        if f.f_code is _CALL_IMPL_CODE:
-            return f
-        f = f.f_back
-    return None
-
-
 def _stack_frame_ids() -> set[int]:
     """ids of the frames on this thread's stack (live frames, so no id is reused)."""
     ids = set()
@@ -516,7 +504,7 @@ class LayerwiseOffloadHook(ModelHook):
                     "them (disable() keeps an edit made while the block was on the device)"
                 )
             with torch.inference_mode(False):
-                self.ring.before(self.index)
+                self.ring.before(self.index, frame)
         except BaseException:
             self.guard.exit(frame)
             raise
