@@ -29,8 +29,10 @@ Note [Weight edits]
     records each offloaded tensor's version counter when it binds it; an in-place edit (``mul_``,
     ``copy_``, LoRA fusing) bumps it, and the next hook that would use or evict the tensor raises
     :class:`OffloadWeightEditError` naming it.  ``load_state_dict`` on a module holding offloaded
-    weights raises before it copies anything.  ``disable()`` keeps an edit that reached real
-    storage (a device copy or a host master), so nothing is silently lost.
+    weights raises before it copies anything.  ``disable()`` keeps an edit of a swapped
+    component (its device copy or host master); an edit of a streamed block cannot be kept (the
+    block's slot may have been filling while it ran), so ``disable()`` restores the block from its
+    master with a RuntimeWarning naming the tensors: never silently.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ Note [Slot layout]
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any
@@ -605,16 +606,17 @@ class LayerWiseOffloadBackend(OffloadBackend):
         return out
 
     def _disable(self, pipeline: Any) -> None:
-        # A block edited in place while bound to its slot keeps the edit (Note [Weight edits]).
-        edited = {(id(h.ring), h.index) for h in self._hooks if h.edited()}
+        # A streamed block edited in place cannot keep the edit: between generations its slot
+        # may still be filling (a prefetch in flight), so the edit may have raced with the copy.
+        # Its masters are restored, loudly (Note [Weight edits]).
+        edited = [name for h in self._hooks for name in h.edited()]
         if edited:
-            self.platform.synchronize()  # the edited slots' prefetch copies have landed
-        restored = [[restore_group(g, self.platform,  # may raise: nothing changed
-                                   ring._slot_flats(k, ring.slot_of[k])
-                                   if (id(ring), k) in edited and ring.slot_of[k] is not None
-                                   else None)
-                     for k, g in enumerate(ring.groups)]
-                    for ring in self.rings]
+            warnings.warn(
+                f"{len(edited)} streamed weight(s) were edited in place outside edit_weights() "
+                f"(e.g. {edited[:3]}); disable() restores them from their host masters, because "
+                "the edit may have raced with a prefetch copy.  Edit streamed weights inside "
+                "`with backend.edit_weights(): ...`", RuntimeWarning, stacklevel=3)
+        restored = [ring.restored_views() for ring in self.rings]  # may raise: nothing changed
         self.platform.synchronize()
         assert self._resident is not None
         self._resident.restore()
