@@ -19,7 +19,7 @@ __all__ = ["CheckCase", "Implementation", "DEFAULT_IMPLEMENTATION"]
 
 
 def _make_backend(config: OffloadConfig, platform: Any) -> Any:
-    from offload_ref.backends.base import get_offload_backend
+    from offload_ref.backends import get_offload_backend
 
     return get_offload_backend(config, platform=platform)
 

@@ -17,9 +17,12 @@ from typing import Any
 from torch import nn
 
 from offload_ref import discovery
-from offload_ref.backends.base import OffloadEnableError, Transaction, get_offload_backend
-from offload_ref.backends.layerwise import BlockRing, LayerWiseOffloadBackend
-from offload_ref.backends.model_level import ComponentSwapper, ModelLevelOffloadBackend
+from offload_ref.backends import OffloadEnableError, get_offload_backend
+from offload_ref.backends.groups import ComponentSwapper
+from offload_ref.backends.layerwise import LayerWiseOffloadBackend
+from offload_ref.backends.model_level import ModelLevelOffloadBackend
+from offload_ref.backends.ring import BlockRing
+from offload_ref.backends.transaction import Transaction
 from offload_ref.discovery import FALLBACK_NAMES, get_submodule_path
 from offload_ref.plan import (
     OffloadTopologyError,

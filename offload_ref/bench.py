@@ -147,7 +147,7 @@ def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: i
 
 
 def _backend(strategy: OffloadStrategy, platform: Any) -> Any:
-    from .backends.base import get_offload_backend
+    from .backends import get_offload_backend
 
     components = ("dit", "text_encoder") if strategy is OffloadStrategy.MODEL_LEVEL else ("dit",)
     return get_offload_backend(OffloadConfig(strategy=strategy, components=components),

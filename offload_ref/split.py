@@ -67,8 +67,10 @@ class ComponentGroups:
         Every group starts on the host; the first ``context(name)`` loads it.  A failure rolls
         every change back (the same transaction as the model-level backend).
         """
-        from .backends.base import OffloadEnableError, OffloadStats, Transaction
-        from .backends.model_level import ComponentSwapper, _named_tensors
+        from .backends.base import OffloadEnableError
+        from .backends.groups import ComponentSwapper, _named_tensors
+        from .backends.stats import OffloadStats
+        from .backends.transaction import Transaction
         from .hooks import HookRegistry
         from .platform import get_platform
 

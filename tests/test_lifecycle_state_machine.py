@@ -32,7 +32,7 @@ from offload_ref.contracts.checks._util import (
 )
 from offload_ref.fixtures import get_spec
 
-from offload_ref.backends.base import get_offload_backend
+from offload_ref.backends import get_offload_backend
 from offload_ref.config import OffloadConfig, OffloadStrategy
 from offload_ref.platform import CpuPlatform
 

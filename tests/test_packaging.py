@@ -167,3 +167,40 @@ def test_downstream_author_test_file_runs_the_kit(tmp_path: Path) -> None:
     assert passed and int(passed.group(1)) > 0, f"no contract test ran:\n{output}"
     assert not re.search(r"\d+ (failed|error)", output), output
 
+
+
+def _relative_imports(path: Path) -> set[str]:
+    """Sibling modules of ``offload_ref.backends`` that ``path`` imports (anywhere in it,
+    including imports inside functions), by module name."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                names.add(node.module.split(".")[0])
+            else:
+                names.update(a.name for a in node.names)
+    return names
+
+
+def test_backend_modules_import_each_other_without_a_cycle() -> None:
+    """The factory sits above the backends and the shared code below them: the import graph of
+    ``offload_ref/backends`` (the package's ``__init__`` excluded) is acyclic."""
+    folder = REPO / "offload_ref" / "backends"
+    graph = {p.stem: _relative_imports(p) & {q.stem for q in folder.glob("*.py")}
+             for p in folder.glob("*.py") if p.stem != "__init__"}
+    assert "base" in graph and "ring" in graph
+    done: set[str] = set()
+
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        if node in path:
+            raise AssertionError(f"import cycle: {' -> '.join(path[path.index(node):] + (node,))}")
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, path + (node,))
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node, ())

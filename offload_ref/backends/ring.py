@@ -1,0 +1,461 @@
+"""The block ring: a stack of transformer blocks streamed through two fixed device slots.
+
+Note [The ring]
+    A :class:`BlockRing` owns its blocks' host masters, two device slots, a ready and a free event
+    per slot, and the predictor that says which block to prefetch next.  Hooks on the blocks
+    are thin callbacks into it::
+
+        pre-forward of block k                      post-forward of block k
+        ----------------------                      -----------------------
+        compute waits ready[slot(k)]                record_use(slot(k)), discard it
+        (k not materialized: load it now, count     record free[slot(k)] on compute
+         a synchronous recovery)                    rebind k to placeholders
+        q = predicted next; t = other slot
+        copy stream waits free[t], copies q -> t,
+        records ready[t]; rebind q to slot t
+
+    A slot is written only after the compute that read it has finished (its free event) and read
+    only after the copy that filled it has finished (its ready event): events only, no host-side
+    synchronize.  The block predicted after the last one is block 0 (wrap-around), so between
+    passes exactly block 0 of each ring is materialized and the next step starts warm.  A caller
+    that skips blocks (cache systems) or runs them in another order is served by a synchronous
+    load of the missing block, and the :class:`CallOrderPredictor` learns the observed order, so
+    any order that repeats (Cosmos3's generator loop, skip-layer guidance) stops missing from its
+    second repetition on.
+
+Note [Slot layout]
+    A slot is one byte slab sized for the largest block.  A block's tensors are packed per dtype
+    (Note [Host master layout]) with each segment in an aligned region (Note [Aligned layout]),
+    so every dtype section is a multiple of the platform's alignment; inside the slab the
+    sections follow one another from offset 0, so each one starts aligned and every tensor bound
+    to a slot keeps its alignment phase.  The device bytes of a ring are exactly 2 x its largest
+    *aligned* block.  (Separate per-dtype slots sized by per-dtype maxima would exceed that bound
+    for rings whose blocks mix dtypes unevenly.)  Of a slot, the largest block's weight bytes
+    count as device weight bytes and the rest as device padding.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..discovery import get_submodule_path
+from ..host import storage_key
+from ..plan import BlockStack
+from ..platform import Platform
+from .groups import TensorGroup, restore_group
+from .guard import call_frame
+from .stats import OffloadStats
+from .transaction import Transaction
+
+__all__ = ["BlockRing", "CallOrderPredictor"]
+
+_NUM_SLOTS = 2
+# The frame of ``nn.Module.__call__`` that runs a block (Note [Interrupted blocks]).
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class _Placeholders:
+    """Stand-ins for the tensors of blocks that are not materialized: the right shape and dtype,
+    one shared element, NaN where the dtype has it, and never device storage."""
+
+    def __init__(self) -> None:
+        self._base: dict[torch.dtype, torch.Tensor] = {}
+
+    def like(self, record_shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        base = self._base.get(dtype)
+        if base is None:
+            fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+            base = self._base[dtype] = torch.full((), fill, dtype=dtype)
+        return base.expand(tuple(record_shape))
+
+
+class CallOrderPredictor:
+    """Predicts which block of a ring runs next, from the order the caller has run them.
+
+    It continues the most recent earlier occurrence of the longest recent run of calls that
+    matches the latest calls (up to ``window`` calls back).  Any order that repeats with a
+    period shorter than the kept history is predicted exactly from its second period on:
+    plain passes, skipped blocks, a reasoner once then a generator every step, and orders that
+    are not first-order (skip-layer guidance runs blocks [0,1,2], [0,1,2], [0,2] each step, so
+    block 0 is followed by 1 or by 2).  Before the order has repeated, it predicts k + 1
+    (wrap-around).  While the order keeps repeating, each call costs O(1); a misprediction
+    costs one bounded search."""
+
+    def __init__(self, n: int, *, window: int = 32, history: int = 4096,
+                 candidates: int = 64) -> None:
+        self.n = n
+        self.window = window
+        self.cap = max(history, 8 * n)
+        self.candidates = candidates
+        self.history: list[int] = []
+        self._positions: dict[int, list[int]] = {}
+        self._match: int | None = None  # index j < len - 1 with history[j] == the last call
+
+    def observe(self, k: int) -> None:
+        h = self.history
+        m = self._match
+        self._match = m + 1 if m is not None and h[m + 1] == k else None
+        h.append(k)
+        self._positions.setdefault(k, []).append(len(h) - 1)
+        if self._match is None:
+            self._match = self._search()
+        if len(h) > self.cap:
+            self._trim()
+
+    def repair(self) -> None:
+        """Rebuild the derived state from the history, after an ``observe`` or a trim that was
+        interrupted between two statements (Note [Interrupted blocks])."""
+        positions: dict[int, list[int]] = {}
+        for i, k in enumerate(self.history):
+            positions.setdefault(k, []).append(i)
+        self._positions = positions
+        self._match = None
+        if self.history:
+            self._match = self._search()
+
+    def predict(self, k: int) -> int:
+        """The block expected after ``k`` (the call just observed)."""
+        if self._match is not None:
+            return self.history[self._match + 1]
+        return (k + 1) % self.n
+
+    def _search(self) -> int | None:
+        h = self.history
+        last = len(h) - 1
+        best, best_len = None, 0
+        for j in reversed(self._positions[h[last]][-self.candidates - 1:-1]):
+            length = 1
+            while length < self.window and j - length >= 0 and h[j - length] == h[last - length]:
+                length += 1
+            if length > best_len:
+                best, best_len = j, length
+                if length == self.window:
+                    break
+        return best
+
+    def _trim(self) -> None:
+        drop = len(self.history) // 2
+        self.history = self.history[drop:]
+        self._positions = {}
+        for i, k in enumerate(self.history):
+            self._positions.setdefault(k, []).append(i)
+        if self._match is not None:
+            self._match = self._match - drop if self._match >= drop else None
+
+
+class BlockRing:
+    """One ring of blocks, its masters, slots and events.  See Note [The ring]."""
+
+    def __init__(self, stack: BlockStack, platform: Platform, stats: OffloadStats,
+                 copy_stream: Any, placeholders: _Placeholders, *, pin: bool,
+                 prefetch: bool = True) -> None:
+        self.stack = stack
+        self.label = "+".join(stack.container_paths)
+        self.platform = platform
+        self.stats = stats
+        self.copy_stream = copy_stream
+        self.placeholders = placeholders
+        self.pin = pin
+        self.prefetch_enabled = prefetch
+        self.blocks: tuple[nn.Module, ...] = stack.streamed_blocks
+        self.block_paths = stack.block_paths[stack.resident_head:]
+        self.groups: list[TensorGroup] = []
+        self.sections: list[dict[torch.dtype, tuple[int, int]]] = []  # byte offset, numel
+        self.slot_bytes = 0  # the largest aligned block (Note [Slot layout])
+        self.slot_weight_bytes = 0  # the largest block's weight bytes
+        self.slots: list[torch.Tensor] = []
+        self.ready: list[Any] = []
+        self.free: list[Any] = []
+        n = len(self.blocks)
+        self.order = CallOrderPredictor(n)
+        self.slot_of: list[int | None] = [None] * n
+        self.occupant: list[int | None] = [None] * _NUM_SLOTS
+        # Blocks whose forward is in progress (nested calls), each with the frame of the
+        # nn.Module call that runs it (None: unknown); see Note [Interrupted blocks].
+        self._running: list[tuple[int, FrameType | None]] = []
+        self._dirty = False  # hook work in progress, or interrupted (Note [Interrupted blocks])
+
+    # -- enable ---------------------------------------------------------------------------------
+
+    def prepare(self, txn: Transaction, pipeline: Any) -> None:
+        aliases: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for alias in self.stack.aliases:
+            t = get_submodule_path(pipeline, alias.path)
+            if isinstance(t, torch.Tensor):
+                aliases.setdefault(alias.block_path, []).append((alias.path, t))
+        shared_names = set(self.stack.shared)
+        shared = {storage_key(t) for block, path in zip(self.blocks, self.block_paths)
+                  for n, t in _block_tensors(block) if f"{path}.{n}" in shared_names}
+        for block, path in zip(self.blocks, self.block_paths):
+            named = [(f"{path}.{n}", t) for n, t in _block_tensors(block)
+                     if not t.numel() or storage_key(t) not in shared]
+            named += aliases.get(path, [])
+            group = TensorGroup.of(path, named, self.platform)
+            group.master = txn.host_master(path, group.layout, self.pin)
+            group.drop_sources()
+            self.stats.add_host(group.weight_bytes, group.padding_bytes,
+                                pinned=group.master.pinned)
+            self.groups.append(group)
+            sections, offset = {}, 0
+            for dtype in sorted(group.layout.numel, key=lambda d: (-_element_size(d), str(d))):
+                numel = group.layout.numel[dtype]
+                sections[dtype] = (offset, numel)  # offset: a multiple of the alignment
+                offset += numel * _element_size(dtype)
+            self.sections.append(sections)
+            self.slot_bytes = max(self.slot_bytes, offset)
+            self.slot_weight_bytes = max(self.slot_weight_bytes, group.weight_bytes)
+        for s in range(_NUM_SLOTS):
+            self.slots.append(txn.device_empty(f"{self.label} slot {s}", self.slot_bytes,
+                                               torch.uint8))
+            self.ready.append(self.platform.Event())
+            self.free.append(self.platform.Event())
+        self._build_flats()
+        self.stats.hold_device(_NUM_SLOTS * self.slot_weight_bytes,
+                               _NUM_SLOTS * (self.slot_bytes - self.slot_weight_bytes))
+
+    def storage_keys(self) -> set[tuple[str, int]]:
+        return {storage_key(t) for g in self.groups for t in g.tensors if t.numel()}
+
+    def commit(self, txn: Transaction) -> None:
+        for k, group in enumerate(self.groups):
+            txn.rebind(self.block_paths[k], group.tensors, self._placeholder_views(k))
+        txn.step(f"prefetch {self.block_paths[0]}")
+        self._issue_copy(0, 0)
+        txn.rebind(self.block_paths[0], self.groups[0].tensors, self._slot_views(0, 0))
+
+    # -- views ----------------------------------------------------------------------------------
+
+    def _slot_flats(self, k: int, s: int) -> dict[torch.dtype, torch.Tensor]:
+        # Built once at enable: views made under inference_mode would be inference tensors,
+        # which a copy issued outside inference_mode may not write.
+        return self._flats[s][k]
+
+    def _build_flats(self) -> None:
+        self._flats = [
+            [
+                {
+                    dtype: slab.narrow(0, offset, numel * _element_size(dtype)).view(dtype)
+                    for dtype, (offset, numel) in sections.items()
+                }
+                for sections in self.sections
+            ]
+            for slab in self.slots
+        ]
+
+    def _slot_views(self, k: int, s: int) -> list[torch.Tensor]:
+        return self.groups[k].layout.views(self._slot_flats(k, s))
+
+    def _placeholder_views(self, k: int) -> list[torch.Tensor]:
+        layout = self.groups[k].layout
+        return [self.placeholders.like(r.shape, layout.segments[r.segment].dtype)
+                for r in layout.records]
+
+    def _rebind(self, k: int, views: Sequence[torch.Tensor]) -> None:
+        for t, v in zip(self.groups[k].tensors, views):
+            t.data = v
+
+    # -- transfers ------------------------------------------------------------------------------
+
+    def _issue_copy(self, k: int, s: int) -> None:
+        """Copy block k into slot s on the copy stream, after the slot's last reader."""
+        platform = self.platform
+        master = self.groups[k].master
+        with platform.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.free[s])
+            for dtype, flat in self._slot_flats(k, s).items():
+                platform.copy_(flat, master.flats[dtype])
+            self.ready[s].record(self.copy_stream)
+        self.slot_of[k] = s
+        self.occupant[s] = k
+        group = self.groups[k]
+        self.stats.add_h2d(group.weight_bytes, group.padding_bytes)
+        self.stats.swaps += 1
+
+    def _evict(self, s: int) -> None:
+        """Forget the (never run) block prefetched into slot s."""
+        k = self.occupant[s]
+        if k is not None:
+            self._rebind(k, self._placeholder_views(k))
+            self.slot_of[k] = None
+            self.occupant[s] = None
+
+    def _load(self, k: int, s: int) -> None:
+        self._evict(s)
+        self._issue_copy(k, s)
+        self._rebind(k, self._slot_views(k, s))
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    # Note [Interrupted blocks]
+    #     torch runs a block's post-hook (always_call) for an Exception only: a KeyboardInterrupt
+    #     (any BaseException) inside a block's forward skips it, and one that lands inside our
+    #     own hook work can stop it between any two instructions.  Two rules make every such
+    #     state recoverable by the next hook call:
+    #
+    #     * A running block remembers the frame of the ``nn.Module`` call that runs it.  When
+    #       ``running`` is not empty (nested calls, or an interrupted forward: rare, so the
+    #       steady state walks no frames), ``before`` checks that each running block's frame is
+    #       still on this thread's stack; one that is not ended without its post-hook (stale).
+    #     * Hook work runs under ``_dirty``: set first, cleared last.  A ring found dirty, or
+    #       holding a stale block, is reset (``_recover``): every slot no live block reads gets a
+    #       fresh ready event after all the copies issued into it, compute waits for it, the
+    #       slot is discarded and its free event recorded, every other block is rebound to its
+    #       placeholders and unmarked.  Each step is idempotent, so an interrupted reset is
+    #       simply redone.  The call-order predictor relearns the order from the next call on
+    #       (the interrupted pass would otherwise stay in its history as a fragment it keeps
+    #       matching), so prefetch is as good as before once the order has repeated once.
+
+    def before(self, k: int, frame: FrameType | None = None) -> None:
+        """Pre-forward of block k; ``frame`` is the ``nn.Module`` call running it (the hook
+        found it already; found here when None)."""
+        if self._dirty or self._running:
+            self._recover(k, None)  # cheap when every running block is live (nested calls)
+        self._dirty = True
+        self.order.observe(k)  # learn the order the caller actually runs
+        s = self.slot_of[k]
+        if s is None:  # skipped, reordered, or prefetch disabled: load it now
+            s = self._recovery_slot(k)
+            self._load(k, s)
+            self.stats.sync_recoveries += 1
+        self._wait_ready(s)
+        self.platform.record_use(self.slots[s])
+        busy = {self.slot_of[r] for r, _ in self._running}
+        self._running.append((k, frame if frame is not None else call_frame()))
+        if self.prefetch_enabled and (1 - s) not in busy:
+            q = self.order.predict(k)
+            if q != k and self.slot_of[q] is None:
+                self._load(q, 1 - s)
+        self._dirty = False
+
+    @property
+    def running(self) -> list[int]:
+        """Blocks whose forward is in progress (more than one: nested calls)."""
+        return [r for r, _ in self._running]
+
+    def _wait_ready(self, s: int) -> None:
+        """Order compute after the copy that filled slot s (a device-side wait)."""
+        self.platform.current_stream().wait_event(self.ready[s])
+
+    def after(self, k: int) -> None:
+        if self._dirty:  # our hook work was interrupted (or raised): reset, k included
+            self._recover(None, k)
+            return
+        self._dirty = True
+        for i in range(len(self._running) - 1, -1, -1):
+            if self._running[i][0] == k:
+                del self._running[i]
+                break
+        s = self.slot_of[k]
+        if s is not None:
+            platform = self.platform
+            platform.record_use(self.slots[s])
+            platform.discard(self.slots[s])
+            self.free[s].record(platform.current_stream())
+            self.slot_of[k] = None  # unmarked before its tensors lose the slot
+            self.occupant[s] = None
+            self._rebind(k, self._placeholder_views(k))
+        self._dirty = False
+
+    def _recover(self, calling: int | None, finishing: int | None) -> None:
+        """Reset the ring after interrupted hook work or a stale running block (Note
+        [Interrupted blocks]); ``calling`` is the block whose pre-hook runs now, ``finishing``
+        the one whose post-hook does."""
+        stack = _stack_frame_ids() if self._running else set()
+        live = [(r, f) for r, f in self._running
+                if r != finishing and (f is None or id(f) in stack)]
+        if not self._dirty and len(live) == len(self._running):
+            return  # nested calls: every running block is still running
+        self._dirty = True
+        platform = self.platform
+        live_blocks = {r for r, _ in live}
+        keep = {self.slot_of[r] for r in live_blocks}
+        compute = platform.current_stream()
+        for s in range(_NUM_SLOTS):
+            if s in keep:
+                continue
+            self.ready[s].record(self.copy_stream)  # after every copy issued into slot s
+            compute.wait_event(self.ready[s])
+            platform.discard(self.slots[s])
+            self.free[s].record(compute)
+        for b in range(len(self.blocks)):
+            if b not in live_blocks:
+                self.slot_of[b] = None
+                self._rebind(b, self._placeholder_views(b))
+        for s in range(_NUM_SLOTS):
+            if s not in keep:
+                self.occupant[s] = None
+        self._running = live
+        if calling is not None and not live:
+            # An interrupted pass leaves a fragment in the call history that the predictor
+            # would keep matching (skip-layer guidance orders are not first-order): relearn the
+            # order from here, which takes one repetition of it.
+            self.order = CallOrderPredictor(len(self.blocks))
+        else:
+            self.order.repair()  # an interrupted observe may have left it half updated
+        self._dirty = False
+
+    def _recovery_slot(self, k: int) -> int:
+        busy = {self.slot_of[r] for r, _ in self._running}
+        free = [s for s in range(_NUM_SLOTS) if s not in busy]
+        if not free:
+            raise RuntimeError(
+                f"{self.label}: block {self.block_paths[k]} is called while two blocks of its ring "
+                f"are already running ({[self.block_paths[r] for r in self.running]}); a ring "
+                "streams through two slots, so blocks may nest at most one deep"
+            )
+        for s in free:
+            if self.occupant[s] is None:
+                return s
+        # The free slots hold prefetched blocks that did not run: drop one we will not need.
+        keep = self.order.predict(k)
+        return next((s for s in free if self.occupant[s] != keep), free[0])
+
+    # -- introspection --------------------------------------------------------------------------
+
+    def materialized(self) -> list[int]:
+        return [k for k in range(len(self.blocks)) if self.slot_of[k] is not None]
+
+    @property
+    def largest_block_bytes(self) -> int:
+        return self.slot_bytes
+
+    # -- disable --------------------------------------------------------------------------------
+
+    def restored_views(self) -> list[list[torch.Tensor]]:
+        return [restore_group(g, self.platform) for g in self.groups]
+
+    def release(self) -> None:
+        for slot in self.slots:
+            self.platform.free(slot)
+        self.slots = []
+        self._flats = []
+        self._running = []  # drops the frames of interrupted blocks
+        for g in self.groups:
+            if g.master is not None:
+                g.master.release()
+        self.groups = []
+
+
+def _stack_frame_ids() -> set[int]:
+    """ids of the frames on this thread's stack (live frames, so no id is reused)."""
+    ids = set()
+    f = sys._getframe(1)
+    while f is not None:
+        ids.add(id(f))
+        f = f.f_back
+    return ids
+
+
+def _block_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = list(block.named_parameters(remove_duplicate=False))
+    named += [(n, b) for n, b in block.named_buffers(remove_duplicate=False) if b is not None]
+    return named

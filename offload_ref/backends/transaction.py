@@ -1,0 +1,155 @@
+"""The undo log of ``enable``: every mutation is a step that records its undo.
+
+Note [Transactions]
+    ``enable`` resolves the plan (pure), then prepares host masters and device copies off to the
+    side, then commits (storage rebinds, hooks).  Every mutation goes through a
+    :class:`Transaction` step that records its undo.  If any step raises, the undo log runs in
+    reverse: every tensor is rebound to its original storage (same object, values, dtype, stride,
+    sharing, device), every hook we installed is removed, every device and pinned byte we
+    allocated is released, the backend is left disabled and retryable, and the error is raised
+    as :class:`OffloadEnableError` chained to the cause.  The steps are enumerable (a dry run
+    records their labels), which is how the conformance kit injects a fault at each one.
+
+Note [Inference tensors]
+    A pipeline built under ``torch.inference_mode()`` holds inference tensors.  Rebinding the
+    ``.data`` of one to an ordinary tensor (a host master view, a device copy, a ring slot)
+    leaves a tensor that every later op rejects ("Inference tensors do not track version
+    counter"), in or out of inference mode.  So the first rebind of enable turns each inference
+    tensor into an ordinary one in place (``torch.utils.swap_tensors``: the same Python object,
+    class and attributes; undone exactly on rollback), and ``disable`` rebuilds the segments that
+    held inference tensors as inference tensors again.  Forward works in or out of inference
+    mode while enabled, and in the mode the pipeline was built for after disable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..hooks import HookRegistry, ModelHook
+from ..host import HostMaster, Layout
+from ..platform import Platform
+
+__all__ = ["FaultInjector", "Transaction", "rebind_restored"]
+
+FaultInjector = Callable[[int, str], None]
+
+
+class Transaction:
+    """An undo log of enable's mutations; see Note [Transactions]."""
+
+    def __init__(self, platform: Platform, registry: HookRegistry,
+                 fault_injector: FaultInjector | None = None) -> None:
+        self.platform = platform
+        self.registry = registry
+        self.fault_injector = fault_injector
+        self.steps: list[str] = []
+        self._undo: list[Callable[[], None]] = []
+
+    def step(self, label: str) -> None:
+        self.steps.append(label)
+        if self.fault_injector is not None:
+            self.fault_injector(len(self.steps) - 1, label)
+
+    def on_rollback(self, undo: Callable[[], None]) -> None:
+        self._undo.append(undo)
+
+    def host_master(self, label: str, layout: Layout, pin: bool) -> HostMaster:
+        self.step(f"host master {label}")
+        master = HostMaster(layout, self.platform, pin=pin)
+        self.on_rollback(master.release)
+        return master
+
+    def device_empty(self, label: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self.step(f"device alloc {label} ({dtype}, {numel})")
+        t = self.platform.empty(numel, dtype)
+        self.on_rollback(lambda: self.platform.free(t))
+        return t
+
+    def rebind(self, label: str, tensors: Sequence[torch.Tensor],
+               new: Sequence[torch.Tensor]) -> None:
+        self.step(f"rebind {label}")
+        for t, n in zip(tensors, new):
+            if t.is_inference():  # Note [Inference tensors]
+                original = _swap_to_normal(label, t, n)
+                self.on_rollback(lambda t=t, o=original: torch.utils.swap_tensors(t, o))
+                continue
+            old = t.data
+            t.data = n
+            self.on_rollback(lambda t=t, old=old: setattr(t, "data", old))
+
+    def register_hook(self, module: nn.Module, name: str, hook: ModelHook, label: str) -> None:
+        self.step(f"hook {name} on {label}")
+        self.registry.register_hook(module, name, hook)
+        self.on_rollback(lambda: self.registry.remove_hook(module, name))
+
+    def add_handles(self, label: str, installs: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Install torch hooks (each ``install()`` returns a removable handle) as one step."""
+        self.step(f"hooks {label}")
+        handles = []
+        for install in installs:
+            handles.append(install())
+            self.on_rollback(handles[-1].remove)
+        return handles
+
+    def set_attr(self, obj: Any, name: str, value: Any, label: str) -> None:
+        self.step(f"set {label}.{name}")
+        missing = object()
+        old = obj.__dict__.get(name, missing)
+        obj.__dict__[name] = value
+        self.on_rollback(
+            lambda: obj.__dict__.pop(name, None) if old is missing else obj.__dict__.__setitem__(
+                name, old)
+        )
+
+    def rollback(self) -> None:
+        errors = []
+        undo, self._undo = self._undo, []
+        for fn in reversed(undo):
+            try:
+                fn()
+            except Exception as exc:  # undo everything we can before reporting
+                errors.append(exc)
+        if errors:
+            raise RuntimeError(f"rollback left {len(errors)} change(s) undone: {errors}") \
+                from errors[0]
+
+    def commit(self) -> None:
+        self._undo = []  # drops the references that kept the original storage alive
+
+
+def _swap_to_normal(label: str, t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """Turn the inference tensor ``t`` into an ordinary one viewing ``data``, keeping the Python
+    object (and its class and attributes); returns the object that now holds the original
+    (Note [Inference tensors])."""
+    fresh = data.detach()
+    if type(t) is not torch.Tensor:  # nn.Parameter and its subclasses
+        fresh = torch.Tensor._make_subclass(type(t), fresh, t.requires_grad)
+    fresh.__dict__.update(t.__dict__)
+    try:
+        torch.utils.swap_tensors(t, fresh)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"{label}: a tensor created under torch.inference_mode() cannot be converted for "
+            f"offloading ({exc}); drop the other references to it, or build the pipeline "
+            "outside inference_mode"
+        ) from exc
+    return fresh
+
+
+def rebind_restored(t: torch.Tensor, v: torch.Tensor) -> None:
+    """Give ``t`` its restored storage ``v`` at disable; an inference ``v`` (from a segment that
+    held inference tensors) makes ``t`` a genuine inference tensor again (Note [Inference
+    tensors])."""
+    if not v.is_inference():
+        t.data = v
+        return
+    with torch.inference_mode():
+        fresh = v.detach()
+        if type(t) is not torch.Tensor:
+            fresh = torch.Tensor._make_subclass(type(t), fresh, t.requires_grad)
+    fresh.__dict__.update(t.__dict__)
+    torch.utils.swap_tensors(t, fresh)
