@@ -32,6 +32,13 @@ Note [Slot layout]
     *aligned* block.  (Separate per-dtype slots sized by per-dtype maxima would exceed that bound
     for rings whose blocks mix dtypes unevenly.)  Of a slot, the largest block's weight bytes
     count as device weight bytes and the rest as device padding.
+
+Note [Transports]
+    The ring never moves bytes itself: its :class:`Transport` builds each block's host side at
+    enable, fills a slot on demand, restores the blocks at disable and answers ``state_dict``.
+    :class:`RankLocalTransport` keeps a full host master per block and fills a slot with one copy
+    per dtype.  The distributed transports (backends/distributed.py) keep 1/world of each block
+    per rank and rebuild it in the slot with an AllGather.
 """
 
 from __future__ import annotations
@@ -157,7 +164,8 @@ class BlockRing:
 
     def __init__(self, stack: BlockStack, platform: Platform, stats: OffloadStats,
                  copy_stream: Any, placeholders: _Placeholders, *, pin: bool,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, transport: Transport | None = None) -> None:
+        self.transport: Transport = transport if transport is not None else RankLocalTransport()
         self.stack = stack
         self.label = "+".join(stack.container_paths)
         self.platform = platform
@@ -183,6 +191,7 @@ class BlockRing:
         # nn.Module call that runs it (None: unknown); see Note [Interrupted blocks].
         self._running: list[tuple[int, FrameType | None]] = []
         self._dirty = False  # hook work in progress, or interrupted (Note [Interrupted blocks])
+        self._cold = False  # block 0 not loaded yet: its first load is no recovery
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -200,18 +209,16 @@ class BlockRing:
                      if not t.numel() or storage_key(t) not in shared]
             named += aliases.get(path, [])
             group = TensorGroup.of(path, named, self.platform)
-            group.master = txn.host_master(path, group.layout, self.pin)
-            group.drop_sources()
-            self.stats.add_host(group.weight_bytes, group.padding_bytes,
-                                pinned=group.master.pinned)
-            self.groups.append(group)
-            sections, offset = {}, 0
+            sections, image_bytes = {}, 0
             for dtype in sorted(group.layout.numel, key=lambda d: (-_element_size(d), str(d))):
                 numel = group.layout.numel[dtype]
-                sections[dtype] = (offset, numel)  # offset: a multiple of the alignment
-                offset += numel * _element_size(dtype)
+                sections[dtype] = (image_bytes, numel)  # offset: a multiple of the alignment
+                image_bytes += numel * _element_size(dtype)
+            self.transport.build_master(txn, self, group, sections, image_bytes)
+            group.drop_sources()
+            self.groups.append(group)
             self.sections.append(sections)
-            self.slot_bytes = max(self.slot_bytes, offset)
+            self.slot_bytes = max(self.slot_bytes, self.transport.slot_bytes(image_bytes))
             self.slot_weight_bytes = max(self.slot_weight_bytes, group.weight_bytes)
         for s in range(_NUM_SLOTS):
             self.slots.append(txn.device_empty(f"{self.label} slot {s}", self.slot_bytes,
@@ -228,6 +235,11 @@ class BlockRing:
     def commit(self, txn: Transaction) -> None:
         for k, group in enumerate(self.groups):
             txn.rebind(self.block_paths[k], group.tensors, self._placeholder_views(k))
+        if self.transport.collective:
+            # Note [Collective safety]: no collective at enable.  Block 0 is loaded by the first
+            # forward that calls it, which every rank issues in the same order.
+            self._cold = True
+            return
         txn.step(f"prefetch {self.block_paths[0]}")
         self._issue_copy(0, 0)
         txn.rebind(self.block_paths[0], self.groups[0].tensors, self._slot_views(0, 0))
@@ -266,18 +278,12 @@ class BlockRing:
     # -- transfers ------------------------------------------------------------------------------
 
     def _issue_copy(self, k: int, s: int) -> None:
-        """Copy block k into slot s on the copy stream, after the slot's last reader."""
-        platform = self.platform
-        master = self.groups[k].master
-        with platform.stream(self.copy_stream):
-            self.copy_stream.wait_event(self.free[s])
-            for dtype, flat in self._slot_flats(k, s).items():
-                platform.copy_(flat, master.flats[dtype])
-            self.ready[s].record(self.copy_stream)
+        """Fill slot s with block k (the transport's copies, and collective where it has one),
+        after the slot's last reader; ``ready[s]`` is recorded when the slot is filled."""
+        self.transport.fill(self, k, s)
         self.slot_of[k] = s
         self.occupant[s] = k
-        group = self.groups[k]
-        self.stats.add_h2d(group.weight_bytes, group.padding_bytes)
+        self.transport.count_fill(self, k)
         self.stats.swaps += 1
 
     def _evict(self, s: int) -> None:
@@ -322,10 +328,13 @@ class BlockRing:
         self._dirty = True
         self.order.observe(k)  # learn the order the caller actually runs
         s = self.slot_of[k]
-        if s is None:  # skipped, reordered, or prefetch disabled: load it now
+        if s is None:  # skipped, reordered, prefetch disabled, or a deferred first load
             s = self._recovery_slot(k)
             self._load(k, s)
-            self.stats.sync_recoveries += 1
+            if self._cold:
+                self._cold = False
+            else:
+                self.stats.sync_recoveries += 1
         self._wait_ready(s)
         self.platform.record_use(self.slots[s])
         busy = {self.slot_of[r] for r, _ in self._running}
@@ -431,7 +440,11 @@ class BlockRing:
     # -- disable --------------------------------------------------------------------------------
 
     def restored_views(self) -> list[list[torch.Tensor]]:
-        return [restore_group(g, self.platform) for g in self.groups]
+        return self.transport.restored_views(self)
+
+    def true_value(self, k: int, i: int) -> torch.Tensor:
+        """A copy of the true value of tensor ``i`` of block ``k`` (from its host master)."""
+        return self.transport.true_value(self, k, i)
 
     def release(self) -> None:
         for slot in self.slots:
@@ -440,9 +453,78 @@ class BlockRing:
         self._flats = []
         self._running = []  # drops the frames of interrupted blocks
         for g in self.groups:
-            if g.master is not None:
-                g.master.release()
+            self.transport.release(g)
         self.groups = []
+
+
+class Transport:
+    """How a ring's blocks reach its slots: the ring owns one (the way FSDP2 keeps its all-gather
+    a swappable callable beside its parameter group).  The ring keeps events, predictor,
+    placeholders and recovery; a transport owns the host side of each block and the work that
+    fills a slot.  See Note [Transports].
+
+    ``collective`` transports issue a collective per fill, so enable issues none (the ring defers
+    block 0's first load to the first forward) and every rank must run the same schedule."""
+
+    name: str = "transport"
+    collective: bool = False
+
+    def build_master(self, txn: Transaction, ring: BlockRing, group: TensorGroup,
+                     sections: dict[torch.dtype, tuple[int, int]], image_bytes: int) -> None:
+        """Build the host side of ``group`` (one block) while its source tensors are alive;
+        count it in ``ring.stats``.  ``sections`` place each dtype's flat in the block's
+        ``image_bytes``-byte slot image (Note [Slot layout])."""
+        raise NotImplementedError
+
+    def slot_bytes(self, image_bytes: int) -> int:
+        """Slot bytes a block whose image has ``image_bytes`` bytes needs."""
+        return image_bytes
+
+    def fill(self, ring: BlockRing, k: int, s: int) -> None:
+        """Issue the work that fills slot ``s`` with block ``k``: ordered after ``ring.free[s]``,
+        ending with ``ring.ready[s]`` recorded on the stream that finished it."""
+        raise NotImplementedError
+
+    def count_fill(self, ring: BlockRing, k: int) -> None:
+        """Count one fill of block ``k`` in ``ring.stats``."""
+        group = ring.groups[k]
+        ring.stats.add_h2d(group.weight_bytes, group.padding_bytes)
+
+    def restored_views(self, ring: BlockRing) -> list[list[torch.Tensor]]:
+        """Fresh storage for every block's tensors at their original placement (disable)."""
+        return [restore_group(g, ring.platform) for g in ring.groups]
+
+    def true_value(self, ring: BlockRing, k: int, i: int) -> torch.Tensor:
+        """A copy of tensor ``i`` of block ``k`` as its host side holds it."""
+        group = ring.groups[k]
+        layout = group.layout
+        record = layout.records[i]
+        flat = group.master.flats[layout.segments[record.segment].dtype]
+        return record.view(flat).detach().clone()
+
+    def release(self, group: TensorGroup) -> None:
+        if group.master is not None:
+            group.master.release()
+
+
+class RankLocalTransport(Transport):
+    """Each process keeps a full host master of every block and fills a slot with one host to
+    device copy per dtype (single-process layerwise, and the rank-local distributed mode)."""
+
+    name = "rank-local"
+
+    def build_master(self, txn, ring, group, sections, image_bytes) -> None:
+        group.master = txn.host_master(group.label, group.layout, ring.pin)
+        ring.stats.add_host(group.weight_bytes, group.padding_bytes, pinned=group.master.pinned)
+
+    def fill(self, ring: BlockRing, k: int, s: int) -> None:
+        platform = ring.platform
+        master = ring.groups[k].master
+        with platform.stream(ring.copy_stream):
+            ring.copy_stream.wait_event(ring.free[s])
+            for dtype, flat in ring._slot_flats(k, s).items():
+                platform.copy_(flat, master.flats[dtype])
+            ring.ready[s].record(ring.copy_stream)
 
 
 def _stack_frame_ids() -> set[int]:
