@@ -343,6 +343,26 @@ def test_reading_device_storage_before_its_write_completes_is_caught(platform: C
     torch.testing.assert_close(host, torch.ones(8), rtol=0, atol=0)
 
 
+def test_submitted_work_is_order_checked_like_a_copy(platform: CpuPlatform) -> None:
+    """A collective submitted on a communication stream declares the slot it writes: writing it
+    before the copy stream's write is ordered, or reading it on compute before the collective is
+    ordered, is a StreamOrderError, as for a copy."""
+    copy, comm = platform.Stream(), platform.Stream()
+    slot = platform.empty(8, torch.float32)
+    with platform.stream(copy):
+        platform.copy_(slot[:4], torch.ones(4))
+    with platform.stream(comm), pytest.raises(StreamOrderError, match="submit on stream"):
+        platform.submit(lambda: slot[4:].fill_(2.0), reads=(slot,), writes=(slot,))
+    comm.wait_stream(copy)
+    with platform.stream(comm):
+        platform.submit(lambda: slot[4:].fill_(2.0), reads=(slot,), writes=(slot,))
+    with pytest.raises(StreamOrderError, match="last written on stream 'copy-2'"):
+        platform.record_use(slot)
+    platform.current_stream().wait_stream(comm)
+    platform.record_use(slot)
+    torch.testing.assert_close(slot, torch.tensor([1.0] * 4 + [2.0] * 4), rtol=0, atol=0)
+
+
 def test_order_composes_through_a_chain_of_events(platform: CpuPlatform) -> None:
     first, second = platform.Stream(), platform.Stream()
     slot = platform.empty(8, torch.float32)

@@ -15,7 +15,7 @@ Note [Stream semantics]
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
@@ -75,8 +75,11 @@ class Platform(Protocol):
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` into ``dst`` on the current stream (asynchronously where possible)."""
 
-    def submit(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` on the current stream (for collectives issued on a communication stream)."""
+    def submit(self, fn: Callable[[], Any], *, reads: Sequence[torch.Tensor] = (),
+               writes: Sequence[torch.Tensor] = ()) -> None:
+        """Run ``fn`` on the current stream (collectives issued on a communication stream);
+        ``reads`` / ``writes`` are the device buffers it reads and writes, so stream-order
+        checking sees it exactly as it sees a copy."""
 
     def record_use(self, tensor: torch.Tensor) -> None:
         """Declare that work on the current stream reads device ``tensor`` (order checking)."""

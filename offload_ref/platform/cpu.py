@@ -41,7 +41,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -528,11 +528,14 @@ class CpuPlatform:
         if work is None:
             dst.copy_(src)
 
-    def submit(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` on the current stream (queued on a copy stream; its result is dropped)."""
+    def submit(self, fn: Callable[[], Any], *, reads: Sequence[torch.Tensor] = (),
+               writes: Sequence[torch.Tensor] = ()) -> None:
+        """Run ``fn`` on the current stream (queued on a copy stream; its result is dropped).
+        ``reads`` and ``writes`` are checked and recorded as a copy's are (Note [Stream-order
+        checking]): a collective writing a slot is ordered like a copy into it."""
         stream = self.current_stream()
         with self._lock:
-            self._access(stream, "submit")
+            self._access(stream, "submit", reads=tuple(reads), writes=tuple(writes))
             if not stream._runs_inline():
                 stream._put("work", fn)
                 return

@@ -15,7 +15,7 @@ from __future__ import annotations
 import mmap
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -135,7 +135,8 @@ class CudaPlatform:
         """Asynchronous with respect to the host when the host side is pinned."""
         dst.copy_(src, non_blocking=True)
 
-    def submit(self, fn: Callable[[], Any]) -> None:
+    def submit(self, fn: Callable[[], Any], *, reads: Sequence[torch.Tensor] = (),
+               writes: Sequence[torch.Tensor] = ()) -> None:
         """Call ``fn`` now: the kernels it launches go to the stream the caller made current."""
         fn()
 
