@@ -212,6 +212,7 @@ class ResolvedOffloadPlan:
     other_state_bytes: int = 0  # parameters/buffers of the pipeline outside every component
     device_bytes_bound: int = 0  # predicted peak device bytes, padding included (see _predict)
     alignment: int = ALLOCATOR_ALIGNMENT  # the platform's alignment the prediction assumes
+    world_size: int = 1  # ranks an AllGather ring shards across (distributed layerwise)
 
     def by_role(self, role: str) -> tuple[ResolvedComponent, ...]:
         return tuple(c for c in self.components if c.role == role)
@@ -302,7 +303,26 @@ def _predict(plan: ResolvedOffloadPlan) -> int:
     streamed = _span_bytes([t for s in rings for k in range(len(s.streamed_blocks))
                             for t in _streamed_tensors(s, k) if id(t) in held_ids], a)
     return (plan.other_state_bytes + _span_bytes(held, a) - streamed
-            + sum(2 * max(sizes) for sizes in per_block))
+            + sum(2 * _slot_bytes(max(sizes), s.transfer, plan.world_size, a)
+                  for s, sizes in zip(rings, per_block)))
+
+
+def shard_bytes(image_bytes: int, world: int, alignment: int) -> int:
+    """Bytes of each rank's shard of a block whose slot image has ``image_bytes`` bytes, for an
+    AllGather across ``world`` ranks: ceil(image / world), rounded up to ``alignment`` (Note
+    [AllGather transport] in backends/distributed.py)."""
+    if not image_bytes:
+        return 0
+    share = -(-image_bytes // world)
+    return -(-share // alignment) * alignment
+
+
+def _slot_bytes(image_bytes: int, transfer: WeightTransfer, world: int, alignment: int) -> int:
+    """Bytes of one ring slot for the largest block's ``image_bytes``: the image itself, or
+    ``world`` shards of it for AllGather."""
+    if transfer is not WeightTransfer.ALLGATHER or world == 1:
+        return image_bytes
+    return world * shard_bytes(image_bytes, world, alignment)
 
 
 def owned_tensors(plan: ResolvedOffloadPlan,
@@ -443,7 +463,8 @@ class _Resolver:
         plan = ResolvedOffloadPlan(strategy, tuple(components), warnings=tuple(self.warnings),
                                    other_state_bytes=_other_state_bytes(
                                        self.pipeline, components, self.alignment),
-                                   alignment=self.alignment)
+                                   alignment=self.alignment,
+                                   world_size=self.config.world_size)
         return dataclasses.replace(plan, device_bytes_bound=_predict(plan))
 
     def _reject_unreadable_storage(self, found) -> None:

@@ -7,6 +7,7 @@ the shared leaf modules (``stats``, ``transaction``, ``groups``, ``ring``) and n
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ __all__ = [
 BACKENDS: dict[OffloadStrategy, tuple[str, str]] = {
     OffloadStrategy.MODEL_LEVEL: (".model_level", "ModelLevelOffloadBackend"),
     OffloadStrategy.LAYER_WISE: (".layerwise", "LayerWiseOffloadBackend"),
+    OffloadStrategy.DISTRIBUTED_LAYER_WISE: (".distributed", "DistributedLayerwiseOffloadBackend"),
 }
 
 
@@ -36,14 +38,15 @@ def get_offload_backend(
     device: str | torch.device | None = None,
     *,
     platform: Platform | None = None,
+    **options: Any,
 ) -> OffloadBackend | None:
     """Exactly one backend for ``config``, or None when offloading is off.
 
     ``platform`` overrides the platform that ``device`` would select (tests pass a
     ``CpuPlatform(race_amplifier=True)``).  Nothing is installed until ``enable``.  A device
     that is not available (``"cuda"`` on a CPU-only torch) raises RuntimeError rather than
-    silently running without offload; the distributed layerwise strategy raises
-    NotImplementedError (its backend is not built yet).
+    silently running without offload.  ``options`` go to the backend's constructor (the
+    distributed layerwise backend takes ``process_group`` and ``timeout_s``).
     """
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
@@ -51,11 +54,5 @@ def get_offload_backend(
         return None
     if platform is None:
         platform = get_platform(device)
-    where = BACKENDS.get(config.strategy)
-    if where is None:
-        raise NotImplementedError(
-            f"the {config.strategy.value} backend is not built yet in this version of offload-ref; "
-            "use layer_wise (single process) meanwhile"
-        )
-    module, name = where
-    return getattr(importlib.import_module(module, __name__), name)(config, platform)
+    module, name = BACKENDS[config.strategy]
+    return getattr(importlib.import_module(module, __name__), name)(config, platform, **options)

@@ -113,7 +113,9 @@ class OffloadBackend:
                 self._install_state_hooks(pipeline, plan, txn)
                 txn.set_attr(pipeline, PIPELINE_ATTR, _Owner(self), type(pipeline).__name__)
                 self.platform.synchronize()
+                self._before_commit(txn)  # the last thing that may fail (Note [Collective safety])
             except BaseException as exc:
+                self._enable_failed(exc)
                 self.last_steps = list(txn.steps)
                 where = (f"step {len(txn.steps) - 1} ({txn.steps[-1]})" if txn.steps
                          else "preparation, before its first mutation")
@@ -253,6 +255,13 @@ class OffloadBackend:
     def _disable(self, pipeline: Any) -> None:
         """Restore and release; ``pipeline`` is None if it was garbage-collected."""
         raise NotImplementedError
+
+    def _before_commit(self, txn: Transaction) -> None:
+        """Called once everything is built and bound, before the undo log is dropped: the last
+        point where enable can still fail and roll back (ranks agree here)."""
+
+    def _enable_failed(self, exc: BaseException) -> None:
+        """Called when enable failed, before its rollback (a rank tells the others)."""
 
     def _reset(self) -> None:
         """Forget per-enable state (after rollback or disable)."""

@@ -18,7 +18,7 @@ from ..plan import ResolvedOffloadPlan, pipeline_state
 from .base import OffloadBackend
 from .groups import ComponentSwapper
 from .guard import CallGuard, OffloadWeightEditError, call_frame, refuse_autograd
-from .ring import BlockRing, _Placeholders
+from .ring import BlockRing, Transport, _Placeholders
 from .transaction import Transaction, rebind_restored
 
 __all__ = ["LayerWiseOffloadBackend", "LayerwiseOffloadHook"]
@@ -118,7 +118,8 @@ class LayerWiseOffloadBackend(OffloadBackend):
                 if len(stack.streamed_blocks) < 2:
                     continue
                 ring = self.ring_class(stack, self.platform, self._stats, copy_stream, placeholders,
-                                 pin=self.config.pin_memory, prefetch=self.prefetch)
+                                       pin=self.config.pin_memory, prefetch=self.prefetch,
+                                       transport=self._transport_for(stack))
                 self.rings.append(ring)
                 ring.prepare(txn, pipeline)
         ring_storage = set().union(*(r.storage_keys() for r in self.rings)) if self.rings \
@@ -140,6 +141,10 @@ class LayerWiseOffloadBackend(OffloadBackend):
                 hook = LayerwiseOffloadHook(ring, k, self._guard)
                 self._hooks.append(hook)
                 txn.register_hook(block, self.hook_name, hook, path)
+
+    def _transport_for(self, stack: Any) -> Transport | None:
+        """The transport of ``stack``'s ring (None: rank-local host masters)."""
+        return None
 
     def _offloaded_tensors(self) -> dict[int, Any]:
         """A streamed tensor reads as a copy of its host master (Note [Weight edits]): a copy,

@@ -33,6 +33,14 @@ Note [Slot layout]
     for rings whose blocks mix dtypes unevenly.)  Of a slot, the largest block's weight bytes
     count as device weight bytes and the rest as device padding.
 
+Note [Mapped masters]
+    Weights loaded with ``offload_ref.load_safetensors`` are views of memory-mapped files.  A
+    rank-local ring does not copy such a block into a host master: the file pages are its host
+    side (one copy in the page cache for every process that maps the file, and no anonymous
+    memory), each fill copies the block's storage spans from them into the slot, and disable
+    rebinds every tensor to its original file view.  A block with any tensor that is not
+    file-backed (a ``post_load_weights`` cast, say) gets an ordinary host master.
+
 Note [Transports]
     The ring never moves bytes itself: its :class:`Transport` builds each block's host side at
     enable, fills a slot on demand, restores the blocks at disable and answers ``state_dict``.
@@ -508,23 +516,98 @@ class Transport:
 
 
 class RankLocalTransport(Transport):
-    """Each process keeps a full host master of every block and fills a slot with one host to
-    device copy per dtype (single-process layerwise, and the rank-local distributed mode)."""
+    """Each process keeps a full host copy of every block and fills a slot with one host to
+    device copy per dtype (single-process layerwise, and the rank-local distributed mode).
+
+    A block whose tensors are all views of safetensors files (``offload_ref.load_safetensors``)
+    keeps no copy: its host side *is* the file pages (shared through the page cache, no
+    anonymous memory), and a fill copies each storage span from them.  See Note [Mapped
+    masters]."""
 
     name = "rank-local"
 
+    def __init__(self, *, map_files: bool = True) -> None:
+        self.map_files = map_files
+        self._mapped: dict[int, list[torch.Tensor]] = {}  # id(group) -> its file-backed sources
+
     def build_master(self, txn, ring, group, sections, image_bytes) -> None:
+        sources = list(group.layout._sources)
+        if self.map_files and _all_file_backed(sources):
+            # Note [Mapped masters]: the file views are immutable (nothing writes them while
+            # enabled) and outlive the enable (they are the pipeline's original storage).
+            txn.step(f"map {group.label} from its files")
+            self._mapped[id(group)] = sources
+            txn.on_rollback(lambda key=id(group): self._mapped.pop(key, None))
+            ring.stats.add_host(group.weight_bytes, 0, pinned=False)
+            ring.stats.file_backed_bytes += group.weight_bytes
+            return
         group.master = txn.host_master(group.label, group.layout, ring.pin)
         ring.stats.add_host(group.weight_bytes, group.padding_bytes, pinned=group.master.pinned)
 
     def fill(self, ring: BlockRing, k: int, s: int) -> None:
         platform = ring.platform
-        master = ring.groups[k].master
+        group = ring.groups[k]
+        mapped = self._mapped.get(id(group))
+        flats = ring._slot_flats(k, s)
         with platform.stream(ring.copy_stream):
             ring.copy_stream.wait_event(ring.free[s])
-            for dtype, flat in ring._slot_flats(k, s).items():
-                platform.copy_(flat, master.flats[dtype])
+            if mapped is None:
+                for dtype, flat in flats.items():
+                    platform.copy_(flat, group.master.flats[dtype])
+            else:
+                for seg, src in zip(group.layout.segments, mapped):
+                    if seg.numel:
+                        platform.copy_(flats[seg.dtype].narrow(0, seg.offset, seg.numel),
+                                       torch.as_strided(src, (seg.numel,), (1,), seg.lo))
             ring.ready[s].record(ring.copy_stream)
+
+    def count_fill(self, ring: BlockRing, k: int) -> None:
+        group = ring.groups[k]
+        if id(group) in self._mapped:  # spans only: the padding is not copied
+            ring.stats.add_h2d(group.weight_bytes, 0)
+        else:
+            super().count_fill(ring, k)
+
+    def _mapped_views(self, group: TensorGroup) -> list[torch.Tensor] | None:
+        """The original file views of a mapped group's tensors."""
+        mapped = self._mapped.get(id(group))
+        if mapped is None:
+            return None
+        layout = group.layout
+        views = []
+        for record in layout.records:
+            seg = layout.segments[record.segment]
+            src = mapped[record.segment]
+            views.append(torch.as_strided(src, record.shape, record.stride,
+                                          seg.lo + record.offset - seg.offset))
+        return views
+
+    def restored_views(self, ring: BlockRing) -> list[list[torch.Tensor]]:
+        out = []
+        for group in ring.groups:
+            views = self._mapped_views(group)
+            out.append(views if views is not None else restore_group(group, ring.platform))
+        return out
+
+    def true_value(self, ring: BlockRing, k: int, i: int) -> torch.Tensor:
+        views = self._mapped_views(ring.groups[k])
+        if views is not None:
+            return views[i].detach().clone()
+        return super().true_value(ring, k, i)
+
+    def release(self, group: TensorGroup) -> None:
+        self._mapped.pop(id(group), None)
+        super().release(group)
+
+
+def _all_file_backed(sources: Sequence[torch.Tensor]) -> bool:
+    if not sources:
+        return False
+    try:
+        from ..loading import is_file_backed
+    except ImportError:  # pragma: no cover - the loader is part of the package
+        return False
+    return all(is_file_backed(t) for t in sources)
 
 
 def _stack_frame_ids() -> set[int]:

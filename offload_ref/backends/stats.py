@@ -27,6 +27,8 @@ class OffloadStats:
     device_padding_bytes: int = 0  # alignment padding inside the device buffers held now
     h2d_padding_bytes: int = 0  # padding copied along with h2d_bytes (whole flat buffers)
     peak_device_bytes: int = 0  # the most device bytes held at once, padding included
+    file_backed_bytes: int = 0  # host weight bytes that are file pages (mmap-loaded), not copies
+    collective_bytes: int = 0  # bytes written into slots by collectives (distributed AllGather)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

@@ -63,6 +63,12 @@ class Transaction:
         self.on_rollback(master.release)
         return master
 
+    def host_empty(self, label: str, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        self.step(f"host alloc {label} ({dtype}, {numel})")
+        t = self.platform.host_empty(numel, dtype, pin=pin)
+        self.on_rollback(lambda: self.platform.host_free(t))
+        return t
+
     def device_empty(self, label: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         self.step(f"device alloc {label} ({dtype}, {numel})")
         t = self.platform.empty(numel, dtype)

@@ -1,0 +1,340 @@
+"""Distributed layerwise offload: the layerwise ring across the ranks of a ``torch.distributed``
+process group (gloo on CPU, NCCL on CUDA), each rank running its own request.
+
+Note [AllGather transport]
+    Each rank keeps 1/world of every block in host memory.  A block's *slot image* is the bytes
+    its per-dtype flats occupy in a slot (Note [Slot layout] in ring.py), ``image`` bytes long.
+    It is cut into ``world`` shards of ``S = round_up(ceil(image / world), alignment)`` bytes;
+    rank ``r`` keeps bytes ``[r*S, (r+1)*S)``, zero past the image.  Filling slot ``s`` with
+    block ``k``::
+
+        copy stream   wait free[s]; H2D of this rank's shard into slot[s][r*S:(r+1)*S];
+                      record copied[s]
+        comm stream   wait copied[s]; all_gather_into_tensor(slot[s][:world*S],
+                      slot[s][r*S:(r+1)*S]) (in place, as FSDP2 gathers); record ready[s]
+
+    Compute waits ready[s] as for any fill, so a read of the slot is ordered after the gather;
+    the CPU platform checks it (the gather is submitted with the slot as what it reads and
+    writes).  One collective per block whatever its dtypes, exactly two slots per rank whatever
+    the model size (``world * S`` bytes each, at most ``world * alignment`` bytes over the
+    largest aligned block).  Weights only: each rank's activations stay its own, so ranks run
+    different requests (DP multi-concurrency).
+
+Note [Collective safety]
+    Every fill is a collective, so every rank must issue the same fills in the same order:
+
+    * Enable issues none: block 0 is loaded by the first forward that calls it (ranks may
+      enable several pipelines, or build other rings, in different orders).
+    * Before committing, every rank publishes a digest of its ring schedule (ring names, block
+      counts, shard sizes, world) through the process group's store and checks that all agree
+      (:class:`~offload_ref.distributed.Rendezvous`).  A rank that fails anywhere in enable
+      publishes its failure for that round instead, so every other rank raises promptly with
+      an error naming it; a rank that dies or hangs is named when the bounded timeout expires.
+      Every rank then rolls back: no rank is left enabled waiting in a collective its peers
+      will never issue, and enable is never retried behind the caller's back.
+    * During a generation the fills follow the block calls, which are the same on every rank
+      when every rank runs the same pipeline with the same number of steps (the wave rule of
+      :class:`~offload_ref.distributed.WaveRunner`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+from ..config import OffloadStrategy, WeightTransfer
+from ..plan import BlockStack, shard_bytes
+from .groups import TensorGroup, restore_group
+from .layerwise import LayerWiseOffloadBackend
+from .ring import BlockRing, RankLocalTransport, Transport
+from .transaction import Transaction
+
+__all__ = ["AllGatherTransport", "DistributedLayerwiseOffloadBackend"]
+
+
+def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, shard, group=group)
+
+
+class AllGatherTransport(Transport):
+    """Keeps this rank's zero-padded 1/world shard of every block; a fill copies the shard into
+    its place in the slot and gathers the others into theirs.  See Note [AllGather transport]."""
+
+    name = "allgather"
+    collective = True
+
+    def __init__(self, group: Any, rank: int, world: int, comm_stream: Any,
+                 alignment: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self.comm_stream = comm_stream
+        self.alignment = alignment
+        self.shards: list[torch.Tensor] = []
+        self.shard_bytes: list[int] = []
+        self.image_bytes: list[int] = []
+        self.shard_weight_bytes: list[int] = []  # weight bytes (padding excluded) in my shard
+        self.copied: list[Any] = []
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- enable ---------------------------------------------------------------------------------
+
+    def build_master(self, txn: Transaction, ring: BlockRing, group: TensorGroup,
+                     sections: dict[torch.dtype, tuple[int, int]], image_bytes: int) -> None:
+        S = shard_bytes(image_bytes, self.world, self.alignment)
+        image = torch.zeros(self.world * S, dtype=torch.uint8)  # zero past the weights
+        flats = {dtype: image.narrow(0, offset, numel * _itemsize(dtype)).view(dtype)
+                 for dtype, (offset, numel) in sections.items()}
+        group.layout.pack_into(flats, lambda dst, src: dst.copy_(src))
+        shard = txn.host_empty(f"{group.label} shard {self.rank}/{self.world}", S, torch.uint8,
+                               ring.pin)
+        shard.copy_(image.narrow(0, self.rank * S, S))
+        lo, hi = self.rank * S, (self.rank + 1) * S
+        weight = 0
+        for seg in group.layout.segments:
+            start = sections[seg.dtype][0] + seg.offset * _itemsize(seg.dtype)
+            end = start + seg.numel * _itemsize(seg.dtype)
+            weight += max(0, min(end, hi) - max(start, lo))
+        self.shards.append(shard)
+        self.shard_bytes.append(S)
+        self.image_bytes.append(image_bytes)
+        self.shard_weight_bytes.append(weight)
+        if not self.copied:
+            self.copied = [ring.platform.Event() for _ in range(2)]
+        group.master = None  # the shard is this rank's host side of the block
+        ring.stats.add_host(weight, S - weight, pinned=ring.platform.pin_memory_supported
+                            and ring.pin)
+
+    def slot_bytes(self, image_bytes: int) -> int:
+        return self.world * shard_bytes(image_bytes, self.world, self.alignment)
+
+    # -- fills ----------------------------------------------------------------------------------
+
+    def _slot_views(self, ring: BlockRing, k: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        views = self._views.get((k, s))
+        if views is None:
+            S = self.shard_bytes[k]
+            out = ring.slots[s].narrow(0, 0, self.world * S)
+            views = self._views[(k, s)] = (out, out.narrow(0, self.rank * S, S))
+        return views
+
+    def fill(self, ring: BlockRing, k: int, s: int) -> None:
+        platform = ring.platform
+        out, mine = self._slot_views(ring, k, s)
+        with platform.stream(ring.copy_stream):
+            ring.copy_stream.wait_event(ring.free[s])
+            platform.copy_(mine, self.shards[k])
+            self.copied[s].record(ring.copy_stream)
+        with platform.stream(self.comm_stream):
+            self.comm_stream.wait_event(self.copied[s])
+            platform.submit(functools.partial(_all_gather, out, mine, self.group),
+                            reads=(ring.slots[s],), writes=(ring.slots[s],))
+            ring.ready[s].record(self.comm_stream)
+
+    def count_fill(self, ring: BlockRing, k: int) -> None:
+        weight = self.shard_weight_bytes[k]
+        ring.stats.add_h2d(weight, self.shard_bytes[k] - weight)
+        ring.stats.collective_bytes += self.world * self.shard_bytes[k]
+
+    # -- disable --------------------------------------------------------------------------------
+
+    def restored_views(self, ring: BlockRing) -> list[list[torch.Tensor]]:
+        """Rebuild each block from a gather into slot 0 (every rank disables together)."""
+        platform = ring.platform
+        platform.synchronize()
+        for s in range(len(ring.slots)):
+            ring._evict(s)  # nothing stays bound to a slot that the gathers below overwrite
+        ring._cold = True
+        compute = platform.current_stream()
+        out = []
+        for k, group in enumerate(ring.groups):
+            self.fill(ring, k, 0)
+            compute.wait_event(ring.ready[0])
+            platform.record_use(ring.slots[0])
+            out.append(restore_group(group, platform, ring._slot_flats(k, 0)))
+            ring.free[0].record(compute)
+        return out
+
+    def true_value(self, ring: BlockRing, k: int, i: int) -> torch.Tensor:
+        raise RuntimeError(
+            f"state_dict() while {ring.block_paths[k]} streams with AllGather: this rank holds "
+            f"1/{self.world} of the block's bytes, and rebuilding it takes a collective that every "
+            "rank would have to issue; call backend.disable() on every rank first (it gathers "
+            "the full weights back), or use weight_transfer='rank-local'"
+        )
+
+    def release(self, group: TensorGroup) -> None:
+        pass  # the shards are released by release_all (they are not per-group state)
+
+    def release_all(self, platform: Any) -> None:
+        for shard in self.shards:
+            platform.host_free(shard)
+        self.shards = []
+        self._views = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
+    """Layerwise offload across the ranks of a process group.  Selected by
+    ``enable_distributed_layerwise_offload`` (+ ``dlo_use_allgather``, ``dlo_resident_layers``,
+    ``data_parallel_size``) or compact ``mode="layer"`` with ``weight_transfer="allgather"`` or
+    ``resident_layers``.
+
+    * Rings whose component uses ``weight_transfer="allgather"`` keep 1/world of each block per
+      rank and rebuild it with an AllGather (Note [AllGather transport]); rank-local rings stream
+      each rank's full host copy, with no collective.  With a world of one (torch.distributed
+      not initialized, or a one-rank group), AllGather is rank-local.
+    * ``resident_layers`` leading blocks of a declared resident DiT stay on the device for the
+      whole generation (they are non-block state to the ring).
+    * Ranks agree before the first collective (Note [Collective safety]).
+
+    ``process_group`` is the data-parallel group (default: the default group); ``timeout_s``
+    bounds how long a rank waits for the others at enable.
+    """
+
+    strategy = OffloadStrategy.DISTRIBUTED_LAYER_WISE
+    hook_name = "offload_ref.distributed_layerwise"
+
+    def __init__(self, config, platform, *, process_group: Any = None,
+                 timeout_s: float = 60.0, prefetch: bool = True, rendezvous: Any = None) -> None:
+        super().__init__(config, platform, prefetch=prefetch)
+        self.process_group = process_group
+        self.timeout_s = timeout_s
+        self._rendezvous = rendezvous
+        self.rank, self.world = 0, 1
+        self._comm_stream: Any = None
+        self._transports: list[AllGatherTransport] = []
+        self._agreeing = False
+
+    # -- the process group ----------------------------------------------------------------------
+
+    def _resolve_group(self) -> None:
+        """Rank and world of the data-parallel group, checked against the config (before any
+        mutation)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            group = self.process_group
+            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        elif self.process_group is not None:
+            raise RuntimeError(
+                "DistributedLayerwiseOffloadBackend: a process_group was given but "
+                "torch.distributed is not initialized; call torch.distributed.init_process_group "
+                "first (torchrun sets up what it needs)")
+        else:
+            self.rank, self.world = 0, 1
+        gathers = any(o.weight_transfer is WeightTransfer.ALLGATHER
+                      for o in self._options()) and self.world > 1
+        if self.config.world_size > 1 and self.config.world_size != self.world:
+            raise RuntimeError(
+                f"data_parallel_size (OffloadConfig.world_size) = {self.config.world_size}, but "
+                f"this process's data-parallel group has {self.world} rank(s); launch "
+                f"{self.config.world_size} processes (torchrun --nproc-per-node "
+                f"{self.config.world_size} ...) and initialize torch.distributed before enable")
+        if gathers and self.config.world_size != self.world:
+            raise RuntimeError(
+                f"weight_transfer='allgather' across {self.world} ranks needs data_parallel_size "
+                f"(OffloadConfig.world_size) = {self.world}, got {self.config.world_size}; set it "
+                "so the plan predicts each rank's shard sizes")
+        if gathers:
+            backend = str(dist.get_backend(self.process_group)).lower()
+            needs = "nccl" if self.platform.name == "cuda" else "gloo"
+            if needs not in backend:
+                raise RuntimeError(
+                    f"AllGather of {self.platform.name} slots needs a {needs} process group, but "
+                    f"the group uses {backend}; initialize it with "
+                    f"init_process_group({needs!r}) (or a group created for it)")
+        if self.world > 1 and self._rendezvous is None:
+            from ..distributed.rendezvous import Rendezvous
+
+            self._rendezvous = Rendezvous.default(
+                self.process_group, namespace="offload_ref/dlo", timeout_s=self.timeout_s)
+
+    def _options(self) -> list[Any]:
+        return [self.config.options_for(c) for c in self.config.components]
+
+    # -- enable ---------------------------------------------------------------------------------
+
+    def enable(self, pipeline: Any) -> None:
+        if self.is_enabled() and self.pipeline is pipeline:
+            return
+        self._agreeing = False
+        try:
+            self._resolve_group()
+            super().enable(pipeline)
+        except BaseException as exc:
+            self._enable_failed(exc)  # once per round: a no-op if the rendezvous itself raised
+            raise
+
+    def _enable(self, pipeline: Any, plan: Any, txn: Transaction) -> None:
+        self._transports = []
+        super()._enable(pipeline, plan, txn)
+
+    def _transport_for(self, stack: BlockStack) -> Transport | None:
+        if stack.transfer is not WeightTransfer.ALLGATHER or self.world == 1:
+            return RankLocalTransport()
+        if self._comm_stream is None:
+            self._comm_stream = self.platform.Stream()
+        transport = AllGatherTransport(self.process_group, self.rank, self.world,
+                                       self._comm_stream, self.platform.alignment)
+        self._transports.append(transport)
+        return transport
+
+    def schedule(self) -> list[dict[str, Any]]:
+        """What every rank must agree on: each ring's blocks, transport and shard sizes."""
+        out = []
+        for ring in self.rings:
+            t = ring.transport
+            out.append({"ring": ring.label, "blocks": len(ring.blocks), "transport": t.name,
+                        "shards": list(getattr(t, "shard_bytes", [])),
+                        "slot_bytes": ring.slot_bytes})
+        return out
+
+    def _before_commit(self, txn: Transaction) -> None:
+        if self._rendezvous is None or self.world == 1:
+            return
+        txn.step("agree with every rank")
+        digest = hashlib.sha256(json.dumps(
+            {"world": self.world, "strategy": self.config.strategy.value,
+             "components": list(self.config.components), "rings": self.schedule()},
+            sort_keys=True).encode()).hexdigest()[:16]
+        self._agreeing = True  # from here the round is taken, whatever it raises
+        self._rendezvous.agree("enable", digest, what="the ring schedule (rings, blocks, shard "
+                               "sizes) of distributed layerwise enable")
+
+    def _enable_failed(self, exc: BaseException) -> None:
+        if self._rendezvous is not None and not self._agreeing:
+            self._agreeing = True
+            try:
+                self._rendezvous.fail("enable", f"{type(exc).__name__}: {exc}"[:2000])
+            except Exception:  # noqa: BLE001 - the original error is the one to raise
+                pass
+
+    # -- disable --------------------------------------------------------------------------------
+
+    def _disable(self, pipeline: Any) -> None:
+        super()._disable(pipeline)
+        for t in self._transports:
+            t.release_all(self.platform)
+        self._transports = []
+
+    def _reset(self) -> None:
+        for t in self._transports:  # after a rollback the undo log freed the shards already
+            t.shards = []
+        self._transports = []
+        super()._reset()
+
+    def host_shards(self) -> dict[str, list[torch.Tensor]]:
+        """Ring label -> this rank's host shard of each block (AllGather rings only)."""
+        return {ring.label: list(ring.transport.shards) for ring in self.rings
+                if isinstance(ring.transport, AllGatherTransport)}
