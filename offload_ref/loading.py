@@ -470,7 +470,7 @@ def _snapshot_registrations(module: nn.Module, undo: _Undo) -> None:
             params, buffers, non_persistent, modules = saved
             for current, old in ((sub._parameters, params), (sub._buffers, buffers),
                                  (sub._modules, modules)):
-                if current != old or list(current) != list(old):
+                if list(current) != list(old) or any(current[k] is not v for k, v in old.items()):
                     current.clear()
                     current.update(old)
             if sub._non_persistent_buffers_set != non_persistent:
