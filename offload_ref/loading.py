@@ -44,6 +44,11 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+# Imported here, not when first needed: an import inside a load would show up as that load's
+# anonymous memory (about 2 MB for the backends).
+from .backends.base import PIPELINE_ATTR
+from .hooks import HOOKS_ATTR
+
 __all__ = ["LoadReport", "anonymous_rss_bytes", "is_file_backed", "load_safetensors"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -242,9 +247,6 @@ def _check_arguments(module: Any, tensor_parallel_size: Any, quantization: Any) 
 
 def _module_problems(module: nn.Module, persistent: list[_Slot], others: list[_Slot],
                      extra: list[str], strict: bool) -> list[str]:
-    from .backends.base import PIPELINE_ATTR
-    from .hooks import HOOKS_ATTR
-
     problems = []
     hooked = [path or "<root>" for path, sub in module.named_modules()
               if sub.__dict__.get(HOOKS_ATTR) or sub.__dict__.get(PIPELINE_ATTR) is not None]

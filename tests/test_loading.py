@@ -507,6 +507,27 @@ def test_registry_drops_a_mapping_once_its_storage_is_gone(ckpt) -> None:
     assert len(loading._MAPPED) == entries
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_views_lie_inside_a_mapping_of_their_file(ckpt) -> None:
+    _, path = ckpt
+    model = _tiny(1)
+    load_safetensors(model, path)
+    ranges = loading._file_mappings([str(path)])[str(path)]
+    assert ranges and all(loading._in_file(t, ranges) for t in model.parameters())
+    assert not loading._in_file(model.rope.inv_freq, ranges)
+
+
+def test_a_view_outside_the_file_mapping_is_loaded_but_not_file_backed(ckpt, monkeypatch) -> None:
+    twin, path = ckpt
+    monkeypatch.setattr(loading, "_file_mappings", lambda paths: {p: [] for p in paths})
+    model = _tiny(1)
+    with pytest.warns(UserWarning, match="outside any mapping of their file"):
+        report = load_safetensors(model, path)
+    assert report.tensors == 6 and report.file_backed_bytes == 0
+    assert not is_file_backed(model.proj.weight) and torch.equal(model.proj.weight,
+                                                                 twin.proj.weight)
+
+
 # -- memory ------------------------------------------------------------------------------------
 
 
