@@ -33,7 +33,6 @@ Note [Load transaction]
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 import weakref
@@ -297,12 +296,9 @@ class _Binding:
     key: str
 
 
-_SAFETENSORS_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, RuntimeError)
-
-
-def _open_files(paths: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Open every file; returns (path -> handle, key -> path).  Unreadable files and keys that
-    two files both hold raise one ValueError."""
+def _open_files(paths: list[str]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """Open every file; returns (path -> handle, key -> path, problems): unreadable files, and
+    keys that two files both hold."""
     from safetensors import safe_open
 
     handles: dict[str, Any] = {}
@@ -312,8 +308,6 @@ def _open_files(paths: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
             handles[p] = safe_open(p, framework="pt")
         except Exception as exc:  # noqa: BLE001 - SafetensorError is not exported everywhere
             problems.append(f"cannot read {p!r} as a safetensors file: {exc}")
-    if problems:
-        raise ValueError("load_safetensors: " + "; ".join(problems))
     where: dict[str, str] = {}
     for p, f in handles.items():
         for key in f.keys():
@@ -321,10 +315,7 @@ def _open_files(paths: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
             if other != p:
                 problems.append(f"key {key!r} is in both {other!r} and {p!r}; a sharded "
                                 "checkpoint must hold each tensor once (remove it from one shard)")
-    if problems:
-        raise ValueError(f"load_safetensors: {len(problems)} problem(s):\n  - "
-                         + "\n  - ".join(problems))
-    return handles, where
+    return handles, where, problems
 
 
 def _match(persistent: list[_Slot], handles: dict[str, Any], where: dict[str, str], prefix: str,
@@ -448,6 +439,12 @@ class _Undo:
         self._log = []  # drops the original storages
 
 
+def _where(t: torch.Tensor) -> tuple:
+    """What a tensor views: its storage, dtype, device and geometry."""
+    return (t.untyped_storage().data_ptr(), t.dtype, t.device, t.shape, t.stride(),
+            t.storage_offset())
+
+
 def _swap_in(t: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     """Make ``t`` (on meta, or an inference tensor) view ``view`` in place, keeping its Python
     object, class, requires_grad and attributes; returns the object now holding the original."""
@@ -489,11 +486,7 @@ def _snapshot_tensor(t: torch.Tensor, undo: _Undo) -> None:
     data, requires_grad = t.data, t.requires_grad
 
     def restore() -> None:
-        if t.data is not data and (t.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
-                                   or t.dtype != data.dtype or t.shape != data.shape
-                                   or t.stride() != data.stride()
-                                   or t.storage_offset() != data.storage_offset()
-                                   or t.device != data.device):
+        if _where(t) != _where(data):
             t.data = data
         if t.requires_grad != requires_grad:
             t.requires_grad_(requires_grad)
@@ -562,11 +555,12 @@ def load_safetensors(module: nn.Module, paths: PathLike | Sequence[PathLike], *,
         raise TypeError(f"load_safetensors: prefix must be a str, got {type(prefix).__name__}")
     persistent, others, extra = _walk(module)
     problems = _module_problems(module, persistent, others, extra, strict)
-    if problems:
-        raise ValueError(f"load_safetensors({type(module).__name__}): {len(problems)} "
-                         "problem(s), nothing was changed:\n  - " + "\n  - ".join(problems))
-    handles, where = _open_files(files)
-    bindings, problems = _match(persistent, handles, where, prefix, strict)
+    handles, where, file_problems = _open_files(files)
+    problems += file_problems
+    bindings: list[_Binding] = []
+    if len(handles) == len(files):  # keys can only be matched against every file
+        bindings, match_problems = _match(persistent, handles, where, prefix, strict)
+        problems += match_problems
     if problems:
         raise ValueError(f"load_safetensors({type(module).__name__}) from {files}: "
                          f"{len(problems)} problem(s), nothing was changed:\n  - "
@@ -682,9 +676,7 @@ def _restore_non_persistent(others: list[_Slot],
                 owner._buffers[attr] = t
                 owner._non_persistent_buffers_set.add(attr)
                 changed = True
-        if (t.untyped_storage().data_ptr(), t.dtype, t.shape, t.stride(), t.storage_offset(),
-                t.device) != (data.untyped_storage().data_ptr(), data.dtype, data.shape,
-                              data.stride(), data.storage_offset(), data.device):
+        if _where(t) != _where(data):
             t.data = data
             changed = True
         if not _bits_equal(t.data, value):

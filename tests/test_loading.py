@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import math
-import warnings
 from pathlib import Path
 
 import pytest
@@ -223,7 +222,8 @@ def test_non_persistent_buffer_keeps_its_exact_bits(ckpt) -> None:
 def test_non_persistent_buffer_wiped_by_a_hook_is_restored_with_a_warning(ckpt) -> None:
     _, path = ckpt
     model = _tiny(1)
-    buf, storage, bits = model.rope.inv_freq, model.rope.inv_freq.data_ptr(), model.rope.inv_freq.clone()
+    buf = model.rope.inv_freq
+    storage, bits = buf.data_ptr(), buf.clone()
 
     def wipe() -> None:  # a naive "materialize" step
         model.rope.inv_freq.zero_()
@@ -300,6 +300,16 @@ def test_missing_and_unexpected_keys_are_reported_together(tmp_path: Path) -> No
                  extra={"proj.gain": torch.ones(3)})
     _rejects(_tiny(1), path, "2 problem(s)", "missing: 'proj.bias'", str(path),
              "unexpected: 'proj.gain'", "strict=False", "nothing was changed")
+
+
+def test_module_and_file_problems_are_one_error(tmp_path: Path) -> None:
+    path = _save(_tiny(0), tmp_path / "m.safetensors", drop=("proj.bias",))
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x00" * 3)
+    _rejects(_tiny(1, device="meta"), path, "2 problem(s)", "'rope.inv_freq' is on the meta",
+             "missing: 'proj.bias'")
+    _rejects(_tiny(1, device="meta"), [path, junk], "2 problem(s)",
+             "'rope.inv_freq' is on the meta", f"cannot read {str(junk)!r}")
 
 
 def test_missing_tied_parameter_names_every_name(tmp_path: Path) -> None:
