@@ -445,17 +445,26 @@ def _where(t: torch.Tensor) -> tuple:
             t.storage_offset())
 
 
-def _swap_in(t: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+def _swap_in(t: torch.Tensor, view: torch.Tensor, undo: _Undo) -> None:
     """Make ``t`` (on meta, or an inference tensor) view ``view`` in place, keeping its Python
-    object, class, requires_grad and attributes; returns the object now holding the original."""
+    object, class, requires_grad and attributes.
+
+    The undo is recorded before the swap and tells from the tensors themselves whether the swap
+    happened, so an interrupt between the swap and any bookkeeping cannot strand it."""
     fresh = view.detach()
     if type(t) is not torch.Tensor:  # nn.Parameter and its subclasses
         fresh = torch.Tensor._make_subclass(type(t), fresh, t.requires_grad)
     elif t.requires_grad:
         fresh.requires_grad_(True)
     fresh.__dict__.update(t.__dict__)
+    original = (t.device, t.is_inference())  # never (cpu, False): see the caller
+
+    def unswap() -> None:
+        if (fresh.device, fresh.is_inference()) == original:  # fresh holds the original
+            torch.utils.swap_tensors(t, fresh)
+
+    undo.push(unswap)
     torch.utils.swap_tensors(t, fresh)
-    return fresh
 
 
 def _snapshot_registrations(module: nn.Module, undo: _Undo) -> None:
@@ -600,16 +609,18 @@ def load_safetensors(module: nn.Module, paths: PathLike | Sequence[PathLike], *,
         for b in bindings:
             step = f"binding {b.slot.names[0]!r} to {b.key!r} of {b.path!r}"
             t = b.slot.tensor
+            # Each undo is recorded before its mutation and is idempotent: an interrupt between
+            # the two is rolled back too.
             if t.device.type == "meta" or t.is_inference():
-                holder = _swap_in(t, b.view)
-                undo.push(lambda t=t, holder=holder: torch.utils.swap_tensors(t, holder))
+                _swap_in(t, b.view, undo)
             else:
                 old = t.data
-                t.data = b.view
                 undo.push(lambda t=t, old=old: setattr(t, "data", old))
-            if b.view.untyped_storage().nbytes() and id(b) not in copied_ids:
-                key = _register(b.view.untyped_storage(), b.path)
-                undo.push(lambda key=key: _unregister(key))
+                t.data = b.view
+            storage = b.view.untyped_storage()
+            if storage.nbytes() and id(b) not in copied_ids:
+                undo.push(lambda key=(storage.data_ptr(), id(storage)): _unregister(key))
+                _register(storage, b.path)
 
         ran: list[str] = []
         for path, sub in _post_load_order(module):

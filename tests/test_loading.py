@@ -471,6 +471,37 @@ def test_failure_while_binding_restores_the_tensors_already_bound(ckpt, monkeypa
     assert all(t.device.type == "meta" for t in model.parameters())
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_interrupt_right_after_a_rebind_is_rolled_back_too(ckpt, monkeypatch, device) -> None:
+    """Ctrl-C landing just after the 3rd rebind, before anything else runs: on the CPU after
+    ``t.data = view`` (in the registry call that follows it), on meta inside ``swap_tensors``
+    once the swap is done.  That rebind is undone too."""
+    _, path = ckpt
+    model = _tiny(1, device=device, rope=device == "cpu")
+    if device == "meta":
+        model.rope = Rotary(32)
+    before = _state(model)
+    calls = []
+
+    def interrupt_after(real):
+        def wrapper(*args):
+            result = real(*args)
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return result
+        return wrapper
+
+    if device == "cpu":
+        monkeypatch.setattr(loading, "_register", interrupt_after(loading._register))
+    else:
+        monkeypatch.setattr(torch.utils, "swap_tensors", interrupt_after(torch.utils.swap_tensors))
+    with pytest.raises(KeyboardInterrupt):
+        load_safetensors(model, path)
+    _assert_unchanged(model, before)
+    assert not any(is_file_backed(t) for t in model.state_dict().values())
+
+
 def test_interrupt_inside_the_rollback_is_held_until_it_finishes() -> None:
     undo, done = loading._Undo(), []
     undo.push(lambda: done.append("first"))
