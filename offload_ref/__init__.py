@@ -15,6 +15,7 @@ __all__ = [
     "ComponentGroups",
     "HookRegistry",
     "LayerOptions",
+    "LoadReport",
     "ModelHook",
     "OffloadAutogradError",
     "OffloadBackend",
@@ -30,8 +31,11 @@ __all__ = [
     "SupportsModelCpuOffload",
     "OffloadWeightEditError",
     "WeightTransfer",
+    "anonymous_rss_bytes",
     "backend_of",
     "get_offload_backend",
+    "is_file_backed",
+    "load_safetensors",
     "resolve_offload_plan",
 ]
 
@@ -57,6 +61,10 @@ _WHERE = {
     "OffloadConcurrencyError": ".backends.guard",
     "OffloadWeightEditError": ".backends.guard",
     "ComponentGroups": ".split",
+    "LoadReport": ".loading",
+    "anonymous_rss_bytes": ".loading",
+    "is_file_backed": ".loading",
+    "load_safetensors": ".loading",
 }
 
 
