@@ -127,6 +127,12 @@ class WaveRunner:
         self.check(request)
         return self.pipeline(**request)
 
+    def fail(self, reason: str) -> None:
+        """This rank has no request for the wave (or cannot run it): the other ranks' :meth:`run`
+        raises :class:`~offload_ref.distributed.rendezvous.RankFailedError` naming this rank and
+        ``reason`` at once, instead of waiting for it until the rendezvous timeout."""
+        self._rendezvous().fail(WAVE_TOPIC, reason)
+
     def _message(self, steps: dict[int, object], rendezvous: Rendezvous) -> str:
         key = self.steps_key
         ints = [v for v in steps.values() if isinstance(v, int)]
