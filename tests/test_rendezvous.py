@@ -124,12 +124,19 @@ def test_wave_mismatch_is_rejected_on_every_rank_without_calling_the_pipeline(tw
         assert obs["calls_at_end"] == 1  # only the equal wave reached the pipeline
 
 
-def test_run_ranks_reports_a_raising_rank_and_kills_a_hung_one():
+def test_a_rank_that_fails_the_wave_stops_the_other_before_its_pipeline(two_ranks):
+    seen = two_ranks[0]["wave_peer_failed"]
+    assert seen["raised"] == "RankFailedError"
+    assert seen["failed"] == {1: "no request queued on rank 1"}
+    assert "'wave'" in seen["message"] and seen["seconds"] < 5.0
+    assert two_ranks[0]["calls_at_end"] == 1
+
+
+def test_run_ranks_reports_a_raising_rank_and_kills_the_others_soon_after():
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        run_ranks(_selftest.raise_or_hang, 2, timeout_s=7.0)
-    elapsed = time.monotonic() - start
-    assert 7.0 <= elapsed < 15.0
+        run_ranks(_selftest.raise_or_hang, 2, timeout_s=120.0)
+    assert time.monotonic() - start < 30.0  # not the 120 s deadline: 3 s after rank 0 failed
     error = info.value
     assert error.ranks == [0, 1] and error.hung == [1]
     raised, hung = error.errors
@@ -138,8 +145,19 @@ def test_run_ranks_reports_a_raising_rank_and_kills_a_hung_one():
     assert "raise_or_hang" in raised.traceback
     message = str(error)
     assert "rank 0: ValueError: boom on rank 0" in message
-    assert "rank 1: still running" in message and "killed" in message
+    assert "rank 1: still running 3 s after another rank failed" in message
     assert "traceback of rank 0" in message and 'raise ValueError(f"boom on rank {rank}")' in message
+
+
+def test_run_ranks_kills_ranks_still_running_at_the_deadline_and_names_them():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        run_ranks(_selftest.raise_or_hang, 2, timeout_s=1.5)  # not even past import torch
+    assert 1.5 <= time.monotonic() - start < 10.0
+    assert info.value.hung == [0, 1]
+    for rank in (0, 1):
+        assert (f"rank {rank}: still running at the deadline, 1.5 s after the start "
+                f"(timeout_s); killed" in str(info.value))
 
 
 # -- one process ---------------------------------------------------------------------------------

@@ -118,6 +118,10 @@ def scenarios(rank: int, world: int) -> dict[str, Any]:
         del missing["num_inference_steps"]
     obs["wave_missing"] = _catch(lambda: runner.run(missing))
     obs["wave_bool"] = _catch(lambda: runner.run(wave_request(rank, True if rank == 0 else 1)))
+    if rank == 1:
+        runner.fail("no request queued on rank 1")
+    else:
+        obs["wave_peer_failed"] = _catch(lambda: runner.run(wave_request(rank)))
     obs["calls_at_end"] = pipeline.calls
 
     # The process group is still matched: one collective, every rank.

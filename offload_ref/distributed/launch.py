@@ -28,9 +28,10 @@ from typing import Any, Callable
 
 __all__ = ["LaunchError", "RankError", "run_ranks"]
 
-# Once a rank has failed, the others are usually blocked in a collective that will never match:
-# they get this long to finish before being killed (the deadline still applies if it is sooner).
-_AFTER_FAILURE_S = 10.0
+# Once a rank has failed, the others are usually blocked in a collective that will never match,
+# or about to raise RankFailedError themselves: they get this long to finish (and report their
+# own error) before being killed.  The deadline still applies if it is sooner.
+_AFTER_FAILURE_S = 3.0
 _TRACEBACK_CHARS = 8000
 
 
@@ -195,15 +196,12 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *, args: tuple = (),
         errors: list[RankError] = []
         outputs: list[Any] = []
         elapsed = time.monotonic() - start
+        hung = [proc.is_alive() for proc in procs]
+        _stop([proc for proc, alive in zip(procs, hung) if alive])
         for r, proc in enumerate(procs):
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(2.0)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(2.0)
-                why = (f"still running {elapsed:.1f} s after the start (timeout_s={timeout_s}); "
-                       f"killed" if first_failure is None or elapsed >= timeout_s else
+            if hung[r]:
+                why = (f"still running at the deadline, {timeout_s} s after the start "
+                       f"(timeout_s); killed" if first_failure is None or elapsed >= timeout_s else
                        f"still running {_AFTER_FAILURE_S:.0f} s after another rank failed "
                        f"(blocked in an unmatched collective?); killed")
                 errors.append(RankError(r, "hung", message=why))
@@ -230,6 +228,19 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *, args: tuple = (),
             proc.join(1.0)
         if own_dir:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _stop(procs: list[Any]) -> None:
+    """SIGTERM every process, then SIGKILL those still alive a moment later."""
+    for proc in procs:
+        proc.terminate()
+    end = time.monotonic() + 2.0
+    for proc in procs:
+        proc.join(max(0.0, end - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2.0)
 
 
 def _launch_message(fn: Callable[..., Any], world: int, errors: list[RankError]) -> str:
