@@ -37,7 +37,9 @@ Store methods: only ``set``, ``get``, ``check``, ``add`` and ``delete_key`` are 
 ``PrefixStore`` all have them in torch 2.13.  ``wait`` is not used: it raises only when the store's
 own timeout passes (``FileStore`` rounds that up to whole seconds), so it cannot watch several
 keys for a "fail" at the same time.  ``get`` is only called on a key that ``check`` has seen:
-on a missing key it blocks for the store's timeout (minutes).
+on a missing key it blocks for the store's timeout (minutes).  The counters (``!count``,
+``!rounds``) are only ever touched by ``add``: ``add`` on a key that ``set`` wrote with text
+raises on FileStore/HashStore, and on TCPStore breaks the connection to the server for good.
 """
 
 from __future__ import annotations
