@@ -49,7 +49,7 @@ def test_exchange_returns_every_ranks_value_by_rank(two_ranks):
     text = [f"rank {r}: ü\n ok:fail:{r}" for r in range(2)]
     for obs in two_ranks:
         assert obs["world"] == 2 and obs["namespace"] == "offload_ref"
-        assert obs["exchange"] == {"raised": None, "value": text, "seconds": obs["exchange"]["seconds"]}
+        assert obs["exchange"]["raised"] is None and obs["exchange"]["value"] == text
         assert obs["exchange_again"]["value"] == ["0", "10"]
         assert obs["after_failures"]["value"] == ["again 0", "again 1"]
     assert [obs["rank"] for obs in two_ranks] == [0, 1]
@@ -136,7 +136,7 @@ def test_run_ranks_reports_a_raising_rank_and_kills_the_others_soon_after():
     start = time.monotonic()
     with pytest.raises(LaunchError) as info:
         run_ranks(_selftest.raise_or_hang, 2, timeout_s=120.0)
-    assert time.monotonic() - start < 30.0  # not the 120 s deadline: 3 s after rank 0 failed
+    assert time.monotonic() - start < 30.0  # not the 120 s deadline: 2 s after rank 0 failed
     error = info.value
     assert error.ranks == [0, 1] and error.hung == [1]
     raised, hung = error.errors
@@ -145,8 +145,9 @@ def test_run_ranks_reports_a_raising_rank_and_kills_the_others_soon_after():
     assert "raise_or_hang" in raised.traceback
     message = str(error)
     assert "rank 0: ValueError: boom on rank 0" in message
-    assert "rank 1: still running 3 s after another rank failed" in message
-    assert "traceback of rank 0" in message and 'raise ValueError(f"boom on rank {rank}")' in message
+    assert "rank 1: still running 2 s after another rank failed" in message
+    assert "traceback of rank 0" in message
+    assert 'raise ValueError(f"boom on rank {rank}")' in message
 
 
 def test_run_ranks_kills_ranks_still_running_at_the_deadline_and_names_them():
@@ -161,10 +162,6 @@ def test_run_ranks_kills_ranks_still_running_at_the_deadline_and_names_them():
 
 
 # -- one process ---------------------------------------------------------------------------------
-
-
-def _local_function(rank, world):
-    return rank
 
 
 def test_run_ranks_refuses_functions_a_spawned_rank_cannot_import():

@@ -31,7 +31,7 @@ __all__ = ["LaunchError", "RankError", "run_ranks"]
 # Once a rank has failed, the others are usually blocked in a collective that will never match,
 # or about to raise RankFailedError themselves: they get this long to finish (and report their
 # own error) before being killed.  The deadline still applies if it is sooner.
-_AFTER_FAILURE_S = 3.0
+_AFTER_FAILURE_S = 2.0
 _TRACEBACK_CHARS = 8000
 
 

@@ -122,7 +122,9 @@ def default_store() -> Any:
 
 def _preview(value: str) -> str:
     text = repr(value)
-    return text if len(text) <= _PREVIEW else text[:_PREVIEW - 5] + "...'" + f" ({len(value)} chars)"
+    if len(text) <= _PREVIEW:
+        return text
+    return text[:_PREVIEW - 5] + f"...' ({len(value)} chars)"
 
 
 def _first_difference(a: str, b: str) -> int:
