@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -50,7 +51,7 @@ def check_params(
     for info, spec, strategy in iter_cases(specs, checks=checks, strategies=strategies,
                                            include_global=include_global):
         bound = BoundCheck(info, spec, strategy, impl)
-        marks = [pytest.mark.contract]
+        marks = [pytest.mark.contract, *_process_marks(info, spec)]
         reason = expected.get(str(bound.id), expected.get(info.id))
         if reason:
             marks.append(pytest.mark.xfail(reason=reason, strict=True, raises=CheckFailure))
@@ -77,3 +78,15 @@ def parametrize_with_checks(
     params = check_params(specs, expected_failures=expected_failures, checks=checks,
                           strategies=strategies, include_global=include_global)
     return pytest.mark.parametrize("check", params)
+
+
+def _process_marks(info: CheckInfo, spec: PipelineSpec | None) -> list[Any]:
+    """Checks that spawn ranks (CONTRACTS.md §H) are marked ``distributed``; the checks of one
+    pipeline share one spawn (Note [One spawn per batch] in checks/distributed.py), so under
+    pytest-xdist's ``--dist loadgroup`` they are grouped onto one worker."""
+    if not info.section.startswith("H"):
+        return []
+    marks = [pytest.mark.distributed]
+    if spec is not None and importlib.util.find_spec("xdist") is not None:
+        marks.append(pytest.mark.xdist_group(name=f"offload_ref-distributed-{spec.name}"))
+    return marks

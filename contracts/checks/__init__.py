@@ -2,6 +2,7 @@
 
 from . import aliases  # noqa: F401
 from . import config  # noqa: F401
+from . import distributed  # noqa: F401
 from . import lifecycle  # noqa: F401
 from . import misuse  # noqa: F401
 from . import plan  # noqa: F401

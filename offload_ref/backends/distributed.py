@@ -170,7 +170,7 @@ class AllGatherTransport(Transport):
             "the full weights back), or use weight_transfer='rank-local'"
         )
 
-    def release(self, group: TensorGroup) -> None:
+    def release(self, group: TensorGroup, platform: Any) -> None:
         pass  # the shards are released by release_all (they are not per-group state)
 
     def release_all(self, platform: Any) -> None:

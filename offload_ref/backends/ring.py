@@ -461,7 +461,7 @@ class BlockRing:
         self._flats = []
         self._running = []  # drops the frames of interrupted blocks
         for g in self.groups:
-            self.transport.release(g)
+            self.transport.release(g, self.platform)
         self.groups = []
 
 
@@ -510,7 +510,7 @@ class Transport:
         flat = group.master.flats[layout.segments[record.segment].dtype]
         return record.view(flat).detach().clone()
 
-    def release(self, group: TensorGroup) -> None:
+    def release(self, group: TensorGroup, platform: Platform) -> None:
         if group.master is not None:
             group.master.release()
 
@@ -528,21 +528,37 @@ class RankLocalTransport(Transport):
 
     def __init__(self, *, map_files: bool = True) -> None:
         self.map_files = map_files
-        self._mapped: dict[int, list[torch.Tensor]] = {}  # id(group) -> its file-backed sources
+        self._mapped: dict[int, list[torch.Tensor]] = {}  # id(group) -> one span per segment
+        self._copies: dict[int, list[torch.Tensor]] = {}  # id(group) -> private host copies
 
     def build_master(self, txn, ring, group, sections, image_bytes) -> None:
-        sources = list(group.layout._sources)
-        if self.map_files and _all_file_backed(sources):
-            # Note [Mapped masters]: the file views are immutable (nothing writes them while
-            # enabled) and outlive the enable (they are the pipeline's original storage).
-            txn.step(f"map {group.label} from its files")
-            self._mapped[id(group)] = sources
-            txn.on_rollback(lambda key=id(group): self._mapped.pop(key, None))
-            ring.stats.add_host(group.weight_bytes, 0, pinned=False)
-            ring.stats.file_backed_bytes += group.weight_bytes
+        # detach(): the tensors themselves are rebound at commit; these keep their storage.
+        sources = [t.detach() for t in group.layout._sources]
+        backed = [_is_file_backed(t) for t in sources] if self.map_files else []
+        if not any(backed):
+            group.master = txn.host_master(group.label, group.layout, ring.pin)
+            ring.stats.add_host(group.weight_bytes, group.padding_bytes,
+                                pinned=group.master.pinned)
             return
-        group.master = txn.host_master(group.label, group.layout, ring.pin)
-        ring.stats.add_host(group.weight_bytes, group.padding_bytes, pinned=group.master.pinned)
+        # Note [Mapped masters]: file views are the host side of their spans; any other span
+        # (a non-persistent buffer, a post-load cast) gets a private host copy of its own.
+        txn.step(f"map {group.label} from its files")
+        mapped: list[torch.Tensor] = []
+        self._mapped[id(group)] = mapped
+        txn.on_rollback(lambda key=id(group): self._release_mapped(ring.platform, key))
+        copied = 0
+        for seg, src, file_backed in zip(group.layout.segments, sources, backed):
+            span = torch.as_strided(src, (seg.numel,), (1,), seg.lo) if seg.numel else src
+            if file_backed or not seg.numel:
+                mapped.append(span)
+                continue
+            copy = ring.platform.host_empty(seg.numel, seg.dtype, pin=ring.pin)
+            mapped.append(copy)  # listed before the copy: released by the rollback either way
+            self._copies.setdefault(id(group), []).append(copy)
+            copy.copy_(span)
+            copied += seg.numel * copy.element_size()
+        ring.stats.add_host(group.weight_bytes, 0, pinned=False)
+        ring.stats.file_backed_bytes += group.weight_bytes - copied
 
     def fill(self, ring: BlockRing, k: int, s: int) -> None:
         platform = ring.platform
@@ -555,10 +571,9 @@ class RankLocalTransport(Transport):
                 for dtype, flat in flats.items():
                     platform.copy_(flat, group.master.flats[dtype])
             else:
-                for seg, src in zip(group.layout.segments, mapped):
+                for seg, span in zip(group.layout.segments, mapped):
                     if seg.numel:
-                        platform.copy_(flats[seg.dtype].narrow(0, seg.offset, seg.numel),
-                                       torch.as_strided(src, (seg.numel,), (1,), seg.lo))
+                        platform.copy_(flats[seg.dtype].narrow(0, seg.offset, seg.numel), span)
             ring.ready[s].record(ring.copy_stream)
 
     def count_fill(self, ring: BlockRing, k: int) -> None:
@@ -577,9 +592,11 @@ class RankLocalTransport(Transport):
         views = []
         for record in layout.records:
             seg = layout.segments[record.segment]
-            src = mapped[record.segment]
-            views.append(torch.as_strided(src, record.shape, record.stride,
-                                          seg.lo + record.offset - seg.offset))
+            span = mapped[record.segment]  # element 0 is the segment's element ``seg.lo``
+            if not _is_file_backed(span):
+                span = span.clone()  # a private copy: restore into fresh storage of our own
+            views.append(torch.as_strided(span, record.shape, record.stride,
+                                          span.storage_offset() + record.offset - seg.offset))
         return views
 
     def restored_views(self, ring: BlockRing) -> list[list[torch.Tensor]]:
@@ -595,19 +612,20 @@ class RankLocalTransport(Transport):
             return views[i].detach().clone()
         return super().true_value(ring, k, i)
 
-    def release(self, group: TensorGroup) -> None:
-        self._mapped.pop(id(group), None)
-        super().release(group)
+    def _release_mapped(self, platform: Platform, key: int) -> None:
+        self._mapped.pop(key, None)
+        for copy in self._copies.pop(key, []):
+            platform.host_free(copy)
+
+    def release(self, group: TensorGroup, platform: Platform) -> None:
+        self._release_mapped(platform, id(group))
+        super().release(group, platform)
 
 
-def _all_file_backed(sources: Sequence[torch.Tensor]) -> bool:
-    if not sources:
-        return False
-    try:
-        from ..loading import is_file_backed
-    except ImportError:  # pragma: no cover - the loader is part of the package
-        return False
-    return all(is_file_backed(t) for t in sources)
+def _is_file_backed(t: torch.Tensor) -> bool:
+    from ..loading import is_file_backed
+
+    return is_file_backed(t)
 
 
 def _stack_frame_ids() -> set[int]:

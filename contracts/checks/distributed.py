@@ -1,0 +1,527 @@
+"""CONTRACTS.md §H: distributed layerwise offload across real processes (gloo on CPU).
+
+Note [One spawn per batch]
+    A spawn of two ranks costs about two seconds, so the checks of one pipeline share one:
+    the first §H check of a (pipeline, implementation) pair spawns two ranks
+    (:func:`offload_ref.distributed.run_ranks`, a FileStore in a temporary folder, no ports, a
+    join deadline); each rank runs every scenario below and returns what it observed, and each
+    check judges its part of the observations.  A scenario that raises is recorded (type,
+    message, traceback) and the ranks meet at a rendezvous before the next one, so one broken
+    scenario fails its own checks only.  The observations are kept per process for the
+    process's lifetime (the pytest plugin keeps a pipeline's §H checks on one xdist worker).
+
+Each rank runs its own request (the spec's inputs for ``seed + rank``) and compares with the
+single-process reference of that request, computed in the same rank: ranks run different
+requests at once (DP multi-concurrency), and only weights cross between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload_ref.config import OffloadStrategy
+
+from ..case import DEFAULT_IMPLEMENTATION, CheckCase
+from ..registry import check, fail
+from ..spec import load_object
+from ._observe import compare_outputs
+
+WORLD = 2
+#: The rendezvous timeout of the rank-failure scenario; a prompt failure takes milliseconds.
+FAIL_TIMEOUT_S = 8.0
+#: Join deadline of one batch (every scenario of one pipeline on both ranks).
+BATCH_TIMEOUT_S = 240.0
+DLO = ("distributed_layer_wise",)
+
+_RESULTS: dict[tuple[Any, str], list[dict[str, Any]]] = {}
+
+
+class InjectedRankFault(RuntimeError):
+    """The fault the kit injects into one rank's enable."""
+
+
+# -- the batch --------------------------------------------------------------------------------
+
+
+def _streams(spec: Any, strategy: str) -> bool:
+    """Whether the spec's DiT streams (a ring of at least two blocks) under layerwise."""
+    try:
+        case = CheckCase(spec, OffloadStrategy.DISTRIBUTED_LAYER_WISE)
+        plan = case.resolve(case.build(), case.config())
+    except Exception:  # noqa: BLE001 - resolution checks report this pipeline's problems
+        return False
+    return any(len(s.streamed_blocks) >= 2 for c in plan.dits for s in c.stacks)
+
+
+def _importable(spec: Any) -> bool:
+    return isinstance(spec.factory, str) and isinstance(spec.inputs, str)
+
+
+def _applies(spec: Any, strategy: str) -> bool:
+    return _importable(spec) and _streams(spec, strategy)
+
+
+def observations(case: Any) -> list[dict[str, Any]]:
+    """Every rank's observations for ``case``'s pipeline (one spawn per pipeline and
+    implementation per process; Note [One spawn per batch])."""
+    from offload_ref.distributed import run_ranks
+
+    key = (case.spec, case.impl.name)
+    if key not in _RESULTS:
+        _RESULTS[key] = run_ranks(_rank_batch, WORLD, args=(case.spec, case.impl.name),
+                                  timeout_s=BATCH_TIMEOUT_S)
+    return _RESULTS[key]
+
+
+def _implementation(name: str) -> tuple[Any, Any]:
+    if name == DEFAULT_IMPLEMENTATION.name:
+        return DEFAULT_IMPLEMENTATION, contextlib.nullcontext()
+    from ..mutants import MUTANTS
+
+    mutant = next(m for m in MUTANTS if m.name == name)
+    return mutant.impl, (mutant.patch() if mutant.patch else contextlib.nullcontext())
+
+
+def _rank_batch(rank: int, world: int, spec: Any, impl_name: str) -> dict[str, Any]:
+    """What one rank observes in every scenario (runs in a spawned rank)."""
+    from offload_ref.distributed import Rendezvous
+
+    impl, patch = _implementation(impl_name)
+    rendezvous = Rendezvous.default(namespace="offload_ref/kit", timeout_s=BATCH_TIMEOUT_S)
+    out: dict[str, Any] = {"rank": rank}
+    with patch, tempfile.TemporaryDirectory() as tmp:
+        for name, scenario in _SCENARIOS:
+            case = CheckCase(spec, OffloadStrategy.DISTRIBUTED_LAYER_WISE, impl)
+            try:
+                out[name] = scenario(case, rank, world, Path(tmp))
+            except BaseException as exc:  # noqa: BLE001 - recorded for the parent's checks
+                out[name] = {"error": f"{type(exc).__name__}: {exc}",
+                             "traceback": traceback.format_exc()}
+            finally:
+                with contextlib.suppress(Exception):
+                    case.close()
+            rendezvous.exchange("scenario", name)  # both ranks start the next one together
+    return out
+
+
+def _request(case: CheckCase, rank: int) -> dict[str, Any]:
+    """This rank's own request: the spec's inputs for seed + rank."""
+    return dict(load_object(case.spec.inputs)(seed=case.spec.seed + rank))
+
+
+def _config(case: CheckCase, transfer: str, world: int, **dit: Any) -> Any:
+    """The DiT streamed with ``transfer`` (encoders stay on the device: their rings are the
+    single-process checks' business), across ``world`` ranks."""
+    options = {"weight_transfer": transfer, **dit}
+    return case.config(components=("dit",), layer_options={"dit": options}, world_size=world)
+
+
+def _block_bytes(plan: Any) -> int:
+    """Weight bytes of every streamed block (each storage span once), from the plan of a pipeline
+    that is not offloaded (an offloaded one holds placeholders)."""
+    spans: dict[tuple[int, int, int], int] = {}
+    for stack in plan.stacks:
+        for block in stack.streamed_blocks:
+            for t in [*block.parameters(), *block.buffers()]:
+                if t.numel():
+                    key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+                    spans[key] = t.numel() * t.element_size()
+    return sum(spans.values())
+
+
+def _state(pipeline: nn.Module) -> dict[str, torch.Tensor]:
+    named = list(pipeline.named_parameters(remove_duplicate=False))
+    named += [(n, b) for n, b in pipeline.named_buffers(remove_duplicate=False) if b is not None]
+    return {n: t.detach().clone() for n, t in named}
+
+
+def _restored(pipeline: nn.Module, fresh: nn.Module, platform: Any) -> list[str]:
+    """Tensors of ``pipeline`` that differ from a fresh build, or that are still on the device."""
+    want = _state(fresh)
+    problems = []
+    named = list(pipeline.named_parameters(remove_duplicate=False))
+    named += [(n, b) for n, b in pipeline.named_buffers(remove_duplicate=False) if b is not None]
+    for n, t in named:
+        w = want.get(n)
+        if w is None or t.shape != w.shape or t.dtype != w.dtype or not torch.equal(
+                t.detach().nan_to_num(), w.nan_to_num()):
+            problems.append(f"{n} differs from a fresh build")
+        elif platform.is_resident(t):
+            problems.append(f"{n} is still device storage")
+    return problems
+
+
+def _stats(backend: Any) -> dict[str, int]:
+    return backend.stats().as_dict()
+
+
+# -- scenarios (each runs on every rank) ---------------------------------------------------------
+
+
+def _allgather(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    request = _request(case, rank)
+    reference = case.run(case.build(), request)
+    pipeline = case.build()
+    config = _config(case, "allgather", world)
+    platform = case.platform()
+    backend = case.backend(config, platform)
+    backend.enable(pipeline)
+    obs: dict[str, Any] = {"after_enable": _stats(backend),
+                           "materialized_after_enable": sum(
+                               len(v) for v in backend.materialized_blocks().values())}
+    obs["output"] = case.run(pipeline, request)
+    obs["stats"] = _stats(backend)
+    obs["predicted_device_bytes"] = backend.plan.predicted_device_bytes()
+    obs["block_bytes"] = _block_bytes(case.resolve(case.build(), config))
+    obs["slots"] = {r.label: len(r.slots) for r in backend.rings}
+    obs["transports"] = {r.label: r.transport.name for r in backend.rings}
+    padding = {}
+    for ring in backend.rings:
+        t = ring.transport
+        for k, shard in enumerate(getattr(t, "shards", ())):
+            tail = max(0, t.image_bytes[k] - rank * t.shard_bytes[k])
+            nonzero = int(shard[tail:].count_nonzero()) if tail < shard.numel() else 0
+            if nonzero:
+                padding[ring.block_paths[k]] = nonzero
+    obs["nonzero_padding"] = padding
+    backend.disable()
+    obs["restore_problems"] = _restored(pipeline, case.build(), platform)
+    obs["device_bytes_after_disable"] = platform.memory_allocated()
+    backend.enable(pipeline)  # a second cycle, on the restored pipeline
+    obs["output_second_cycle"] = case.run(pipeline, request)
+    backend.disable()
+    obs["restore_problems_second_cycle"] = _restored(pipeline, case.build(), platform)
+    obs["reference"] = reference
+    return obs
+
+
+def _rank_local(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    request = _request(case, rank)
+    reference = case.run(case.build(), request)
+    pipeline = case.build()
+    declared = getattr(getattr(pipeline, "_offload_plan", None), "resident_dit_paths", ())
+    dit = {"resident_layers": 1} if declared else {}
+    config = _config(case, "rank-local", world, **dit)
+    platform = case.platform()
+    backend = case.backend(config, platform)
+    backend.enable(pipeline)
+    heads = [(s.block_paths[0], s.blocks[0]) for s in backend.plan.stacks if s.resident_head]
+    obs: dict[str, Any] = {"resident_layers": dit.get("resident_layers", 0)}
+    obs["output"] = case.run(pipeline, request)
+    obs["heads_resident"] = {p: all(platform.is_resident(t) for t in b.parameters())
+                             for p, b in heads}
+    obs["transports"] = {r.label: r.transport.name for r in backend.rings}
+    obs["stats"] = _stats(backend)
+    obs["block_bytes"] = _block_bytes(case.resolve(case.build(), config))
+    backend.disable()
+    obs["restore_problems"] = _restored(pipeline, case.build(), platform)
+    obs["reference"] = reference
+    return obs
+
+
+def _waves(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    from offload_ref.distributed import WaveMismatchError, WaveRunner
+
+    request = _request(case, rank)
+    if "num_inference_steps" not in request:
+        return {"not_applicable": "the spec's inputs state no num_inference_steps"}
+    pipeline = case.build()
+    backend = case.backend(_config(case, "allgather", world), case.platform())
+    backend.enable(pipeline)
+    runner = WaveRunner(pipeline)
+    obs: dict[str, Any] = {}
+    steps = request["num_inference_steps"]
+    variants = {
+        "unequal": dict(request, num_inference_steps=steps + rank),
+        "missing": {k: v for k, v in request.items() if k != "num_inference_steps"}
+        if rank == world - 1 else request,
+    }
+    for name, wave in variants.items():
+        before = backend.stats().collective_bytes
+        try:
+            runner.run(wave)
+            obs[name] = {"raised": None}
+        except WaveMismatchError as exc:
+            obs[name] = {"raised": f"{type(exc).__name__}: {exc}"}
+        obs[name]["collective_bytes"] = backend.stats().collective_bytes - before
+    obs["equal_output"] = runner.run(request)
+    backend.disable()
+    obs["reference"] = case.run(case.build(), request)
+    return obs
+
+
+def _rank_failure(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    pipeline = case.build()
+    platform = case.platform()
+    backend = case.backend(_config(case, "allgather", world), platform)
+    backend.timeout_s = FAIL_TIMEOUT_S
+    failing = world - 1
+    if rank == failing:
+        def inject(index: int, label: str) -> None:
+            if index == 2:
+                raise InjectedRankFault(f"kit fault injected into rank {rank} at {label!r}")
+        backend.fault_injector = inject
+    start = time.perf_counter()
+    error = None
+    try:
+        backend.enable(pipeline)
+    except Exception as exc:  # noqa: BLE001 - observed
+        error = f"{type(exc).__name__}: {exc}"
+    obs = {"failing_rank": failing, "error": error, "seconds": time.perf_counter() - start,
+           "enabled": backend.is_enabled(), "device_bytes": platform.memory_allocated(),
+           "restore_problems": _restored(pipeline, case.build(), platform)}
+    if backend.is_enabled():
+        backend.disable()
+    return obs
+
+
+def _mmap(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    from offload_ref import load_safetensors
+
+    request = _request(case, rank)
+    source = case.build()
+    plan = case.resolve(source, case.config())
+    files = {}
+    for comp in plan.dits:
+        path = tmp / f"{comp.path}-rank{rank}.safetensors"
+        save_file(_unique_contiguous(comp.module.state_dict()), str(path))
+        files[comp.path] = path
+
+    def loaded() -> nn.Module:
+        pipeline = case.build()
+        for comp in case.resolve(pipeline, case.config()).dits:
+            load_safetensors(comp.module, files[comp.path])
+        return pipeline
+
+    fresh = case.build()
+    pipeline = loaded()
+    obs: dict[str, Any] = {"buffers": _non_persistent_differences(pipeline, fresh)}
+    reference = case.run(loaded(), request)
+    platform = case.platform()
+    backend = case.backend(_config(case, "rank-local", world), platform)
+    backend.enable(pipeline)
+    obs["output"] = case.run(pipeline, request)
+    obs["stats"] = _stats(backend)
+    backend.disable()
+    obs["buffers_after_disable"] = _non_persistent_differences(pipeline, fresh)
+    obs["reference"] = reference
+    return obs
+
+
+def _unique_contiguous(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict safetensors can save: each tensor once (tied names dropped), contiguous."""
+    out, seen = {}, set()
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach().contiguous().clone()
+    return out
+
+
+def _non_persistent_differences(pipeline: nn.Module, fresh: nn.Module) -> list[str]:
+    want = dict(fresh.named_buffers(remove_duplicate=False))
+    problems = []
+    for module_path, module in pipeline.named_modules():
+        for name in module._non_persistent_buffers_set:
+            full = f"{module_path}.{name}" if module_path else name
+            got, w = module._buffers.get(name), want.get(full)
+            if got is None or w is None:
+                problems.append(f"{full} is missing")
+            elif got.device.type == "meta" or not torch.equal(got, w):
+                problems.append(f"{full} differs from a fresh build")
+    return problems
+
+
+_SCENARIOS = (
+    ("allgather", _allgather),
+    ("rank_local", _rank_local),
+    ("waves", _waves),
+    ("rank_failure", _rank_failure),
+    ("mmap", _mmap),
+)
+
+
+# -- judging ------------------------------------------------------------------------------------
+
+
+def _scenario(case: Any, name: str) -> list[dict[str, Any]]:
+    ranks = observations(case)
+    for obs in ranks:
+        got = obs.get(name)
+        if got is None:
+            fail(f"rank {obs.get('rank')}: the {name} scenario did not run")
+        if "error" in got and name != "rank_failure":
+            fail(f"rank {obs['rank']}: the {name} scenario raised {got['error']}\n"
+                 f"{got.get('traceback', '')}")
+    return [obs[name] for obs in ranks]
+
+
+@check("H.1", strategies=DLO, applies=_applies)
+def check_allgather_outputs_match_each_ranks_reference(case) -> None:
+    """With AllGather across two ranks, each running its own request, every rank's output equals
+    the single-process reference of its request, bit for bit, in two enable/disable cycles."""
+    for rank, obs in enumerate(_scenario(case, "allgather")):
+        compare_outputs(f"rank {rank} (AllGather)", obs["output"], obs["reference"])
+        compare_outputs(f"rank {rank} (AllGather, second cycle)", obs["output_second_cycle"],
+                        obs["reference"])
+
+
+@check("H.1", strategies=DLO, applies=_applies)
+def check_allgather_host_bytes_per_rank_are_one_over_world(case) -> None:
+    """Each rank's host bytes for the streamed blocks are at most 1/world of the block bytes +
+    5% (alignment padding included), and the ranks together hold every block byte once."""
+    ranks = _scenario(case, "allgather")
+    total = ranks[0]["block_bytes"]
+    held = [o["stats"]["host_bytes"] + o["stats"]["host_padding_bytes"] for o in ranks]
+    weight = sum(o["stats"]["host_bytes"] for o in ranks)
+    for rank, h in enumerate(held):
+        if h > total / WORLD * 1.05:
+            fail(f"rank {rank} holds {h} host bytes for streamed blocks of {total} bytes; at most "
+                 f"1/{WORLD} + 5% = {total / WORLD * 1.05:.0f} with AllGather")
+    if weight != total:
+        fail(f"the ranks' host shards hold {weight} weight bytes together; the streamed blocks "
+             f"have {total} (a byte lost or held twice)")
+
+
+@check("H.1", strategies=DLO, applies=_applies)
+def check_allgather_keeps_two_slots_per_rank(case) -> None:
+    """Every AllGather ring holds exactly two device slots per rank, and each rank's peak device
+    bytes equal the plan's prediction (non-block state + two gathered slots)."""
+    for rank, obs in enumerate(_scenario(case, "allgather")):
+        if any(n != 2 for n in obs["slots"].values()):
+            fail(f"rank {rank}: ring slots {obs['slots']}; exactly two per ring")
+        if "allgather" not in obs["transports"].values():
+            fail(f"rank {rank}: no ring uses AllGather ({obs['transports']})")
+        peak = obs["stats"]["peak_device_bytes"]
+        if peak != obs["predicted_device_bytes"]:
+            fail(f"rank {rank}: peak device bytes {peak} differ from the plan's prediction "
+                 f"{obs['predicted_device_bytes']}")
+
+
+@check("H.1", strategies=DLO, applies=_applies)
+def check_allgather_shards_are_zero_padded(case) -> None:
+    """Past a block's bytes, each rank's shard is zero (a gathered slot never carries stale or
+    uninitialized host memory)."""
+    for rank, obs in enumerate(_scenario(case, "allgather")):
+        if obs["nonzero_padding"]:
+            fail(f"rank {rank}: shard padding is not zero for {obs['nonzero_padding']} "
+                 "(block: non-zero bytes); zero-pad each shard past the block's image")
+
+
+@check("H.1", strategies=DLO, applies=_applies)
+def check_no_collective_at_enable(case) -> None:
+    """Enable issues no collective and materializes no block: the first gather is issued by the
+    first forward, in the same order on every rank."""
+    for rank, obs in enumerate(_scenario(case, "allgather")):
+        if obs["after_enable"]["collective_bytes"] or obs["materialized_after_enable"]:
+            fail(f"rank {rank}: enable gathered {obs['after_enable']['collective_bytes']} bytes "
+                 f"and materialized {obs['materialized_after_enable']} block(s); enable must "
+                 "issue no collective (ranks may enable in different orders)")
+        if not obs["stats"]["collective_bytes"]:
+            fail(f"rank {rank}: a generation issued no collective; AllGather was not used")
+
+
+@check("H.2", strategies=DLO, applies=_applies)
+def check_distributed_cycles_restore_every_rank(case) -> None:
+    """After disable, on every rank, every tensor equals a fresh build and is off the device, in
+    both AllGather cycles and in rank-local mode."""
+    for rank, obs in enumerate(_scenario(case, "allgather")):
+        problems = obs["restore_problems"] + obs["restore_problems_second_cycle"]
+        if problems or obs["device_bytes_after_disable"]:
+            fail(f"rank {rank}: after disable {problems[:5]}, device bytes "
+                 f"{obs['device_bytes_after_disable']}")
+    for rank, obs in enumerate(_scenario(case, "rank_local")):
+        if obs["restore_problems"]:
+            fail(f"rank {rank} (rank-local): after disable {obs['restore_problems'][:5]}")
+
+
+@check("H.3", strategies=DLO, applies=_applies)
+def check_rank_local_outputs_match_each_ranks_reference(case) -> None:
+    """Rank-local mode (and resident head layers where the pipeline declares a resident DiT):
+    every rank matches its own reference bit for bit, without any collective, each rank holding
+    every block byte, and head layers stay on the device."""
+    for rank, obs in enumerate(_scenario(case, "rank_local")):
+        compare_outputs(f"rank {rank} (rank-local)", obs["output"], obs["reference"])
+        if obs["stats"]["collective_bytes"]:
+            fail(f"rank {rank}: rank-local mode gathered {obs['stats']['collective_bytes']} bytes")
+        if obs["stats"]["host_bytes"] < obs["block_bytes"]:
+            fail(f"rank {rank}: rank-local host bytes {obs['stats']['host_bytes']} < block bytes "
+                 f"{obs['block_bytes']}")
+        if obs["resident_layers"] and not all(obs["heads_resident"].values()) or (
+                obs["resident_layers"] and not obs["heads_resident"]):
+            fail(f"rank {rank}: resident head layers {obs['heads_resident']} are not on the device")
+
+
+@check("H.4", strategies=DLO, applies=_applies)
+def check_wave_with_unequal_steps_is_rejected_before_any_collective(case) -> None:
+    """A wave whose requests state different or missing num_inference_steps is rejected on every
+    rank, naming each rank's value, before any collective; an equal wave matches the
+    references."""
+    ranks = _scenario(case, "waves")
+    if "not_applicable" in ranks[0]:
+        fail(f"not applicable: {ranks[0]['not_applicable']}")
+    for rank, obs in enumerate(ranks):
+        for name in ("unequal", "missing"):
+            got = obs[name]
+            if got["raised"] is None:
+                fail(f"rank {rank}: a wave with {name} num_inference_steps ran; it must be "
+                     "rejected on every rank")
+            if "rank 1" not in got["raised"] and "1:" not in got["raised"]:
+                fail(f"rank {rank}: the {name}-steps error does not name rank 1: {got['raised']}")
+            if got["collective_bytes"]:
+                fail(f"rank {rank}: {got['collective_bytes']} bytes were gathered before the "
+                     f"{name}-steps wave was rejected")
+        compare_outputs(f"rank {rank} (wave)", obs["equal_output"], obs["reference"])
+
+
+@check("H.5", strategies=DLO, applies=_applies)
+def check_failed_rank_makes_every_rank_raise_naming_it(case) -> None:
+    """A fault injected into one rank's enable makes every rank's enable raise promptly (well
+    within the timeout), the others naming the failed rank and its error; every rank is rolled
+    back (disabled, no device bytes, tensors as built)."""
+    ranks = _scenario(case, "rank_failure")
+    failing = ranks[0]["failing_rank"]
+    for rank, obs in enumerate(ranks):
+        if obs["error"] is None or obs["enabled"]:
+            fail(f"rank {rank}: enable succeeded although rank {failing} failed; every rank "
+                 "must raise")
+        if obs["device_bytes"] or obs["restore_problems"]:
+            fail(f"rank {rank}: after the failed enable, device bytes {obs['device_bytes']}, "
+                 f"{obs['restore_problems'][:3]}")
+        if rank != failing:
+            if f"rank {failing}" not in obs["error"] or "kit fault injected" not in obs["error"]:
+                fail(f"rank {rank}: its error does not name rank {failing} and its fault: "
+                     f"{obs['error']}")
+            if obs["seconds"] > FAIL_TIMEOUT_S / 2:
+                fail(f"rank {rank} raised after {obs['seconds']:.1f} s (timeout "
+                     f"{FAIL_TIMEOUT_S} s); a failed rank must tell the others at once")
+
+
+@check("H.6", strategies=DLO, applies=_applies)
+def check_mmap_loaded_weights_keep_non_persistent_buffers(case) -> None:
+    """DiT weights loaded as mmap views of safetensors files keep every non-persistent buffer
+    exact, and rank-local streaming of the file-backed blocks matches the un-offloaded loaded
+    pipeline bit for bit, keeping no host copy of them."""
+    for rank, obs in enumerate(_scenario(case, "mmap")):
+        for key in ("buffers", "buffers_after_disable"):
+            if obs[key]:
+                fail(f"rank {rank}: non-persistent buffers after mmap loading: {obs[key][:5]}")
+        compare_outputs(f"rank {rank} (mmap, rank-local)", obs["output"], obs["reference"])
+        if not obs["stats"]["file_backed_bytes"]:
+            fail(f"rank {rank}: no streamed block is served from its file pages "
+                 f"(file_backed_bytes 0, host bytes {obs['stats']['host_bytes']})")
+
+
+__all__ = [name for name in dir() if name.startswith("check_")] + ["observations"]
