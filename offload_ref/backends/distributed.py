@@ -233,6 +233,14 @@ class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
                 "first (torchrun sets up what it needs)")
         else:
             self.rank, self.world = 0, 1
+        if self.world > 1 and self._rendezvous is None:
+            # Before the checks below: a rank whose config is refused must still publish its
+            # failure for this enable round (Note [Collective safety]), or its next enable would
+            # pair with its peers' round of this one.
+            from ..distributed.rendezvous import Rendezvous
+
+            self._rendezvous = Rendezvous.default(
+                self.process_group, namespace="offload_ref/dlo", timeout_s=self.timeout_s)
         gathers = any(o.weight_transfer is WeightTransfer.ALLGATHER
                       for o in self._options()) and self.world > 1
         if self.config.world_size > 1 and self.config.world_size != self.world:
@@ -254,11 +262,6 @@ class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
                     f"AllGather of {self.platform.name} slots needs a {needs} process group, but "
                     f"the group uses {backend}; initialize it with "
                     f"init_process_group({needs!r}) (or a group created for it)")
-        if self.world > 1 and self._rendezvous is None:
-            from ..distributed.rendezvous import Rendezvous
-
-            self._rendezvous = Rendezvous.default(
-                self.process_group, namespace="offload_ref/dlo", timeout_s=self.timeout_s)
 
     def _options(self) -> list[Any]:
         return [self.config.options_for(c) for c in self.config.components]
@@ -308,9 +311,12 @@ class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
             {"world": self.world, "strategy": self.config.strategy.value,
              "components": list(self.config.components), "rings": self.schedule()},
             sort_keys=True).encode()).hexdigest()[:16]
+        # The rings in words before the digest, so that a disagreement says what differs.
+        rings = ", ".join(f"{r['ring']} x{r['blocks']} {r['transport']}" for r in self.schedule())
         self._agreeing = True  # from here the round is taken, whatever it raises
-        self._rendezvous.agree("enable", digest, what="the ring schedule (rings, blocks, shard "
-                               "sizes) of distributed layerwise enable")
+        self._rendezvous.agree("enable", f"{rings} #{digest}", what=(
+            "the ring schedule (rings, blocks, shard sizes) of distributed layerwise enable; "
+            "every rank must enable the same pipelines, configured alike, in the same order"))
 
     def _enable_failed(self, exc: BaseException) -> None:
         if self._rendezvous is not None and not self._agreeing:
