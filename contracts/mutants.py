@@ -19,6 +19,7 @@ from torch import nn
 from offload_ref import discovery
 from offload_ref.backends import OffloadEnableError, get_offload_backend
 from offload_ref.backends.groups import ComponentSwapper
+from offload_ref.backends.distributed import AllGatherTransport, _all_gather
 from offload_ref.backends.layerwise import LayerWiseOffloadBackend
 from offload_ref.backends.model_level import ModelLevelOffloadBackend
 from offload_ref.backends.ring import BlockRing
@@ -605,6 +606,8 @@ _MISUSE_LAYER = dict(pipelines=("flux2",), sections=_MISUSE, strategies=("layer_
 _MISUSE_MODEL = dict(pipelines=("wan22_t2v",), sections=_MISUSE, strategies=("model_level",))
 _J7 = dict(pipelines=("flux2",), sections=("J.7",), strategies=("model_level", "layer_wise"))
 _INTERRUPTS = dict(pipelines=("flux2",), sections=("J.1",), strategies=("layer_wise",))
+_DISTRIBUTED = dict(pipelines=("flux2",), sections=("H",),
+                    strategies=("distributed_layer_wise",))
 _NESTED_RESIDENT = dict(pipelines=("soulx_singer",), sections=("F",), strategies=("model_level",))
 
 
@@ -631,8 +634,111 @@ def _layer(name: str, defect: str, backend: type) -> Mutant:
 def _layer_scoped(name: str, defect: str, backend: type, scope: dict) -> Mutant:
     return _m(name, defect, scope, make_backend=_backend_with(LayerWiseOffloadBackend=backend))
 
+# -- §H mutants: distributed layerwise across ranks ---------------------------------------------
+
+
+def _distributed(name: str, defect: str, *, scope: dict = _DISTRIBUTED, **patches: Any) -> Mutant:
+    """A mutant of the AllGather transport or the distributed backend, applied (by name) inside
+    every spawned rank too (Note [One spawn per batch] in checks/distributed.py)."""
+    def patch() -> Any:
+        from offload_ref.backends import distributed
+
+        stack = contextlib.ExitStack()
+        for qualified, value in patches.items():
+            owner_name, attr = qualified.split(".")
+            stack.enter_context(_patched(getattr(distributed, owner_name), attr, value))
+        return stack
+
+    return _m(name, defect, scope, patch=patch)
+
+
+_BUILD_SHARD = AllGatherTransport.build_master
+
+
+def _garbage_padding_build(self, txn, ring, group, sections, image_bytes):
+    _BUILD_SHARD(self, txn, ring, group, sections, image_bytes)
+    shard, S = self.shards[-1], self.shard_bytes[-1]
+    tail = max(0, image_bytes - self.rank * S)
+    if tail < S:
+        shard[tail:].fill_(0xA5)  # what an uninitialized host buffer may hold
+
+
+def _wrong_rank_build(self, txn, ring, group, sections, image_bytes):
+    rank = self.rank
+    self.rank = (rank + 1) % self.world  # cut the neighbour's shard ...
+    try:
+        _BUILD_SHARD(self, txn, ring, group, sections, image_bytes)
+    finally:
+        self.rank = rank  # ... and gather it into this rank's place
+
+
+def _ready_on_copy_stream_fill(self, ring, k, s):
+    """Records the ready event after the shard copy, not after the gather."""
+    platform = ring.platform
+    out, mine = self._slot_views(ring, k, s)
+    with platform.stream(ring.copy_stream):
+        ring.copy_stream.wait_event(ring.free[s])
+        platform.copy_(mine, self.shards[k])
+        self.copied[s].record(ring.copy_stream)
+        ring.ready[s].record(ring.copy_stream)
+    with platform.stream(self.comm_stream):
+        self.comm_stream.wait_event(self.copied[s])
+        platform.submit(lambda: _all_gather(out, mine, self.group),
+                        reads=(ring.slots[s],), writes=(ring.slots[s],))
+
+
+def _wave_without_agreement(self, request):
+    with __import__("torch").inference_mode():
+        return self.pipeline(**request)
+
+
+def _buffers_left_uninitialized() -> Any:
+    """load_safetensors that leaves non-persistent buffers as torch.empty left them (zeros
+    here), as a to_empty() loader that forgets to save and restore them does."""
+    from offload_ref import loading
+
+    def wipe(others, kept):
+        for slot in others:
+            slot.tensor.data.zero_()
+        return []
+
+    return _patched(loading, "_restore_non_persistent", wipe)
+
+
+def _wave_runner_without_agreement() -> Any:
+    from offload_ref.distributed import waves
+
+    return _patched(waves.WaveRunner, "run", _wave_without_agreement)
+
+
 #: Exactly the checks each mutant fails (asserted by tests/test_mutants.py).
 KILLS: dict[str, set[str]] = {
+    "shard_not_zero_padded": {"check_allgather_shards_are_zero_padded"},
+    "wrong_rank_shard_gathered": {
+        "check_allgather_outputs_match_each_ranks_reference",
+        "check_distributed_cycles_restore_every_rank",
+    },
+    "no_wait_between_gather_and_compute": {  # the generation and disable raise StreamOrderError
+        "check_allgather_outputs_match_each_ranks_reference",
+        "check_allgather_host_bytes_per_rank_are_one_over_world",
+        "check_allgather_keeps_two_slots_per_rank",
+        "check_allgather_shards_are_zero_padded",
+        "check_distributed_cycles_restore_every_rank",
+        "check_no_collective_at_enable",
+    },
+    "eager_collective_at_enable": {  # and rank 0's eager gather is never matched by failed rank 1
+        "check_no_collective_at_enable",
+        "check_failed_rank_makes_every_rank_raise_naming_it",
+    },
+    "unequal_wave_steps_accepted": {
+        "check_wave_with_unequal_steps_is_rejected_before_any_collective",
+    },
+    "mmap_drops_non_persistent_buffers": {
+        "check_mmap_loaded_weights_keep_non_persistent_buffers",
+    },
+    "failed_rank_leaves_the_others_waiting": {
+        "check_failed_rank_makes_every_rank_raise_naming_it",
+    },
     "rollback_leaks_host_masters": {
         "check_failed_enable_releases_memory_and_chains_the_cause",
     },
@@ -975,4 +1081,24 @@ MUTANTS: tuple[Mutant, ...] = (
     _layer("inference_tensors_rebound_as_normal_layerwise",
            "the .data of a pipeline's inference tensors is rebound to ordinary tensors",
            _InferenceBlindLayerwise),
+    # §H (distributed layerwise, two spawned ranks)
+    # nextstep: its blocks' images do not split into 64-byte aligned halves (flux2's do)
+    _distributed("shard_not_zero_padded", "shard bytes past a block are left uninitialized",
+                 scope=dict(_DISTRIBUTED, pipelines=("nextstep",)), **{"AllGatherTransport.build_master": _garbage_padding_build}),
+    _distributed("wrong_rank_shard_gathered", "each rank keeps and gathers its neighbour's shard",
+                 **{"AllGatherTransport.build_master": _wrong_rank_build}),
+    _distributed("no_wait_between_gather_and_compute",
+                 "the ready event is recorded after the shard copy, before the gather",
+                 **{"AllGatherTransport.fill": _ready_on_copy_stream_fill}),
+    _distributed("eager_collective_at_enable",
+                 "enable prefetches block 0 with a collective, as a rank-local ring does",
+                 **{"AllGatherTransport.collective": False}),
+    _distributed("failed_rank_leaves_the_others_waiting",
+                 "a rank whose enable fails does not tell the others (they wait for the timeout)",
+                 **{"DistributedLayerwiseOffloadBackend._enable_failed": lambda self, exc: None}),
+    _m("unequal_wave_steps_accepted", "a DP wave runs without the ranks agreeing on its steps",
+       _DISTRIBUTED, patch=_wave_runner_without_agreement),
+    _m("mmap_drops_non_persistent_buffers",
+       "mmap loading leaves non-persistent buffers uninitialized", _DISTRIBUTED,
+       patch=_buffers_left_uninitialized),
 )

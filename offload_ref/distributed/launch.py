@@ -96,7 +96,8 @@ def _check_importable(fn: Callable[..., Any]) -> None:
 
 
 def _rank_main(rank: int, world: int, fn: Callable[..., Any], args: tuple, store_path: str,
-               result_path: str, backend: str, threads: int, timeout_s: float) -> None:
+               result_path: str, backend: str, threads: int, timeout_s: float,
+               collective_timeout_s: float) -> None:
     """A spawned rank: process group up, ``fn``, result file, process group down."""
     import datetime
 
@@ -110,7 +111,7 @@ def _rank_main(rank: int, world: int, fn: Callable[..., Any], args: tuple, store
         torch.set_num_threads(threads)
         store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
         try:
             result = fn(rank, world, *args)
         finally:
@@ -141,12 +142,15 @@ def _read_result(path: Path) -> tuple | None:
 
 def run_ranks(fn: Callable[..., Any], world: int = 2, *, args: tuple = (),
               timeout_s: float = 120.0, backend: str = "gloo", threads: int = 1,
-              workdir: str | os.PathLike | None = None) -> list[Any]:
+              workdir: str | os.PathLike | None = None,
+              collective_timeout_s: float | None = None) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned ranks; their results, by rank.
 
     Raises :class:`LaunchError` naming every rank that raised (with the first traceback), died
     without a result, or was still running ``timeout_s`` after the start (killed).  ``workdir``
     holds the store and result files (a fresh temporary directory, removed after, by default).
+    ``collective_timeout_s`` is the process group's timeout (default ``timeout_s``): a collective
+    that a peer never matches raises after it, instead of waiting for the deadline.
     """
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"run_ranks: world must be an int >= 1, got {world!r}")
@@ -177,7 +181,9 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *, args: tuple = (),
         for r in range(world):
             proc = ctx.Process(target=_rank_main, name=f"offload_ref-rank{r}", daemon=True,
                                args=(r, world, fn, args, store_path, str(results[r]), backend,
-                                     threads, timeout_s))
+                                     threads, timeout_s,
+                                     timeout_s if collective_timeout_s is None
+                                     else collective_timeout_s))
             proc.start()
             procs.append(proc)
         first_failure: float | None = None
