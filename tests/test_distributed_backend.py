@@ -131,6 +131,16 @@ def test_world_size_one_with_allgather_across_two_ranks_is_refused_on_both(two_r
 
 
 @pytest.mark.distributed
+def test_weights_that_differ_between_ranks_are_refused_on_every_rank(two_ranks):
+    """AllGather rebuilds each block from every rank's shard: if one rank's weights differ, the
+    blocks would silently mix both, so enable fails on every rank and changes nothing."""
+    for obs in _scenario(two_ranks, "different_weights"):
+        assert obs["raised"] == "OffloadEnableError", obs
+        assert "checksum of the AllGather-streamed weights" in obs["message"], obs
+        assert obs["problems"] == []
+
+
+@pytest.mark.distributed
 def test_a_rank_refused_alone_makes_its_peer_fail_at_once_and_the_retry_pairs_up(two_ranks):
     """Rank 1 alone has data_parallel_size 1: its refusal reaches rank 0's enable at once
     (naming rank 1 and its error), and the next enable of both ranks is one round again (a

@@ -81,6 +81,7 @@ class AllGatherTransport(Transport):
         self.shard_bytes: list[int] = []
         self.image_bytes: list[int] = []
         self.shard_weight_bytes: list[int] = []  # weight bytes (padding excluded) in my shard
+        self.checksums: list[int] = []  # per block: the int32 sum of its whole image
         self.copied: list[Any] = []
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -96,6 +97,9 @@ class AllGatherTransport(Transport):
         shard = txn.host_empty(f"{group.label} shard {self.rank}/{self.world}", S, torch.uint8,
                                ring.pin)
         shard.copy_(image.narrow(0, self.rank * S, S))
+        # A checksum of the whole block, which every rank still holds here: ranks whose weights
+        # differ would gather a mix of both (Note [Collective safety]).
+        self.checksums.append(int(image.view(torch.int32).sum()) if S else 0)
         lo, hi = self.rank * S, (self.rank + 1) * S
         weight = 0
         for seg in group.layout.segments:
@@ -317,6 +321,16 @@ class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
         self._rendezvous.agree("enable", f"{rings} #{digest}", what=(
             "the ring schedule (rings, blocks, shard sizes) of distributed layerwise enable; "
             "every rank must enable the same pipelines, configured alike, in the same order"))
+        sums = [(ring.label, k, c) for ring in self.rings
+                for k, c in enumerate(getattr(ring.transport, "checksums", ()))]
+        if sums:
+            txn.step("agree on the streamed weights")
+            self._rendezvous.agree("weights", hashlib.sha256(
+                json.dumps(sums).encode()).hexdigest()[:16], what=(
+                "a checksum of the AllGather-streamed weights: each rank keeps 1/world of every "
+                "block and rebuilds it from the others' shards, so the weights must be identical "
+                "on every rank (load the same checkpoint everywhere, and apply edits such as "
+                "LoRA on every rank)"))
 
     def _enable_failed(self, exc: BaseException) -> None:
         if self._rendezvous is not None and not self._agreeing:

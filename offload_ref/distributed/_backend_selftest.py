@@ -165,6 +165,20 @@ def _world_size_one(rank: int, world: int) -> dict[str, Any]:
     return got
 
 
+def _different_weights(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's DiT weights differ from rank 0's (an edit made on one rank only): AllGather would
+    rebuild blocks from a mix of both, so enable is refused on every rank, nothing mutated."""
+    pipeline = _spec().build()
+    if rank == 1:
+        with torch.no_grad():
+            next(pipeline.transformer.transformer_blocks[0].parameters()).add_(1.0)
+    before = tensor_state(pipeline)
+    backend = _backend(_config("allgather"))
+    got = _catch(lambda: backend.enable(pipeline))
+    got["problems"] = untouched(pipeline, before, backend, backend.platform)
+    return got
+
+
 def _state_dict(rank: int, world: int) -> dict[str, Any]:
     """state_dict() of the DiT while AllGather streams it, then after disable."""
     request = _request(rank)
@@ -318,6 +332,7 @@ TWO_RANK_SCENARIOS = [
     ("cli", _cli),
     # Last: if a refusal took no round, every later enable of the batch would be out of step.
     ("asymmetric_config", _asymmetric_config),
+    ("different_weights", _different_weights),
 ]
 
 
