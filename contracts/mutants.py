@@ -19,7 +19,11 @@ from torch import nn
 from offload_ref import discovery
 from offload_ref.backends import OffloadEnableError, get_offload_backend
 from offload_ref.backends.groups import ComponentSwapper
-from offload_ref.backends.distributed import AllGatherTransport, _all_gather
+from offload_ref.backends.distributed import (
+    AllGatherTransport,
+    DistributedLayerwiseOffloadBackend,
+    _all_gather,
+)
 from offload_ref.backends.layerwise import LayerWiseOffloadBackend
 from offload_ref.backends.model_level import ModelLevelOffloadBackend
 from offload_ref.backends.ring import BlockRing
@@ -653,6 +657,7 @@ def _distributed(name: str, defect: str, *, scope: dict = _DISTRIBUTED, **patche
 
 
 _BUILD_SHARD = AllGatherTransport.build_master
+_TRANSPORT_FOR = DistributedLayerwiseOffloadBackend._transport_for
 
 
 def _garbage_padding_build(self, txn, ring, group, sections, image_bytes):
@@ -685,6 +690,13 @@ def _ready_on_copy_stream_fill(self, ring, k, s):
         self.comm_stream.wait_event(self.copied[s])
         platform.submit(lambda: _all_gather(out, mine, self.group),
                         reads=(ring.slots[s],), writes=(ring.slots[s],))
+
+
+def _gathers_rank_local_rings(self, stack):
+    """Every ring AllGathers across the ranks, rank-local ones included."""
+    from offload_ref.config import WeightTransfer
+
+    return _TRANSPORT_FOR(self, dataclasses.replace(stack, transfer=WeightTransfer.ALLGATHER))
 
 
 def _wave_without_agreement(self, request):
@@ -734,6 +746,10 @@ KILLS: dict[str, set[str]] = {
         "check_wave_with_unequal_steps_is_rejected_before_any_collective",
     },
     "mmap_drops_non_persistent_buffers": {
+        "check_mmap_loaded_weights_keep_non_persistent_buffers",
+    },
+    "rank_local_rings_gather": {  # rank-local mode is what the mmap scenario streams too
+        "check_rank_local_outputs_match_each_ranks_reference",
         "check_mmap_loaded_weights_keep_non_persistent_buffers",
     },
     "failed_rank_leaves_the_others_waiting": {
@@ -1096,6 +1112,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _distributed("failed_rank_leaves_the_others_waiting",
                  "a rank whose enable fails does not tell the others (they wait for the timeout)",
                  **{"DistributedLayerwiseOffloadBackend._enable_failed": lambda self, exc: None}),
+    _distributed("rank_local_rings_gather",
+                 "weight_transfer='rank-local' is ignored: every ring gathers 1/world shards",
+                 **{"DistributedLayerwiseOffloadBackend._transport_for": _gathers_rank_local_rings}),
     _m("unequal_wave_steps_accepted", "a DP wave runs without the ranks agreeing on its steps",
        _DISTRIBUTED, patch=_wave_runner_without_agreement),
     _m("mmap_drops_non_persistent_buffers",

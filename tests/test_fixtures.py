@@ -28,21 +28,23 @@ LAYERWISE_SPECS = [s for s in SPECS if s.supports("layer_wise")]
 MODEL_LEVEL_SPECS = [s for s in SPECS if s.supports("model_level")]
 DISTRIBUTED_SPECS = [s for s in SPECS if s.supports("distributed_layer_wise")]
 
-# The seeds' "Supported Models" table: model-level and distributed layerwise where it has a tick,
-# layerwise for every architecture.
+# The seeds' "Supported Models" table: model-level where it has a tick, layerwise for every
+# architecture; distributed layerwise wherever layerwise streams (the table ticks Cosmos3; the
+# strategy is the same ring with another transport, and CONTRACTS.md §H runs on every streaming
+# fixture).
 EXPECTED_STRATEGIES = {
-    "bagel": ("layer_wise",),
+    "bagel": ("layer_wise", "distributed_layer_wise"),
     "cosmos3": ("model_level", "layer_wise", "distributed_layer_wise"),
-    "flux2": ("model_level", "layer_wise"),
-    "longcat_image": ("layer_wise",),
-    "nextstep": ("layer_wise",),
-    "ovis_image": ("layer_wise",),
-    "qwen_image": ("model_level", "layer_wise"),
-    "sd3": ("layer_wise",),
-    "sdxl": ("model_level", "layer_wise"),
-    "soulx_singer": ("model_level", "layer_wise"),
-    "wan22_i2v": ("model_level", "layer_wise"),
-    "wan22_t2v": ("model_level", "layer_wise"),
+    "flux2": ("model_level", "layer_wise", "distributed_layer_wise"),
+    "longcat_image": ("layer_wise", "distributed_layer_wise"),
+    "nextstep": ("layer_wise", "distributed_layer_wise"),
+    "ovis_image": ("layer_wise", "distributed_layer_wise"),
+    "qwen_image": ("model_level", "layer_wise", "distributed_layer_wise"),
+    "sd3": ("layer_wise", "distributed_layer_wise"),
+    "sdxl": ("model_level", "layer_wise", "distributed_layer_wise"),
+    "soulx_singer": ("model_level", "layer_wise", "distributed_layer_wise"),
+    "wan22_i2v": ("model_level", "layer_wise", "distributed_layer_wise"),
+    "wan22_t2v": ("model_level", "layer_wise", "distributed_layer_wise"),
 }
 
 # How many times each DiT ring runs per generation with the default inputs (3 steps): the phase
@@ -422,19 +424,29 @@ def test_model_level_plan_resolves(spec: Any) -> None:
     assert all(not c.selected for c in plan.by_role("vae"))
 
 
-@pytest.mark.parametrize("spec", DISTRIBUTED_SPECS, ids=[s.name for s in DISTRIBUTED_SPECS])
-@pytest.mark.parametrize("options", [
-    {"weight_transfer": "allgather"},
-    {"weight_transfer": "rank-local", "resident_layers": 1},
-], ids=["allgather", "rank_local_resident"])
+def _resident_dit_paths(spec: Any) -> set[str]:
+    declared = getattr(type(spec.build()), "_offload_plan", None)
+    return set(getattr(declared, "resident_dit_paths", ()))
+
+
+# Resident head layers only where the pipeline declares a resident DiT (elsewhere they are
+# rejected: check_resident_layers_need_a_resident_dit_path).
+_DLO_CASES = [(spec, {"weight_transfer": "allgather"}) for spec in DISTRIBUTED_SPECS] + [
+    (spec, {"weight_transfer": "rank-local", "resident_layers": 1})
+    for spec in DISTRIBUTED_SPECS if _resident_dit_paths(spec)]
+
+
+@pytest.mark.parametrize("spec,options", _DLO_CASES, ids=[
+    f"{o['weight_transfer']}{'-resident' if o.get('resident_layers') else ''}-{s.name}"
+    for s, o in _DLO_CASES])
 def test_distributed_layerwise_plan_resolves(spec: Any, options: dict[str, Any]) -> None:
+    resident_dits = _resident_dit_paths(spec)
     config = OffloadConfig(strategy="distributed_layer_wise", world_size=2,
                            layer_options={"dit": options})
     plan = resolve_offload_plan(spec.build(), config)
     assert not plan.warnings, plan.warnings
     assert {s.owner_path: len(s.blocks) for s in plan.stacks} == EXPECTED_RING_LENGTHS[spec.name]
     heads = {s.owner_path: s.resident_head for s in plan.stacks}
-    resident_dits = set(type(spec.build())._offload_plan.resident_dit_paths)
     for owner, head in heads.items():
         expected = options.get("resident_layers", 0) if owner in resident_dits else 0
         assert head == expected, (owner, heads)

@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a rank waits for the others at enable and at each wave")
+    p.add_argument("--bandwidth-mb", type=float, default=0.0,
+                   help="also time all_gather_into_tensor of this many MB (output size) after "
+                        "the generation and print its GB/s (0: skip)")
     p.add_argument("--json", dest="json_path", default=None,
                    help="write this rank's result as JSON to PATH (a {rank} in it is replaced)")
     return p
@@ -130,6 +133,8 @@ def run_rank(argv: Sequence[str] | None = None) -> dict[str, Any]:
     backend.disable()
     same = bool(torch.equal(out.cpu(), reference.cpu())) if isinstance(out, torch.Tensor) \
         else None
+    gbps = _allgather_gbps(args.bandwidth_mb, world, platform.device) \
+        if args.bandwidth_mb and world > 1 else None
     result = {
         "rank": rank, "world": world, "pipeline": spec.name, "device": str(platform.device),
         "transfer": args.transfer, "host_block_bytes": stats.host_bytes,
@@ -138,18 +143,44 @@ def run_rank(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "peak_device_bytes": stats.peak_device_bytes,
         "gathered_bytes_per_generation": stats.collective_bytes // 2,
         "reference_step_ms": ref_s / steps * 1e3, "offloaded_step_ms": off_s / steps * 1e3,
-        "bitwise_equal": same,
+        "bitwise_equal": same, "allgather_gbps": gbps,
     }
     print(f"[rank {rank}/{world}] {spec.name} {args.transfer}: host block bytes "
           f"{stats.host_bytes} (+{stats.host_padding_bytes} padding), peak device bytes "
           f"{stats.peak_device_bytes}, step {result['reference_step_ms']:.2f} ms resident vs "
           f"{result['offloaded_step_ms']:.2f} ms offloaded, gathered "
           f"{result['gathered_bytes_per_generation']} bytes per generation, output "
-          f"{'equals' if same else 'DIFFERS FROM'} the single-process reference", flush=True)
+          f"{'equals' if same else 'DIFFERS FROM'} the single-process reference"
+          + (f"; all_gather of {args.bandwidth_mb:g} MB: {gbps:.2f} GB/s" if gbps else ""),
+          flush=True)
     if args.json_path:
         with open(args.json_path.replace("{rank}", str(rank)), "w") as f:
             json.dump(result, f, indent=2)
     return result
+
+
+def _allgather_gbps(mb: float, world: int, device: Any, repeats: int = 5) -> float:
+    """Output bytes per second of an in-place all_gather_into_tensor of ``mb`` MB, the median of
+    ``repeats`` (after one warm-up), as the ring's gathers use it."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    n = max(world, int(mb * 1e6) // world * world)
+    out = torch.zeros(n, dtype=torch.uint8, device=device)
+    mine = out.narrow(0, dist.get_rank() * (n // world), n // world)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        gather(out, mine)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return n / statistics.median(times) / 1e9
 
 
 def main(argv: Sequence[str] | None = None) -> int:
