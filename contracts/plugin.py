@@ -31,13 +31,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--offload-ref-strategy", action="append", default=[], metavar="STRATEGY",
-        help="restrict the kit to these strategies (model_level, layer_wise, ...)",
+        help="restrict the kit to these strategies (model_level, layer_wise, "
+             "distributed_layer_wise); an unknown name is a usage error",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for marker in MARKERS:
         config.addinivalue_line("markers", marker)
+    strategies = config.getoption("--offload-ref-strategy")
+    if strategies:
+        from offload_ref.contracts.registry import strategy_names  # no torch
+
+        try:
+            strategy_names(strategies, "--offload-ref-strategy")
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
 
 
 def _load(ref: str):
@@ -63,8 +72,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         )
     strategies = metafunc.config.getoption("--offload-ref-strategy") or None
     expected = getattr(metafunc.module, "OFFLOAD_REF_EXPECTED_FAILURES", None)
-    metafunc.parametrize(
-        "offload_ref_check",
-        check_params(specs, expected_failures=expected, strategies=strategies,
-                     include_global=False),
-    )
+    try:
+        params = check_params(specs, expected_failures=expected, strategies=strategies,
+                              include_global=False)
+    except ValueError as exc:  # a misspelled OFFLOAD_REF_EXPECTED_FAILURES key, ...
+        raise pytest.UsageError(f"{metafunc.module.__name__}: {exc}") from None
+    metafunc.parametrize("offload_ref_check", params)
