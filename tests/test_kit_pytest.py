@@ -1,11 +1,13 @@
 """The conformance kit under pytest, as an outside author runs it (issue 11).
 
-Under test: unknown strategy names (in a ``PipelineSpec``, in
+Under test: the pytest11 plugin pins torch's intra-op threads for a session that runs kit checks
+and restores them after; unknown strategy names (in a ``PipelineSpec``, in
 ``--offload-ref-strategy``, in ``iter_cases``) and misspelled ``expected_failures`` ids are errors
 that name the closest valid one, never filters that quietly match nothing.
 
 The plugin tests run pytest in-process (``pytester``) on an author-style test file: cheaper
-than a subprocess (no second torch import).
+than a subprocess (no second torch import).  torch's thread count is process-wide, and the
+project's conftest pins it to 1 for this session, so the thread tests set another value first.
 """
 
 from __future__ import annotations
@@ -80,6 +82,42 @@ def _seen(result, tag: str) -> str:
     found = re.findall(rf"{tag} (\S+)", "\n".join(result.outlines))
     assert found, "\n".join(result.outlines)
     return found[-1]
+
+
+# -- torch threads ---------------------------------------------------------------------------
+
+
+def test_plugin_pins_one_thread_inside_a_check_and_restores_it(pytester, three_threads) -> None:
+    pytester.makepyfile(test_author=_AUTHOR_TEST)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-s", "-k",
+                                f"({_ONE_CASE}) or seen_inside")
+    result.assert_outcomes(passed=2)
+    assert _seen(result, "SEEN-IN-CHECK") == "1"
+    assert torch.get_num_threads() == three_threads, "not restored at the end of the session"
+
+
+def test_plugin_threads_option_sets_n_and_zero_leaves_torch_alone(pytester, three_threads) -> None:
+    pytester.makepyfile(test_author=_AUTHOR_TEST)
+    for option, expected in (("2", "2"), ("0", str(three_threads))):
+        result = pytester.runpytest("-p", "no:cacheprovider", "-s", "--offload-ref-threads",
+                                    option, "-k", f"({_ONE_CASE}) or seen_inside")
+        result.assert_outcomes(passed=2)
+        assert _seen(result, "SEEN-IN-CHECK") == expected, option
+        assert torch.get_num_threads() == three_threads
+
+
+def test_plugin_leaves_a_session_without_kit_checks_alone(pytester, three_threads) -> None:
+    pytester.makepyfile(test_plain=_PLAIN_TEST)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-s")
+    result.assert_outcomes(passed=1)
+    assert _seen(result, "SEEN-IN-TEST") == str(three_threads)
+
+
+def test_plugin_rejects_negative_threads(pytester) -> None:
+    pytester.makepyfile(test_plain=_PLAIN_TEST)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--offload-ref-threads", "-1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--offload-ref-threads*"])
 
 
 # -- strategy names --------------------------------------------------------------------------
