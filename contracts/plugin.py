@@ -7,11 +7,23 @@ imported when a test asks for ``offload_ref_check``.  Two ways to run the kit on
   ``OFFLOAD_REF_EXPECTED_FAILURES = {check_id: reason}``) and a test
   ``def test_offload(offload_ref_check): offload_ref_check()``;
 * ``pytest --offload-ref-spec mypkg.specs:SPECS`` with the same test function.
+
+Torch threads: a session that will run kit checks (a collected test bound to a check, through
+``offload_ref_check`` or ``parametrize_with_checks``) runs with ``torch.set_num_threads(N)``,
+``N`` from ``--offload-ref-threads`` (default 1, as ``offload-ref check --torch-threads``), taken
+when collection ends and restored when the session ends.  The fixture pipelines and most
+author pipelines under test are tiny: intra-op thread hand-offs dominate their run time (2.7x
+on a plain run, 11x under ``-n 2`` on 2 cores, where the workers' thread pools fight for the
+cores; issue 11).  torch's setting is process-wide, so the other tests of that session run with N
+threads too; a session that collects no kit check is left alone (the plugin is loaded by every
+pytest run in an environment where offload-ref is installed), and ``--offload-ref-threads 0``
+leaves torch's setting alone everywhere.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 import pytest
 
@@ -31,13 +43,61 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--offload-ref-strategy", action="append", default=[], metavar="STRATEGY",
-        help="restrict the kit to these strategies (model_level, layer_wise, ...)",
+        help="restrict the kit to these strategies (model_level, layer_wise, "
+             "distributed_layer_wise); an unknown name is a usage error",
     )
+    group.addoption(
+        "--offload-ref-threads", type=int, default=1, metavar="N",
+        help="torch intra-op threads in a session that runs kit checks (default 1: the "
+             "pipelines under test are tiny and thread hand-offs dominate; 0: leave torch's "
+             "setting alone); restored when the session ends",
+    )
+
+
+_PREVIOUS_THREADS = pytest.StashKey[int]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     for marker in MARKERS:
         config.addinivalue_line("markers", marker)
+    strategies = config.getoption("--offload-ref-strategy")
+    if strategies:
+        from offload_ref.contracts.registry import strategy_names  # no torch
+
+        try:
+            strategy_names(strategies, "--offload-ref-strategy")
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+    if config.getoption("--offload-ref-threads") < 0:
+        raise pytest.UsageError("--offload-ref-threads: expected N >= 0 (0: leave torch alone)")
+
+
+def _runs_kit_checks(items: list[pytest.Item]) -> bool:
+    support = sys.modules.get("offload_ref.contracts.pytest_support")
+    if support is None:  # nothing was bound to a check: not imported
+        return False
+    return any(isinstance(value, support.BoundCheck)
+               for item in items
+               for value in getattr(getattr(item, "callspec", None), "params", {}).values())
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    threads = session.config.getoption("--offload-ref-threads")
+    if not threads or not _runs_kit_checks(session.items):
+        return
+    import torch
+
+    session.config.stash[_PREVIOUS_THREADS] = torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    previous = session.config.stash.get(_PREVIOUS_THREADS, None)
+    if previous is not None:
+        import torch
+
+        torch.set_num_threads(previous)
+        del session.config.stash[_PREVIOUS_THREADS]
 
 
 def _load(ref: str):
@@ -63,8 +123,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         )
     strategies = metafunc.config.getoption("--offload-ref-strategy") or None
     expected = getattr(metafunc.module, "OFFLOAD_REF_EXPECTED_FAILURES", None)
-    metafunc.parametrize(
-        "offload_ref_check",
-        check_params(specs, expected_failures=expected, strategies=strategies,
-                     include_global=False),
-    )
+    try:
+        params = check_params(specs, expected_failures=expected, strategies=strategies,
+                              include_global=False)
+    except ValueError as exc:  # a misspelled OFFLOAD_REF_EXPECTED_FAILURES key, ...
+        raise pytest.UsageError(f"{metafunc.module.__name__}: {exc}") from None
+    metafunc.parametrize("offload_ref_check", params)

@@ -10,7 +10,7 @@ import pytest
 
 from .case import DEFAULT_IMPLEMENTATION, Implementation
 from .registry import CheckFailure, CheckInfo
-from .runner import CaseId, iter_cases, run_case
+from .runner import CaseId, expected_failures_for, iter_cases, run_case
 from .spec import PipelineSpec
 
 __all__ = ["BoundCheck", "check_params", "parametrize_with_checks"]
@@ -46,7 +46,7 @@ def check_params(
     include_global: bool = True,
     impl: Implementation = DEFAULT_IMPLEMENTATION,
 ) -> list[Any]:
-    expected = dict(expected_failures or {})
+    expected = expected_failures_for(specs, expected_failures)
     params = []
     for info, spec, strategy in iter_cases(specs, checks=checks, strategies=strategies,
                                            include_global=include_global):
@@ -73,7 +73,8 @@ def parametrize_with_checks(
         def test_offload_contracts(check):
             check()
 
-    ``expected_failures`` (check id, or ``check-spec-strategy``) -> reason; strict.
+    ``expected_failures`` (check id, or ``check-spec-strategy``) -> reason; strict.  An id that
+    names no check and no generated case raises ``ValueError``, naming the closest id.
     """
     params = check_params(specs, expected_failures=expected_failures, checks=checks,
                           strategies=strategies, include_global=include_global)

@@ -6,7 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CATALOGUE", "CheckFailure", "CheckInfo", "check", "fail"]
+import difflib
+from collections.abc import Iterable
+
+__all__ = ["ALL_STRATEGIES", "CATALOGUE", "CheckFailure", "CheckInfo", "check", "closest",
+           "fail", "strategy_names"]
 
 
 class CheckFailure(AssertionError):
@@ -18,6 +22,30 @@ def fail(message: str) -> None:
 
 
 ALL_STRATEGIES = ("model_level", "layer_wise", "distributed_layer_wise")
+
+
+def closest(name: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the nearest candidate, or ``""`` when none is near."""
+    match = difflib.get_close_matches(str(name), list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def strategy_names(strategies: Iterable[Any], what: str = "strategy") -> tuple[str, ...]:
+    """Normalise strategy names (strings or ``OffloadStrategy`` values) and reject unknown ones.
+
+    An unknown name is an error, never a filter that quietly matches nothing: a misspelled
+    strategy would otherwise drop every case of the strategy meant and still come out green.
+    """
+    if isinstance(strategies, (str, bytes)):
+        raise ValueError(f"{what}: expected a tuple of strategy names, got the string "
+                         f"{strategies!r}; valid names: {', '.join(ALL_STRATEGIES)}")
+    names = tuple(str(getattr(s, "value", s)) for s in strategies)
+    unknown = [n for n in names if n not in ALL_STRATEGIES]
+    if unknown:
+        hints = "; ".join(f"{n!r}{closest(n, ALL_STRATEGIES)}" for n in unknown)
+        raise ValueError(f"{what}: unknown strategy name(s) {hints}; valid names: "
+                         f"{', '.join(ALL_STRATEGIES)}")
+    return names
 
 
 @dataclass(frozen=True)

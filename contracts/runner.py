@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from offload_ref.config import OffloadStrategy
 
 from .case import DEFAULT_IMPLEMENTATION, CheckCase, Implementation
-from .registry import CATALOGUE, CheckFailure, CheckInfo
+from .registry import CATALOGUE, CheckFailure, CheckInfo, closest, strategy_names
 from .spec import PipelineSpec
 
-__all__ = ["CaseId", "CheckResult", "iter_cases", "run_checks", "load_catalogue"]
+__all__ = ["CaseId", "CheckResult", "expected_failures_for", "iter_cases", "load_catalogue",
+           "run_checks"]
 
 
 def load_catalogue() -> dict[str, CheckInfo]:
@@ -66,7 +67,7 @@ def iter_cases(
         unknown = sorted(wanted - set(catalogue))
         if unknown:
             raise KeyError(f"unknown check id(s) {unknown}; see `offload-ref check --list`")
-    allowed = None if strategies is None else {str(getattr(s, "value", s)) for s in strategies}
+    allowed = None if strategies is None else set(strategy_names(strategies, "strategies"))
     cases = []
     for info in sorted(catalogue.values(), key=lambda i: i.id):
         if wanted is not None and info.id not in wanted:
@@ -85,6 +86,38 @@ def iter_cases(
                     continue
                 cases.append((info, spec, strategy))
     return cases
+
+
+def expected_failures_for(specs: Sequence[PipelineSpec],
+                          expected_failures: Mapping[str, str] | None) -> dict[str, str]:
+    """Validate ``expected_failures`` against ``specs`` and return it as a dict.
+
+    Each key is a check id of the catalogue or a full case id ``check-spec-strategy`` that
+    :func:`iter_cases` generates for ``specs`` (whatever checks or strategies a run selects);
+    each reason is a non-empty string.  Anything else is a ``ValueError`` naming the closest id:
+    a misspelled key would otherwise expect nothing, and the strict xfail it was meant to be
+    would never be checked.
+    """
+    expected = dict(expected_failures or {})
+    catalogue = load_catalogue()
+    problems = []
+    unknown = [k for k in expected if not (isinstance(k, str) and k in catalogue)]
+    if unknown:
+        # Full case ids are generated only when a key needs them (``applies`` may build pipelines).
+        known = set(catalogue) | {str(CaseId(info.id, spec.name if spec else None, strategy))
+                                  for info, spec, strategy in iter_cases(specs)}
+        for key in unknown:
+            if key not in known:
+                problems.append(f"{key!r}{closest(str(key), known)}")
+    empty = [k for k, why in expected.items() if not (isinstance(why, str) and why.strip())]
+    if problems:
+        raise ValueError(
+            f"expected_failures: {'; '.join(problems)} is neither a check id of the catalogue "
+            "nor a case id 'check-spec-strategy' generated for the pipeline specs "
+            f"{sorted(s.name for s in specs)}; see `offload-ref check --list`")
+    if empty:
+        raise ValueError(f"expected_failures: the reason of {empty} must be a non-empty string")
+    return expected
 
 
 def run_case(info: CheckInfo, spec: PipelineSpec | None, strategy: str | None,
@@ -107,8 +140,9 @@ def run_checks(
     include_global: bool = True,
 ) -> list[CheckResult]:
     """Run the catalogue against ``specs``.  ``expected_failures`` maps a check id (or a full case
-    id ``check-spec-strategy``) to the reason; such cases must fail (strict)."""
-    expected = dict(expected_failures or {})
+    id ``check-spec-strategy``) to the reason; such cases must fail (strict).  An unknown key
+    raises ``ValueError`` (:func:`expected_failures_for`)."""
+    expected = expected_failures_for(specs, expected_failures)
     results = []
     for info, spec, strategy in iter_cases(specs, checks=checks, strategies=strategies,
                                            include_global=include_global):

@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .registry import strategy_names
+
 __all__ = ["PipelineSpec", "load_object"]
 
 
@@ -31,7 +33,8 @@ class PipelineSpec:
     ``inputs(seed=...)`` returns the keyword arguments of one generation; ``pipeline(**inputs)``
     returns a tensor.  Both are ``"package.module:attr"`` references (so worker processes can
     import them) or callables (single-process checks only).  ``strategies`` lists the offload
-    strategies the pipeline claims to support (strings or ``OffloadStrategy`` values).
+    strategies the pipeline claims to support (strings or ``OffloadStrategy`` values, from
+    ``registry.ALL_STRATEGIES``; an unknown name raises ``ValueError``).
     """
 
     name: str
@@ -43,7 +46,7 @@ class PipelineSpec:
     tags: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        strategies = tuple(str(getattr(s, "value", s)) for s in self.strategies)
+        strategies = strategy_names(self.strategies, f"PipelineSpec {self.name!r} strategies")
         object.__setattr__(self, "strategies", strategies)
 
     def build(self) -> Any:

@@ -2,7 +2,8 @@
 
 Under test: the public names import; the kit and the fixtures live under ``offload_ref.`` only
 (no top-level ``contracts`` / ``fixtures`` of ours); the pytest11 plugin loads without torch; the
-12 fixture specs build; the ``offload-ref`` console script runs; and a downstream author's test
+12 fixture specs build; the ``offload-ref`` console script runs (without torch's NumPy
+warning: numpy is a declared dependency); and a downstream author's test
 file using ``OFFLOAD_REF_SPECS`` + ``offload_ref_check`` runs under pytest.
 
 Every subprocess runs with ``cwd=tmp_path`` and without ``PYTHONPATH``, so only what is installed
@@ -20,6 +21,8 @@ import sys
 import textwrap
 from importlib.metadata import entry_points
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 _TIMEOUT_S = 120
@@ -154,6 +157,29 @@ def test_console_script_lists_checks(tmp_path: Path) -> None:
     ids = re.findall(r"\bcheck_[a-z0-9_]+\b", proc.stdout)
     assert len(ids) >= 10, f"offload-ref check --list printed {len(ids)} check ids:\n{proc.stdout}"
     assert "check_plan_resolution_is_pure" in ids
+    # The command imports torch (the bench parser): with numpy missing, torch warns here.
+    assert "NumPy" not in proc.stderr, proc.stderr
+
+
+def test_numpy_is_a_declared_dependency_pinned_in_ci() -> None:
+    """torch imports numpy when it is there and warns "Failed to initialize NumPy" on every
+    import when it is not; torch's wheels do not depend on it, so the package must (issue 11).
+
+    This venv has numpy, so the stderr assertion above cannot fail here: this one reads what
+    ``pip install -c ci/constraints.txt -e .`` installs (README.md's first command)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = {Requirement(d).name: Requirement(d) for d in project["dependencies"]}
+    assert "numpy" in deps, f"numpy is not in [project] dependencies: {sorted(deps)}"
+    assert deps["numpy"].specifier, "numpy needs a version range"
+    pins = {Requirement(line).name: Requirement(line) for line in
+            (REPO / "ci" / "constraints.txt").read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")}
+    assert "numpy" in pins, "ci/constraints.txt does not pin numpy"
+    pinned = next(iter(pins["numpy"].specifier)).version
+    assert deps["numpy"].specifier.contains(pinned), (pinned, str(deps["numpy"].specifier))
 
 
 def test_downstream_author_test_file_runs_the_kit(tmp_path: Path) -> None:

@@ -1,0 +1,202 @@
+"""The conformance kit under pytest, as an outside author runs it (issue 11).
+
+Under test: the pytest11 plugin pins torch's intra-op threads for a session that runs kit checks
+and restores them after; unknown strategy names (in a ``PipelineSpec``, in
+``--offload-ref-strategy``, in ``iter_cases``) and misspelled ``expected_failures`` ids are errors
+that name the closest valid one, never filters that quietly match nothing.
+
+The plugin tests run pytest in-process (``pytester``) on an author-style test file: cheaper
+than a subprocess (no second torch import).  torch's thread count is process-wide, and the
+project's conftest pins it to 1 for this session, so the thread tests set another value first.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from offload_ref.config import OffloadStrategy
+from offload_ref.contracts.pytest_support import check_params
+from offload_ref.contracts.registry import ALL_STRATEGIES
+from offload_ref.contracts.runner import iter_cases, run_checks
+from offload_ref.contracts.spec import PipelineSpec
+from offload_ref.fixtures import get_spec
+
+pytest_plugins = ["pytester"]
+
+_NEXTSTEP = get_spec("nextstep")
+_ONE_CASE = "check_plan_resolution_is_pure-mine-layer_wise"
+
+# A kit check on a pipeline whose factory records torch's thread count while a test runs: the
+# factory runs inside the check (case.build()), so this is the value a check sees.  (Collection
+# builds pipelines too, to see which checks apply: before the plugin pins the threads.)
+_AUTHOR_TEST = '''
+import os
+
+import torch
+from offload_ref.contracts.spec import PipelineSpec
+from offload_ref.fixtures import get_spec
+
+SEEN = []
+_BASE = get_spec("nextstep")
+
+
+def _factory(seed):
+    if "test_author.py::test_offload" in os.environ.get("PYTEST_CURRENT_TEST", ""):
+        SEEN.append(torch.get_num_threads())
+    return _BASE.build()
+
+
+OFFLOAD_REF_SPECS = [PipelineSpec("mine", _factory, _BASE.inputs, strategies=_BASE.strategies)]
+
+
+def test_offload(offload_ref_check):
+    offload_ref_check()
+
+
+def test_zz_seen_inside_the_check():
+    print("SEEN-IN-CHECK", ",".join(str(n) for n in sorted(set(SEEN))) or "none")
+'''
+
+_PLAIN_TEST = '''
+import torch
+
+
+def test_plain():
+    print(f"SEEN-IN-TEST {torch.get_num_threads()}")
+'''
+
+
+@pytest.fixture
+def three_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield 3
+    torch.set_num_threads(previous)
+
+
+def _seen(result, tag: str) -> str:
+    """What the test file printed after ``tag`` (``-s``: the line follows the file name)."""
+    found = re.findall(rf"{tag} (\S+)", "\n".join(result.outlines))
+    assert found, "\n".join(result.outlines)
+    return found[-1]
+
+
+# -- torch threads ---------------------------------------------------------------------------
+
+
+def test_plugin_pins_one_thread_inside_a_check_and_restores_it(pytester, three_threads) -> None:
+    pytester.makepyfile(test_author=_AUTHOR_TEST)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-s", "-k",
+                                f"({_ONE_CASE}) or seen_inside")
+    result.assert_outcomes(passed=2)
+    assert _seen(result, "SEEN-IN-CHECK") == "1"
+    assert torch.get_num_threads() == three_threads, "not restored at the end of the session"
+
+
+def test_plugin_threads_option_sets_n_and_zero_leaves_torch_alone(pytester, three_threads) -> None:
+    pytester.makepyfile(test_author=_AUTHOR_TEST)
+    for option, expected in (("2", "2"), ("0", str(three_threads))):
+        result = pytester.runpytest("-p", "no:cacheprovider", "-s", "--offload-ref-threads",
+                                    option, "-k", f"({_ONE_CASE}) or seen_inside")
+        result.assert_outcomes(passed=2)
+        assert _seen(result, "SEEN-IN-CHECK") == expected, option
+        assert torch.get_num_threads() == three_threads
+
+
+def test_plugin_leaves_a_session_without_kit_checks_alone(pytester, three_threads) -> None:
+    pytester.makepyfile(test_plain=_PLAIN_TEST)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-s")
+    result.assert_outcomes(passed=1)
+    assert _seen(result, "SEEN-IN-TEST") == str(three_threads)
+
+
+def test_plugin_rejects_negative_threads(pytester) -> None:
+    pytester.makepyfile(test_plain=_PLAIN_TEST)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--offload-ref-threads", "-1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--offload-ref-threads*"])
+
+
+# -- strategy names --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategies, hint", [
+    (("model_level", "layerwise"), "'layer_wise'"),
+    (("model_level", "layer-wise"), "'layer_wise'"),
+    (("module", "layer"), "'layer_wise'"),
+])
+def test_spec_rejects_unknown_strategy_names(strategies, hint) -> None:
+    with pytest.raises(ValueError) as info:
+        PipelineSpec("mine", _NEXTSTEP.factory, _NEXTSTEP.inputs, strategies=strategies)
+    message = str(info.value)
+    assert f"did you mean {hint}" in message, message
+    assert all(name in message for name in ALL_STRATEGIES), message
+
+
+def test_spec_rejects_a_string_for_strategies() -> None:
+    with pytest.raises(ValueError, match="tuple of strategy names"):
+        PipelineSpec("mine", _NEXTSTEP.factory, _NEXTSTEP.inputs, strategies="layer_wise")
+
+
+def test_spec_accepts_offload_strategy_values() -> None:
+    spec = PipelineSpec("mine", _NEXTSTEP.factory, _NEXTSTEP.inputs,
+                        strategies=(OffloadStrategy.LAYER_WISE, "model_level"))
+    assert spec.strategies == ("layer_wise", "model_level")
+
+
+def test_iter_cases_rejects_unknown_strategy_filter() -> None:
+    with pytest.raises(ValueError, match="did you mean 'layer_wise'"):
+        iter_cases([_NEXTSTEP], strategies=["layerwise"])
+
+
+def test_plugin_unknown_strategy_option_is_a_usage_error(pytester) -> None:
+    pytester.makepyfile(test_plain=_PLAIN_TEST)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--offload-ref-strategy", "layerwise")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*layerwise*did you mean 'layer_wise'*"])
+
+
+# -- expected failures -----------------------------------------------------------------------
+
+_CHECK = "check_plan_resolution_is_pure"
+
+
+def test_expected_failures_accept_check_ids_and_generated_case_ids() -> None:
+    expected = {_CHECK: "why", f"check_plan_resolution_is_repeatable-nextstep-layer_wise": "why"}
+    params = check_params([_NEXTSTEP], expected_failures=expected, checks=[_CHECK])
+    assert params and all(p.marks[-1].name == "xfail" for p in params)
+
+
+@pytest.mark.parametrize("key, closest", [
+    ("check_plan_resolution_is_pur", _CHECK),                         # not a check id
+    (f"{_CHECK}-nextstep-layerwise", f"{_CHECK}-nextstep-layer_wise"),  # strategy misspelled
+    (f"{_CHECK}-nextstep-model_level", None),                        # never generated
+])
+def test_expected_failures_reject_unknown_ids_naming_the_closest(key, closest) -> None:
+    for call in (lambda: check_params([_NEXTSTEP], expected_failures={key: "why"}),
+                 lambda: run_checks([_NEXTSTEP], expected_failures={key: "why"})):
+        with pytest.raises(ValueError) as info:
+            call()
+        message = str(info.value)
+        assert repr(key) in message, message
+        if closest is not None:
+            assert f"did you mean {closest!r}" in message, message
+
+
+def test_expected_failures_reject_an_empty_reason() -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        check_params([_NEXTSTEP], expected_failures={_CHECK: ""})
+
+
+def test_plugin_misspelled_module_expected_failures_is_an_error(pytester) -> None:
+    pytester.makepyfile(test_author=_AUTHOR_TEST.replace(
+        "def test_offload", 'OFFLOAD_REF_EXPECTED_FAILURES = {"check_plan_resolution_is_pur": "x"}'
+        "\n\n\ndef test_offload"))
+    result = pytester.runpytest("-p", "no:cacheprovider", "-k", _ONE_CASE)
+    assert result.ret == pytest.ExitCode.INTERRUPTED  # a collection error naming the module
+    result.stdout.no_fnmatch_line("*passed*")
+    output = "\n".join(result.outlines + result.errlines)
+    assert f"did you mean '{_CHECK}'" in output, output
