@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from offload_ref.config import OffloadStrategy
 
@@ -28,17 +28,32 @@ class CaseId:
     check: str
     spec: str | None
     strategy: str | None
+    #: The ``offload-ref check`` arguments that select this spec again (``--spec my.mod:SPEC``,
+    #: ``my.mod:build --inputs my.mod:inputs``, ...); None: a built-in fixture, by its name.
+    source: str | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return "-".join(p for p in (self.check, self.spec, self.strategy) if p)
 
     def repro(self) -> str:
-        parts = ["offload-ref check", f"--check {self.check}"]
-        if self.spec:
-            parts.append(f"--pipeline {self.spec}")
+        """The command that reruns exactly this case."""
+        parts = ["offload-ref check"]
+        if self.source:
+            parts.append(self.source)
+        elif self.spec:
+            # an author's spec whose reference is unknown here: MODULE:ATTR is for them to fill
+            parts.append(f"--pipeline {self.spec}" if _is_fixture(self.spec) else
+                         f"--spec MODULE:ATTR --name {self.spec}")
+        parts.append(f"--check {self.check}")
         if self.strategy:
             parts.append(f"--strategy {self.strategy}")
         return " ".join(parts)
+
+
+def _is_fixture(name: str) -> bool:
+    from offload_ref.fixtures import SPECS
+
+    return any(spec.name == name for spec in SPECS)
 
 
 @dataclass(frozen=True)
@@ -138,15 +153,19 @@ def run_checks(
     impl: Implementation = DEFAULT_IMPLEMENTATION,
     expected_failures: Mapping[str, str] | None = None,
     include_global: bool = True,
+    sources: Mapping[PipelineSpec, str] | None = None,
 ) -> list[CheckResult]:
     """Run the catalogue against ``specs``.  ``expected_failures`` maps a check id (or a full case
     id ``check-spec-strategy``) to the reason; such cases must fail (strict).  An unknown key
-    raises ``ValueError`` (:func:`expected_failures_for`)."""
+    raises ``ValueError`` (:func:`expected_failures_for`).  ``sources`` maps a spec to the
+    ``offload-ref check`` arguments that select it (see :attr:`CaseId.source`)."""
     expected = expected_failures_for(specs, expected_failures)
+    sources = sources or {}
     results = []
     for info, spec, strategy in iter_cases(specs, checks=checks, strategies=strategies,
                                            include_global=include_global):
-        cid = CaseId(info.id, spec.name if spec else None, strategy)
+        cid = CaseId(info.id, spec.name if spec else None, strategy,
+                     sources.get(spec) if spec else None)
         xfail = expected.get(str(cid), expected.get(info.id))
         start = time.perf_counter()
         try:

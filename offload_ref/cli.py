@@ -1,15 +1,23 @@
 """``offload-ref``: run the conformance kit, explain a plan, benchmark.
 
-    offload-ref check [--pipeline NAME]... [--spec MODULE:ATTR]... [--check ID]...
+    offload-ref check [MODULE:ATTR]... [--pipeline NAME]... [--spec MODULE:ATTR]...
+                      [--inputs MODULE:ATTR] [--name NAME]... [--check ID]...
                       [--strategy S]... [--list] [--json]
     offload-ref plan  --pipeline NAME [--strategy S]
     offload-ref bench [--json]
+
+MODULE:ATTR (positional or --spec) names a PipelineSpec, a list or tuple of them, or a factory: a
+callable taking no arguments or seed= that builds your pipeline.  A factory's pipeline is called
+with the keyword arguments --inputs returns (default: none) and is checked under the --strategy
+values (default: model_level and layer_wise).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import shlex
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -18,17 +26,78 @@ from typing import Any
 __all__ = ["main"]
 
 
-def _specs(args: argparse.Namespace) -> list[Any]:
-    from offload_ref.contracts.spec import load_object
+class _UsageError(Exception):
+    """A bad argument: one line on stderr, exit status 2."""
+
+
+def _closest(value: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(value, list(choices), n=3, cutoff=0.6)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
+
+def _selection(args: argparse.Namespace) -> tuple[list[Any], dict[Any, str]]:
+    """The specs the arguments select, and for each the arguments that select it again (its
+    reproduction lines use them)."""
+    from offload_ref.contracts.refs import RefError, resolve, specs_from
+    from offload_ref.contracts.spec import PipelineSpec
     from offload_ref.fixtures import SPECS, get_spec
 
-    specs = [get_spec(name) for name in args.pipeline]
-    for ref in args.spec:
-        obj = load_object(ref) if ":" in ref else None
-        specs.extend(obj if isinstance(obj, (list, tuple)) else [obj])
-    if not args.pipeline and not args.spec:
+    fixtures = [spec.name for spec in SPECS]
+    specs: list[Any] = []
+    sources: dict[Any, str] = {}
+    for name in args.pipeline:
+        if name not in fixtures:
+            raise _UsageError(f"--pipeline {name!r}: no built-in fixture of that name"
+                              f"{_closest(name, fixtures)} (fixtures: {', '.join(fixtures)}; "
+                              f"your own pipeline goes in MODULE:ATTR)")
+        specs.append(get_spec(name))
+        sources[specs[-1]] = f"--pipeline {shlex.quote(name)}"
+    if args.inputs:
+        try:
+            resolve(args.inputs)
+        except RefError as exc:
+            raise _UsageError(f"--inputs {exc}") from None
+    any_factory = False
+    for flag, ref in [("", r) for r in args.refs] + [("--spec ", r) for r in args.spec]:
+        try:
+            obj = resolve(ref)
+            loaded = specs_from(ref, obj, inputs=args.inputs, strategies=args.strategy or None)
+        except RefError as exc:
+            raise _UsageError(f"{flag or 'MODULE:ATTR '}{exc}") from None
+        factory = not isinstance(obj, (PipelineSpec, list, tuple))
+        any_factory |= factory
+        source = f"{flag}{shlex.quote(ref)}"
+        if factory and args.inputs:
+            source += f" --inputs {shlex.quote(args.inputs)}"
+        for spec in loaded:
+            specs.append(spec)
+            sources[spec] = (f"{source} --name {shlex.quote(spec.name)}"
+                             if isinstance(obj, (list, tuple)) else source)
+    if args.inputs and not any_factory:
+        raise _UsageError(f"--inputs {args.inputs!r}: applies to a factory reference only (a "
+                          f"PipelineSpec carries its own inputs); drop --inputs or name a factory")
+    if not args.pipeline and not args.refs and not args.spec:
         specs = list(SPECS)
-    return specs
+    if args.name:
+        names = sorted({spec.name for spec in specs})
+        for name in args.name:
+            if name not in names:
+                raise _UsageError(f"--name {name!r}: no selected pipeline has that name"
+                                  f"{_closest(name, names)} (selected: {', '.join(names)})")
+        specs = [spec for spec in specs if spec.name in args.name]
+    return specs, sources
+
+
+def _check_ids(args: argparse.Namespace) -> list[str] | None:
+    from offload_ref.contracts.runner import load_catalogue
+
+    catalogue = load_catalogue()
+    for check_id in args.check:
+        if check_id not in catalogue:
+            raise _UsageError(f"--check {check_id!r}: unknown check id"
+                              f"{_closest(check_id, sorted(catalogue))} "
+                              f"(`offload-ref check --list` prints them all)")
+    return args.check or None
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -40,16 +109,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
         return 0
     import torch
 
+    specs, sources = _selection(args)
+    checks = _check_ids(args)
     torch.set_num_threads(args.torch_threads)
-    specs = _specs(args)
-    include_global = not args.spec or bool(args.pipeline)
-    checks = args.check or None
+    include_global = not (args.spec or args.refs) or bool(args.pipeline)
     strategies = args.strategy or None
     total = len(iter_cases(specs, checks=checks, strategies=strategies,
                            include_global=include_global))
     print(f"offload-ref check: {total} cases over {len(specs)} pipeline(s)", file=sys.stderr)
     results = run_checks(specs, checks=checks, strategies=strategies,
-                         include_global=include_global)
+                         include_global=include_global, sources=sources)
     if args.json:
         print(json.dumps([{"check": r.id.check, "pipeline": r.id.spec, "strategy": r.id.strategy,
                            "outcome": r.outcome, "message": r.message,
@@ -81,7 +150,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from offload_ref.config import OffloadConfig
     from offload_ref.plan import resolve_offload_plan, selectable_components
 
-    specs = _specs(args)
+    specs, _ = _selection(args)
     strategies = args.strategy or None
     for spec in specs:
         for strategy in strategies or spec.strategies:
@@ -103,10 +172,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def selection(p: argparse.ArgumentParser) -> None:
+        p.add_argument("refs", nargs="*", default=[], metavar="MODULE:ATTR",
+                       help="your own PipelineSpec, list of specs, or factory (see above)")
         p.add_argument("--pipeline", action="append", default=[],
-                       help="a built-in fixture name (default: all)")
+                       help="a built-in fixture name (default: all, unless MODULE:ATTR is given)")
         p.add_argument("--spec", action="append", default=[], metavar="MODULE:ATTR",
-                       help="your own PipelineSpec (or list of specs)")
+                       help="the same as a positional MODULE:ATTR")
+        p.add_argument("--inputs", metavar="MODULE:ATTR",
+                       help="for a factory: inputs(seed=...) or inputs() returning the keyword "
+                            "arguments of one generation (default: none)")
+        p.add_argument("--name", action="append", default=[],
+                       help="keep only the selected pipelines of this name")
         p.add_argument("--strategy", action="append", default=[],
                        choices=["model_level", "layer_wise", "distributed_layer_wise"])
 
@@ -128,7 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     add_bench_parser(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except _UsageError as exc:
+        print(f"offload-ref {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
