@@ -225,7 +225,7 @@ def check_model_level_without_encoder_is_rejected(case) -> None:
                                   "model-level without an encoder", ("_encoder_modules",))
 
 
-@check("A.5", strategies=LAYER, requires_support=False)
+@check("A.5", strategies=LAYER)
 def check_single_block_dit_is_rejected(case) -> None:
     """A layer strategy on a DiT with fewer than two blocks fails, naming the DiT."""
     pipeline = case.build()
@@ -236,7 +236,7 @@ def check_single_block_dit_is_rejected(case) -> None:
                                   (path, "at least two"))
 
 
-@check("A.5", strategies=LAYER, requires_support=False)
+@check("A.5", strategies=LAYER)
 def check_missing_block_container_is_rejected(case) -> None:
     """A declared block container that does not exist fails, naming the container path."""
     pipeline = case.build()
@@ -246,7 +246,7 @@ def check_missing_block_container_is_rejected(case) -> None:
                                   (f"{path}.kit_missing_blocks",))
 
 
-@check("A.5", strategies=LAYER, requires_support=False)
+@check("A.5", strategies=LAYER)
 def check_block_claimed_by_two_components_is_rejected(case) -> None:
     """One block reachable from two components is rejected ("claimed by both")."""
     pipeline = case.build()
@@ -260,7 +260,7 @@ def check_block_claimed_by_two_components_is_rejected(case) -> None:
                                   ("claimed by both", "kit_twin"))
 
 
-@check("A.5", strategies=LAYER, requires_support=False, applies=has_role("vaes"))
+@check("A.5", strategies=LAYER, applies=has_role("vaes"))
 def check_on_demand_component_without_lifecycle_is_rejected(case) -> None:
     """An on-demand component must implement load_to_device() and offload_to_cpu()."""
     pipeline = case.build()
@@ -285,8 +285,7 @@ def _encoder_block_list(pipeline: Any) -> tuple[str, str] | None:
     return None
 
 
-@check("A.5", strategies=("distributed_layer_wise",), requires_support=False,
-       applies=_encoder_with_block_list)
+@check("A.5", strategies=("distributed_layer_wise",), applies=_encoder_with_block_list)
 def check_encoder_allgather_requires_declared_replication(case) -> None:
     """Encoder AllGather (world > 1) needs OffloadPlan.encoder_dlo_weight_replication."""
     pipeline = case.build()
@@ -305,7 +304,7 @@ def _dlo_resident_config(resident: int) -> OffloadConfig:
         layer_options={"dit": LayerOptions(WeightTransfer.RANK_LOCAL, resident)})
 
 
-@check("A.5", strategies=("distributed_layer_wise",), requires_support=False)
+@check("A.5", strategies=("distributed_layer_wise",))
 def check_resident_layers_need_a_resident_dit_path(case) -> None:
     """resident_layers without the DiT in OffloadPlan.resident_dit_paths is rejected."""
     pipeline = case.build()
@@ -316,7 +315,7 @@ def check_resident_layers_need_a_resident_dit_path(case) -> None:
                                   (path, "resident_dit_paths"))
 
 
-@check("A.5", strategies=("distributed_layer_wise",), requires_support=False)
+@check("A.5", strategies=("distributed_layer_wise",))
 def check_resident_layers_leaving_one_streaming_block_are_rejected(case) -> None:
     """resident_layers that leave exactly one streaming block are rejected."""
     pipeline = case.build()
@@ -382,7 +381,7 @@ def check_tensors_aliasing_a_block_belong_to_its_ring(case) -> None:
                 fail(f"{path}.{name} shares storage with a block tensor but is not a ring alias")
 
 
-@check("A.5", strategies=LAYER, requires_support=False)
+@check("A.5", strategies=LAYER)
 def check_resident_inside_a_streamed_block_is_rejected(case) -> None:
     """A component declared inside a streamed block (a resident submodule of a block) is
     rejected, naming it: a block streams whole, so nothing inside it can stay resident."""
