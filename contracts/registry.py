@@ -52,8 +52,8 @@ def strategy_names(strategies: Iterable[Any], what: str = "strategy") -> tuple[s
 class CheckInfo:
     """One check of the catalogue.
 
-    ``scope="spec"`` checks run once per pipeline spec and strategy (for the strategies the spec
-    supports among ``strategies``); ``scope="global"`` checks need no pipeline and run once.
+    ``scope="spec"`` checks run once per pipeline spec and strategy, for the strategies the spec
+    claims among ``strategies`` and never for one it does not claim; ``scope="global"`` checks need no pipeline and run once.
     ``applies(spec, strategy)`` narrows a spec check to pipelines with the needed shape (a
     check that does not apply is not generated, it is never skipped).
     """
@@ -64,7 +64,6 @@ class CheckInfo:
     scope: str = "spec"
     strategies: tuple[str, ...] = ALL_STRATEGIES
     applies: Callable[[Any, str], bool] | None = None
-    requires_support: bool = True  # the spec must list the strategy (False: resolution-only)
     title: str = ""
 
     def __call__(self, case: Any) -> None:
@@ -80,7 +79,6 @@ def check(
     scope: str = "spec",
     strategies: tuple[str, ...] = ALL_STRATEGIES,
     applies: Callable[[Any, str], bool] | None = None,
-    requires_support: bool = True,
 ) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
     """Register a check function; its name is its public id (``check_<subject>_<behaviour>``)."""
 
@@ -92,7 +90,7 @@ def check(
             raise ValueError(f"duplicate check id {name}")
         doc = (func.__doc__ or "").strip().splitlines()
         CATALOGUE[name] = CheckInfo(name, func, section, scope, tuple(strategies), applies,
-                                    requires_support, doc[0] if doc else "")
+                                    doc[0] if doc else "")
         return func
 
     return register

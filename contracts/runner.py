@@ -75,7 +75,12 @@ def iter_cases(
     strategies: Iterable[str] | None = None,
     include_global: bool = True,
 ) -> list[tuple[CheckInfo, PipelineSpec | None, str | None]]:
-    """Every applicable case, sorted (deterministic order for pytest-xdist)."""
+    """Every applicable case, sorted (deterministic order for pytest-xdist).
+
+    A spec check runs only under the strategies the spec claims (``spec.strategies``): a spec
+    that honestly supports model level alone gets no layerwise or distributed case, not even a
+    resolution-only one, so it can be green.  Global checks need no pipeline and always run.
+    """
     catalogue = load_catalogue()
     wanted = None if checks is None else set(checks)
     if wanted is not None:
@@ -95,7 +100,7 @@ def iter_cases(
             for strategy in info.strategies:
                 if allowed is not None and strategy not in allowed:
                     continue
-                if info.requires_support and not spec.supports(strategy):
+                if not spec.supports(strategy):
                     continue
                 if info.applies is not None and not info.applies(spec, strategy):
                     continue

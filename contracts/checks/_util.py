@@ -161,6 +161,26 @@ def has_role(role: str) -> Callable[[Any, str], bool]:
     return applies
 
 
+def dit_has_blocks(at_least: int = 2) -> Callable[[Any, str], bool]:
+    """``applies`` predicate: the first DiT's declared block containers hold ``at_least`` blocks.
+
+    Checks that copy, split or alias the author's blocks need blocks to work on; on a DiT with
+    fewer (none, one, or undeclared containers) they do not apply.  A layer strategy on such a
+    DiT still fails, through the checks that resolve it and report the resolver's error.
+    """
+    cache: dict[str, bool] = {}
+
+    def applies(spec: Any, strategy: str) -> bool:
+        if spec.name not in cache:
+            pipeline = spec.build()
+            dits = discover_components(pipeline).dits
+            # No DiT at all: let the check say so (first_dit fails naming the pipeline class).
+            cache[spec.name] = not dits or len(dit_blocks(pipeline, *dits[0])) >= at_least
+        return cache[spec.name]
+
+    return applies
+
+
 def offload_attributes(pipeline: nn.Module) -> list[str]:
     """Every ``_offload_ref_*`` attribute left on the pipeline or its modules."""
     out = []

@@ -18,6 +18,7 @@ from ._util import (
     count_forward_calls,
     dit_blocks,
     dit_containers,
+    dit_has_blocks,
     expect_error,
     first_dit,
     has_role,
@@ -25,6 +26,7 @@ from ._util import (
 )
 
 LAYER = ("layer_wise", "distributed_layer_wise")
+_TWO_BLOCKS = dit_has_blocks(2)
 
 
 def _with_plan(pipeline: Any, **changes: Any) -> None:
@@ -93,25 +95,33 @@ def check_plan_resolution_is_repeatable(case) -> None:
         fail("two resolutions have equal contents but do not compare equal")
 
 
-@check("A.3", strategies=LAYER)
+@check("A.3", strategies=LAYER, applies=_TWO_BLOCKS)
 def check_plan_block_attrs_beat_class_attributes(case) -> None:
     """OffloadPlan.block_attrs wins over the DiT's _layerwise_offload_blocks_attrs."""
     pipeline = case.build()
     path, dit = first_dit(pipeline)
+    declared = [f"{path}.{c}" for c in dit_containers(pipeline, path, dit)]
     blocks = dit_blocks(pipeline, path, dit)
     # A second container with the same blocks in reverse order, declared only by the plan.
     dit._kit_plan_blocks = nn.ModuleList(list(reversed(blocks)))
     _with_plan(pipeline, block_attrs={path: ("_kit_plan_blocks",)})
-    plan = case.resolve(pipeline)
+    what = (f"DiT {path!r} with OffloadPlan.block_attrs pointed at a container the check adds, "
+            f"holding the blocks of {declared} in reverse order")
+    try:
+        plan = case.resolve(pipeline)
+    except Exception as exc:
+        fail(f"{what}: resolution failed: {type(exc).__name__}: {exc}")
     stacks = [s for s in plan.stacks if s.owner_path == path]
     if not stacks:
-        fail(f"no ring resolved for DiT {path!r}")
+        fail(f"{what}: no ring resolved for the DiT")
     got = [id(b) for b in stacks[0].blocks]
     want = [id(b) for b in reversed(blocks)]
-    if got != want or stacks[0].container_paths != (f"{path}._kit_plan_blocks",):
-        fail(f"DiT {path!r}: OffloadPlan.block_attrs must win; resolved containers "
-             f"{stacks[0].container_paths} with block order {got[:3]}..., expected "
-             f"('{path}._kit_plan_blocks',) in reversed order")
+    if got != want:
+        fail(f"{what}: OffloadPlan.block_attrs must win, but the ring resolved from "
+             f"{list(stacks[0].container_paths)} in another order")
+    if stacks[0].container_paths != (f"{path}._kit_plan_blocks",):
+        fail(f"{what}: OffloadPlan.block_attrs must win, but the ring records containers "
+             f"{list(stacks[0].container_paths)}")
 
 
 @check("A.3", applies=_not_delegated)
@@ -225,7 +235,7 @@ def check_model_level_without_encoder_is_rejected(case) -> None:
                                   "model-level without an encoder", ("_encoder_modules",))
 
 
-@check("A.5", strategies=LAYER, requires_support=False)
+@check("A.5", strategies=LAYER)
 def check_single_block_dit_is_rejected(case) -> None:
     """A layer strategy on a DiT with fewer than two blocks fails, naming the DiT."""
     pipeline = case.build()
@@ -236,7 +246,7 @@ def check_single_block_dit_is_rejected(case) -> None:
                                   (path, "at least two"))
 
 
-@check("A.5", strategies=LAYER, requires_support=False)
+@check("A.5", strategies=LAYER)
 def check_missing_block_container_is_rejected(case) -> None:
     """A declared block container that does not exist fails, naming the container path."""
     pipeline = case.build()
@@ -246,7 +256,7 @@ def check_missing_block_container_is_rejected(case) -> None:
                                   (f"{path}.kit_missing_blocks",))
 
 
-@check("A.5", strategies=LAYER, requires_support=False)
+@check("A.5", strategies=LAYER, applies=_TWO_BLOCKS)
 def check_block_claimed_by_two_components_is_rejected(case) -> None:
     """One block reachable from two components is rejected ("claimed by both")."""
     pipeline = case.build()
@@ -256,11 +266,13 @@ def check_block_claimed_by_two_components_is_rejected(case) -> None:
     pipeline.kit_twin = twin
     pipeline.__dict__["_dit_modules"] = list(getattr(pipeline, "_dit_modules", [])) + ["kit_twin"]
     _with_plan(pipeline, block_attrs={"kit_twin": ("blocks",)})
-    _resolve_and_expect_rejection(case, pipeline, case.config(), "a block in two rings",
-                                  ("claimed by both", "kit_twin"))
+    _resolve_and_expect_rejection(
+        case, pipeline, case.config(),
+        f"the first two blocks of DiT {path!r} also declared as the blocks of a second DiT "
+        "the check adds (at 'kit_twin')", ("claimed by both", "kit_twin"))
 
 
-@check("A.5", strategies=LAYER, requires_support=False, applies=has_role("vaes"))
+@check("A.5", strategies=LAYER, applies=has_role("vaes"))
 def check_on_demand_component_without_lifecycle_is_rejected(case) -> None:
     """An on-demand component must implement load_to_device() and offload_to_cpu()."""
     pipeline = case.build()
@@ -285,8 +297,7 @@ def _encoder_block_list(pipeline: Any) -> tuple[str, str] | None:
     return None
 
 
-@check("A.5", strategies=("distributed_layer_wise",), requires_support=False,
-       applies=_encoder_with_block_list)
+@check("A.5", strategies=("distributed_layer_wise",), applies=_encoder_with_block_list)
 def check_encoder_allgather_requires_declared_replication(case) -> None:
     """Encoder AllGather (world > 1) needs OffloadPlan.encoder_dlo_weight_replication."""
     pipeline = case.build()
@@ -305,7 +316,7 @@ def _dlo_resident_config(resident: int) -> OffloadConfig:
         layer_options={"dit": LayerOptions(WeightTransfer.RANK_LOCAL, resident)})
 
 
-@check("A.5", strategies=("distributed_layer_wise",), requires_support=False)
+@check("A.5", strategies=("distributed_layer_wise",))
 def check_resident_layers_need_a_resident_dit_path(case) -> None:
     """resident_layers without the DiT in OffloadPlan.resident_dit_paths is rejected."""
     pipeline = case.build()
@@ -316,7 +327,7 @@ def check_resident_layers_need_a_resident_dit_path(case) -> None:
                                   (path, "resident_dit_paths"))
 
 
-@check("A.5", strategies=("distributed_layer_wise",), requires_support=False)
+@check("A.5", strategies=("distributed_layer_wise",), applies=_TWO_BLOCKS)
 def check_resident_layers_leaving_one_streaming_block_are_rejected(case) -> None:
     """resident_layers that leave exactly one streaming block are rejected."""
     pipeline = case.build()
@@ -324,7 +335,7 @@ def check_resident_layers_leaving_one_streaming_block_are_rejected(case) -> None
     n = len(dit_blocks(pipeline, path, dit))
     _with_plan(pipeline, resident_dit_paths=(path,))
     _resolve_and_expect_rejection(case, pipeline, _dlo_resident_config(n - 1),
-                                  f"resident_layers={n - 1} of {n}",
+                                  f"resident_layers={n - 1} of the {n} blocks of DiT {path!r}",
                                   (path, "only one streaming block"))
 
 
@@ -351,25 +362,32 @@ def check_legacy_topology_without_dit_is_a_recorded_noop(case) -> None:
              f"{platform.memory_allocated()}, changes={problems[:5]}")
 
 
-@check("A.7", strategies=LAYER)
+@check("A.7", strategies=LAYER, applies=_TWO_BLOCKS)
 def check_tensors_aliasing_a_block_belong_to_its_ring(case) -> None:
     """A DiT tensor outside the blocks that shares storage with a block tensor is a ring alias
     (placement by identity, not by attribute name)."""
     pipeline = case.build()
     path, dit = first_dit(pipeline)
     blocks = dit_blocks(pipeline, path, dit)
+    containers = dit_containers(pipeline, path, dit)
+    declared = [f"{path}.{c}" for c in containers]
     target_name, target = next(
-        (n, p) for n, p in blocks[-1].named_parameters() if p.numel() > 1)
+        ((n, p) for n, p in blocks[-1].named_parameters() if p.numel() > 1), (None, None))
+    if target is None:
+        fail(f"precondition: the last block of {declared} has no parameter of two or more "
+             "elements for the check to alias")
     dit.register_buffer("_kit_alias", target.data.view(-1)[1:], persistent=False)
     plan = case.resolve(pipeline)
     aliases = {a.path: a for s in plan.stacks for a in s.aliases}
     want = f"{path}._kit_alias"
+    block_tensor = f"{target_name} of the last block of {declared}"
     if want not in aliases:
-        fail(f"{want} views the storage of a streamed block's {target_name} but the plan does "
-             f"not record it as a ring alias (recorded: {sorted(aliases)})")
-    containers = dit_containers(pipeline, path, dit)
+        fail(f"a buffer the check adds to DiT {path!r} (at {want!r}) views the storage of "
+             f"{block_tensor}, but the plan does not record it as a ring alias "
+             f"(recorded: {sorted(aliases)})")
     if not aliases[want].block_path.startswith(f"{path}.{containers[-1]}"):
-        fail(f"{want} is attributed to {aliases[want].block_path}, not to the last block")
+        fail(f"a buffer the check adds to DiT {path!r} viewing {block_tensor} is attributed "
+             f"to {aliases[want].block_path}, not to that block")
     # Every pre-existing alias of the fixture is found too.
     for name, t in list(dit.named_parameters(remove_duplicate=False)) + list(
             dit.named_buffers(remove_duplicate=False)):
@@ -382,7 +400,7 @@ def check_tensors_aliasing_a_block_belong_to_its_ring(case) -> None:
                 fail(f"{path}.{name} shares storage with a block tensor but is not a ring alias")
 
 
-@check("A.5", strategies=LAYER, requires_support=False)
+@check("A.5", strategies=LAYER)
 def check_resident_inside_a_streamed_block_is_rejected(case) -> None:
     """A component declared inside a streamed block (a resident submodule of a block) is
     rejected, naming it: a block streams whole, so nothing inside it can stay resident."""
