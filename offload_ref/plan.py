@@ -19,6 +19,7 @@ Note [Ownership by identity]
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -448,6 +449,7 @@ class _Resolver:
                 self.warnings.append(message)
 
         self._reject_unreadable_storage(found)
+        self._check_plan_keys(found)  # before a strategy reads them: a typo would be ignored
         if strategy is OffloadStrategy.MODEL_LEVEL:
             components = self._model_level(found)
         else:
@@ -456,6 +458,7 @@ class _Resolver:
             return ResolvedOffloadPlan(strategy, skip_reason=components,
                                        warnings=tuple(self.warnings))
         components = _with_nested(components)
+        self._check_nesting(components)
         self._check_unique_ownership(components)
         if strategy is OffloadStrategy.MODEL_LEVEL:
             self._check_one_group_per_storage(components)
@@ -792,6 +795,58 @@ class _Resolver:
         return BlockStack(owner_path, tuple(container_paths), tuple(blocks), tuple(block_paths),
                           head, transfer, aliases)
 
+    # -- declarations and nesting --------------------------------------------------------------
+
+    def _check_plan_keys(self, found) -> None:
+        """Every path an :class:`OffloadPlan` field keys on names a discovered component of the
+        field's role: a key that names nothing would be ignored, so what it asks for (a ring, a
+        resident head, AllGather) would silently not happen.  Keys naming a declared path that
+        does not exist were already reported (with the declaration to fix)."""
+        missing = {path for _, path in found.missing}
+        dits = [p for p, _ in found.dits]
+        encoders = [p for p, _ in found.encoders]
+        fields = (("block_attrs", self.plan.block_attrs, "DiT", dits, "_dit_modules"),
+                  ("resident_dit_paths", self.plan.resident_dit_paths, "DiT", dits,
+                   "_dit_modules"),
+                  ("encoder_block_attrs", self.plan.encoder_block_attrs, "encoder", encoders,
+                   "_encoder_modules"),
+                  ("encoder_dlo_weight_replication", self.plan.encoder_dlo_weight_replication,
+                   "encoder", encoders, "_encoder_modules"))
+        other = {"DiT": ("encoder", encoders), "encoder": ("DiT", dits)}
+        for name, keys, role, paths, declaration in fields:
+            for key in keys:
+                if key in paths or key in missing:
+                    continue
+                close = difflib.get_close_matches(key, paths, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                if key in other[role][1]:
+                    hint = f" ({key!r} is an {other[role][0]}, not a {role})"
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: OffloadPlan.{name} names {key!r}, which is no {role} of "
+                    f"the pipeline; discovered {role}s: {paths}{hint}.  Fix the key, or declare "
+                    f"{key!r} in {declaration}"
+                )
+
+    def _check_nesting(self, components: list[ResolvedComponent]) -> None:
+        """A component inside another component's module tree keeps a residency of its own only
+        as a declared resident (or as a part of the same role: a DiT submodule of a DiT).  An
+        encoder inside a DiT (or a DiT inside an encoder, or a VAE inside either) would be
+        swapped out while the module around it runs, or the other way round: reject it here,
+        so what ``plan`` shows is what ``enable`` does."""
+        by_path = {c.path: c for c in components}
+        for outer in components:
+            for path in outer.nested:
+                inner = by_path[path]
+                if inner.role in ("resident", outer.role):
+                    continue
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: {_ROLE_WORD[inner.role]} {inner.path!r} lies inside the "
+                    f"{_ROLE_WORD[outer.role]} {outer.path!r} (one module tree); a component "
+                    f"nested in a component of another role must be declared in _resident_modules (it then stays on the "
+                    f"device), or drop {inner.path!r} from _{inner.role}_modules (it then "
+                    f"follows {outer.path!r}); or move the module out of {outer.path!r}"
+                )
+
     # -- ownership -----------------------------------------------------------------------------
 
     def _check_unique_ownership(self, components: list[ResolvedComponent]) -> None:
@@ -864,6 +919,9 @@ class _Resolver:
                 group = resident
             claim(group, owned_tensors(plan, comp))
         claim(resident, pipeline_state(self.pipeline, [c.module for c in components]))
+
+
+_ROLE_WORD = {"dit": "DiT", "encoder": "encoder", "vae": "VAE", "resident": "resident"}
 
 
 def _with_nested(components: list[ResolvedComponent]) -> list[ResolvedComponent]:

@@ -241,6 +241,25 @@ def _tied_pipeline_state() -> nn.Module:
     return pipe
 
 
+def _dit_holds_encoder() -> nn.Module:
+    """The DiT holds the encoder module itself (issue 11 item 9a): one module in two swap groups."""
+    pipe = _build()
+    pipe.backbone.dit.text_proj = pipe.text_encoder
+    return pipe
+
+
+def _encoder_inside_dit() -> nn.Module:
+    """An encoder declared at a path inside the DiT (issue 11 item 9b)."""
+    return _build(_encoder_modules=["text_encoder", "backbone.dit.proj_out"])
+
+
+def _with_plan(**fields: Any) -> Callable[[], nn.Module]:
+    return lambda: _build(_offload_plan=OffloadPlan(**fields))
+
+
+_DLO = dict(strategy="distributed_layer_wise")
+_NESTED = ("must be declared in _resident_modules", "or drop")
+
 BAD_TOPOLOGIES: list[tuple[str, Callable[[], nn.Module], Callable[[], OffloadConfig], tuple[str, ...]]] = [
     ("resident_in_block", lambda: _build(_resident_modules=["backbone.dit.blocks.1.norm"]),
      lambda: OffloadConfig(strategy="layer_wise"), ("backbone.dit.blocks.1.norm", "_resident_modules")),
@@ -263,6 +282,33 @@ BAD_TOPOLOGIES: list[tuple[str, Callable[[], nn.Module], Callable[[], OffloadCon
     ("vae_selected_but_absent", lambda: _build(_vae_modules=[]),
      lambda: OffloadConfig(strategy="layer_wise", components=("dit", "vae")),
      ("No VAE", "_vae_modules")),
+    # Issue 11 item 9: what `plan` shows clean, `enable` must not reject or serve wrongly.
+    *[(f"dit_holds_encoder_{s}", _dit_holds_encoder, lambda s=s: OffloadConfig(strategy=s),
+       ("'text_encoder'", "'backbone.dit'", *_NESTED))
+      for s in ("model_level", "layer_wise", "distributed_layer_wise")],
+    *[(f"encoder_inside_dit_{s}", _encoder_inside_dit, lambda s=s: OffloadConfig(strategy=s),
+       ("'backbone.dit.proj_out'", "'backbone.dit'", *_NESTED))
+      for s in ("model_level", "layer_wise", "distributed_layer_wise")],
+    *[(f"block_attrs_key_names_no_dit_{s}", _with_plan(block_attrs={"backbone.dti": ("blocks",)}),
+       lambda s=s: OffloadConfig(strategy=s),
+       ("OffloadPlan.block_attrs", "'backbone.dti'", "['backbone.dit']", "did you mean 'backbone.dit'"))
+      for s in ("model_level", "layer_wise")],
+    ("block_attrs_key_names_an_encoder", _with_plan(block_attrs={"text_encoder": ("blocks",)}),
+     lambda: OffloadConfig(strategy="layer_wise"),
+     ("OffloadPlan.block_attrs", "'text_encoder'", "is an encoder, not a DiT", "['backbone.dit']")),
+    ("encoder_block_attrs_key_names_no_encoder",
+     _with_plan(encoder_block_attrs={"text_encodr": ("blocks",)}),
+     lambda: OffloadConfig(strategy="layer_wise", components=("dit", "text_encoder")),
+     ("OffloadPlan.encoder_block_attrs", "'text_encodr'", "['text_encoder']",
+      "did you mean 'text_encoder'")),
+    ("resident_dit_paths_names_no_dit", _with_plan(resident_dit_paths=("backbone.dt",)),
+     lambda: OffloadConfig(**_DLO),
+     ("OffloadPlan.resident_dit_paths", "'backbone.dt'", "did you mean 'backbone.dit'")),
+    ("dlo_weight_replication_names_no_encoder",
+     _with_plan(encoder_dlo_weight_replication=("backbone.dit",)),
+     lambda: OffloadConfig(**_DLO),
+     ("OffloadPlan.encoder_dlo_weight_replication", "'backbone.dit'", "no encoder",
+      "['text_encoder']")),
 ]
 
 
