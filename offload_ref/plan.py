@@ -814,6 +814,9 @@ class _Resolver:
                    "encoder", encoders, "_encoder_modules"))
         other = {"DiT": ("encoder", encoders), "encoder": ("DiT", dits)}
         for name, keys, role, paths, declaration in fields:
+            if not paths:
+                continue  # no component of the role at all: the strategy reports that (legacy
+                # configs record a no-op), with the declaration to fix
             for key in keys:
                 if key in paths or key in missing:
                     continue
@@ -821,7 +824,7 @@ class _Resolver:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 if key in other[role][1]:
                     hint = f" ({key!r} is an {other[role][0]}, not a {role})"
-                raise OffloadTopologyError(
+                self.fail_or_warn(
                     f"{self.cls_name}: OffloadPlan.{name} names {key!r}, which is no {role} of "
                     f"the pipeline; discovered {role}s: {paths}{hint}.  Fix the key, or declare "
                     f"{key!r} in {declaration}"
@@ -842,7 +845,8 @@ class _Resolver:
                 raise OffloadTopologyError(
                     f"{self.cls_name}: {_ROLE_WORD[inner.role]} {inner.path!r} lies inside the "
                     f"{_ROLE_WORD[outer.role]} {outer.path!r} (one module tree); a component "
-                    f"nested in a component of another role must be declared in _resident_modules (it then stays on the "
+                    f"nested in a component of another role must be declared in "
+                    f"_resident_modules (it then stays on the "
                     f"device), or drop {inner.path!r} from _{inner.role}_modules (it then "
                     f"follows {outer.path!r}); or move the module out of {outer.path!r}"
                 )

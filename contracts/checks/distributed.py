@@ -134,7 +134,7 @@ def _config(case: CheckCase, transfer: str, world: int, **dit: Any) -> Any:
     return case.config(components=("dit",), layer_options={"dit": options}, world_size=world)
 
 
-def _block_bytes(plan: Any) -> int:
+def streamed_block_bytes(plan: Any) -> int:
     """Weight bytes of every streamed block (each storage span once), from the plan of a pipeline
     that is not offloaded (an offloaded one holds placeholders)."""
     spans: dict[tuple[int, int, int], int] = {}
@@ -193,7 +193,7 @@ def _allgather(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, A
         obs["output"] = f"{type(exc).__name__}: {exc}"
     obs["stats"] = _stats(backend)
     obs["predicted_device_bytes"] = backend.plan.predicted_device_bytes()
-    obs["block_bytes"] = _block_bytes(case.resolve(case.build(), config))
+    obs["block_bytes"] = streamed_block_bytes(case.resolve(case.build(), config))
     obs["slots"] = {r.label: len(r.slots) for r in backend.rings}
     obs["transports"] = {r.label: r.transport.name for r in backend.rings}
     padding = {}
@@ -233,7 +233,7 @@ def _rank_local(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, 
                              for p, b in heads}
     obs["transports"] = {r.label: r.transport.name for r in backend.rings}
     obs["stats"] = _stats(backend)
-    obs["block_bytes"] = _block_bytes(case.resolve(case.build(), config))
+    obs["block_bytes"] = streamed_block_bytes(case.resolve(case.build(), config))
     backend.disable()
     obs["restore_problems"] = _restored(pipeline, case.build(), platform)
     obs["reference"] = reference
@@ -548,4 +548,5 @@ def check_mmap_loaded_weights_keep_non_persistent_buffers(case) -> None:
                  f"(file_backed_bytes 0, host bytes {obs['stats']['host_bytes']})")
 
 
-__all__ = [name for name in dir() if name.startswith("check_")] + ["observations"]
+__all__ = [name for name in dir() if name.startswith("check_")] + [
+    "observations", "streamed_block_bytes"]

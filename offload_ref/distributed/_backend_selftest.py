@@ -349,15 +349,9 @@ def _plan_block_bytes(pipeline: nn.Module, config: Any) -> int:
     """Weight bytes of every streamed block of a pipeline that is not offloaded (each storage
     span once)."""
     from offload_ref import resolve_offload_plan
+    from offload_ref.contracts.checks.distributed import streamed_block_bytes
 
-    spans: dict[tuple[int, int, int], int] = {}
-    for stack in resolve_offload_plan(pipeline, config).stacks:
-        for block in stack.streamed_blocks:
-            for t in [*block.parameters(), *block.buffers()]:
-                if t.numel():
-                    key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
-                    spans[key] = t.numel() * t.element_size()
-    return sum(spans.values())
+    return streamed_block_bytes(resolve_offload_plan(pipeline, config))
 
 
 def three_ranks(rank: int, world: int, name: str = THREE_RANK_FIXTURE) -> dict[str, Any]:
