@@ -83,6 +83,7 @@ class AllGatherTransport(Transport):
         self.shard_weight_bytes: list[int] = []  # weight bytes (padding excluded) in my shard
         self.checksums: list[int] = []  # per block: the int32 sum of its whole image
         self.copied: list[Any] = []
+        self._shard_of: dict[int, torch.Tensor] = {}  # id(group) -> its shard, for release
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- enable ---------------------------------------------------------------------------------
@@ -107,6 +108,7 @@ class AllGatherTransport(Transport):
             end = start + seg.numel * _itemsize(seg.dtype)
             weight += max(0, min(end, hi) - max(start, lo))
         self.shards.append(shard)
+        self._shard_of[id(group)] = shard
         self.shard_bytes.append(S)
         self.image_bytes.append(image_bytes)
         self.shard_weight_bytes.append(weight)
@@ -175,12 +177,9 @@ class AllGatherTransport(Transport):
         )
 
     def release(self, group: TensorGroup, platform: Any) -> None:
-        pass  # the shards are released by release_all (they are not per-group state)
-
-    def release_all(self, platform: Any) -> None:
-        for shard in self.shards:
+        shard = self._shard_of.pop(id(group), None)
+        if shard is not None:
             platform.host_free(shard)
-        self.shards = []
         self._views = {}
 
 
@@ -217,7 +216,6 @@ class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
         self._rendezvous = rendezvous
         self.rank, self.world = 0, 1
         self._comm_stream: Any = None
-        self._transports: list[AllGatherTransport] = []
         self._agreeing = False
 
     # -- the process group ----------------------------------------------------------------------
@@ -283,10 +281,6 @@ class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
             self._enable_failed(exc)  # once per round: a no-op if the rendezvous itself raised
             raise
 
-    def _enable(self, pipeline: Any, plan: Any, txn: Transaction) -> None:
-        self._transports = []
-        super()._enable(pipeline, plan, txn)
-
     def _transport_for(self, stack: BlockStack) -> Transport | None:
         if stack.transfer is not WeightTransfer.ALLGATHER or self.world == 1:
             return RankLocalTransport()
@@ -294,7 +288,6 @@ class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
             self._comm_stream = self.platform.Stream()
         transport = AllGatherTransport(self.process_group, self.rank, self.world,
                                        self._comm_stream, self.platform.alignment)
-        self._transports.append(transport)
         return transport
 
     def schedule(self) -> list[dict[str, Any]]:
@@ -339,20 +332,6 @@ class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
                 self._rendezvous.fail("enable", f"{type(exc).__name__}: {exc}"[:2000])
             except Exception:  # noqa: BLE001 - the original error is the one to raise
                 pass
-
-    # -- disable --------------------------------------------------------------------------------
-
-    def _disable(self, pipeline: Any) -> None:
-        super()._disable(pipeline)
-        for t in self._transports:
-            t.release_all(self.platform)
-        self._transports = []
-
-    def _reset(self) -> None:
-        for t in self._transports:  # after a rollback the undo log freed the shards already
-            t.shards = []
-        self._transports = []
-        super()._reset()
 
     def host_shards(self) -> dict[str, list[torch.Tensor]]:
         """Ring label -> this rank's host shard of each block (AllGather rings only)."""
