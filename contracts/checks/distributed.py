@@ -208,6 +208,7 @@ def _allgather(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, A
     backend.disable()
     obs["restore_problems"] = _restored(pipeline, case.build(), platform)
     obs["device_bytes_after_disable"] = platform.memory_allocated()
+    obs["host_bytes_after_disable"] = platform.host_allocated()
     backend.enable(pipeline)  # a second cycle, on the restored pipeline
     obs["output_second_cycle"] = case.run(pipeline, request)
     backend.disable()
@@ -461,9 +462,10 @@ def check_distributed_cycles_restore_every_rank(case) -> None:
     both AllGather cycles and in rank-local mode."""
     for rank, obs in enumerate(_scenario(case, "allgather")):
         problems = obs["restore_problems"] + obs["restore_problems_second_cycle"]
-        if problems or obs["device_bytes_after_disable"]:
+        if problems or obs["device_bytes_after_disable"] or obs["host_bytes_after_disable"]:
             fail(f"rank {rank}: after disable {problems[:5]}, device bytes "
-                 f"{obs['device_bytes_after_disable']}")
+                 f"{obs['device_bytes_after_disable']}, host shard bytes still allocated "
+                 f"{obs['host_bytes_after_disable']}")
     for rank, obs in enumerate(_scenario(case, "rank_local")):
         if obs["restore_problems"]:
             fail(f"rank {rank} (rank-local): after disable {obs['restore_problems'][:5]}")
