@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..outputs import leaves
 from ..registry import fail
 
 __all__ = [
@@ -128,19 +129,28 @@ class CopySpy:
 
 
 def compare_outputs(what: str, got: Any, want: Any) -> None:
-    """Bitwise equality (NaNs equal), with a message naming both values."""
-    if isinstance(want, (tuple, list)):
-        if not isinstance(got, (tuple, list)) or len(got) != len(want):
-            fail(f"{what}: output structure differs")
-        for i, (g, w) in enumerate(zip(got, want)):
-            compare_outputs(f"{what}[{i}]", g, w)
-        return
-    if got.shape != want.shape or got.dtype != want.dtype:
-        fail(f"{what}: output {tuple(got.shape)} {got.dtype} differs from the reference "
-             f"{tuple(want.shape)} {want.dtype}")
-    if not torch.equal(got.nan_to_num(), want.nan_to_num()) or not torch.equal(
-            got.isnan(), want.isnan()):
-        diff = (got.double() - want.double()).abs().nan_to_num(float("inf"))
-        fail(f"{what}: output differs from the un-offloaded reference (max abs diff "
-             f"{diff.max().item():.3g}, {int((diff != 0).sum())} of {diff.numel()} elements; "
-             f"got {got.flatten()[:4].tolist()}, want {want.flatten()[:4].tolist()})")
+    """Bitwise equality (NaNs equal), leaf by leaf (:mod:`offload_ref.contracts.outputs`), with a
+    message naming the path of the first differing leaf and both values."""
+    want_leaves, got_leaves = leaves(want), leaves(got)
+    want_paths = [p for p, _ in want_leaves]
+    got_paths = [p for p, _ in got_leaves]
+    if want_paths != got_paths:
+        missing = [p for p in want_paths if p not in got_paths]
+        extra = [p for p in got_paths if p not in want_paths]
+        fail(f"{what}: output structure differs from the reference (missing {missing[:4]}, "
+             f"unexpected {extra[:4]})")
+    for (path, g), (_, w) in zip(got_leaves, want_leaves):
+        where = f"{what}: {path}"
+        if not isinstance(w, torch.Tensor) or not isinstance(g, torch.Tensor):
+            if type(g) is not type(w) or g != w:
+                fail(f"{where} is {g!r}, the reference has {w!r}")
+            continue
+        if g.shape != w.shape or g.dtype != w.dtype:
+            fail(f"{where} is {tuple(g.shape)} {g.dtype}, the reference is "
+                 f"{tuple(w.shape)} {w.dtype}")
+        g, w = g.detach().cpu(), w.detach().cpu()
+        if not torch.equal(g.nan_to_num(), w.nan_to_num()) or not torch.equal(g.isnan(), w.isnan()):
+            diff = (g.double() - w.double()).abs().nan_to_num(float("inf"))
+            fail(f"{where} differs from the un-offloaded reference (max abs diff "
+                 f"{diff.max().item():.3g}, {int((diff != 0).sum())} of {diff.numel()} elements; "
+                 f"got {g.flatten()[:4].tolist()}, want {w.flatten()[:4].tolist()})")
