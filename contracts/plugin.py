@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import pytest
 
@@ -47,6 +48,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
              "distributed_layer_wise); an unknown name is a usage error",
     )
     group.addoption(
+        "--offload-ref-require-cuda", action="store_true", default=False,
+        help="fail the session when no CUDA device is available or no test marked cuda ran "
+             "(by default such tests are skipped and the summary says that nothing ran)",
+    )
+    group.addoption(
         "--offload-ref-threads", type=int, default=1, metavar="N",
         help="torch intra-op threads in a session that runs kit checks (default 1: the "
              "pipelines under test are tiny and thread hand-offs dominate; 0: leave torch's "
@@ -55,9 +61,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 _PREVIOUS_THREADS = pytest.StashKey[int]()
+_ROWS = pytest.StashKey[list]()
+_CUDA = pytest.StashKey[dict]()
+_CASE_PROPERTY = "offload_ref_case"
+#: the session's config, for the report hooks that pytest calls without one
+_CONFIG: list[pytest.Config] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _CONFIG[:] = [config]
     for marker in MARKERS:
         config.addinivalue_line("markers", marker)
     strategies = config.getoption("--offload-ref-strategy")
@@ -81,6 +93,111 @@ def _runs_kit_checks(items: list[pytest.Item]) -> bool:
                for value in getattr(getattr(item, "callspec", None), "params", {}).values())
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    """Tag kit cases for the summary matrix, and watch the tests marked ``cuda``."""
+    import json
+
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for value in params.values():
+            fields = getattr(value, "report_fields", None)
+            if callable(fields):
+                item.user_properties.append((_CASE_PROPERTY, json.dumps(fields())))
+                break
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if cuda_items or config.getoption("--offload-ref-require-cuda"):
+        available = _cuda_available()
+        config.stash[_CUDA] = {"selected": len(cuda_items), "available": available, "ran": 0}
+        if config.getoption("--offload-ref-require-cuda") and not available:
+            raise pytest.UsageError(
+                f"--offload-ref-require-cuda: no CUDA device is available "
+                f"(torch.cuda.is_available() is False) and {len(cuda_items)} selected test(s) "
+                f"are marked cuda; run on a machine with an NVIDIA GPU and a CUDA build of torch")
+
+
+def _row(report: pytest.TestReport) -> dict | None:
+    import json
+
+    for key, value in report.user_properties:
+        if key == _CASE_PROPERTY:
+            row = json.loads(value)
+            break
+    else:
+        return None
+    if report.skipped and hasattr(report, "wasxfail"):
+        outcome = "xfailed"
+    elif report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        outcome = "not_applicable" if "not applicable:" in reason else "skipped"
+        row["message"] = reason.partition("not applicable: ")[2] or reason
+    elif report.failed:
+        outcome = "error" if report.when != "call" else (
+            "xpassed" if "XPASS" in str(report.longrepr) else "failed")
+        row["message"] = str(getattr(report.longrepr, "reprcrash", None) and
+                             report.longrepr.reprcrash.message or "").strip()
+    else:
+        outcome = "passed"
+    row["outcome"] = outcome
+    row["seconds"] = report.duration
+    return row
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Collect one row per kit case (on the controller under pytest-xdist, which receives every
+    worker's reports with their ``user_properties``)."""
+    config = _CONFIG[0] if _CONFIG else None
+    if config is None or hasattr(config, "workerinput"):
+        return
+    final = report.when == "call" or (report.when == "setup" and not report.passed)
+    if final:
+        if config.stash.get(_CUDA, None) is not None and "cuda" in report.keywords and (
+                report.when == "call"):
+            config.stash[_CUDA]["ran"] += 1
+        row = _row(report)
+        if row is not None:
+            config.stash.setdefault(_ROWS, []).append(row)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    rows = config.stash.get(_ROWS, None)
+    if rows:
+        import io
+
+        from offload_ref.contracts.report import Row, render
+
+        out = io.StringIO()
+        render([Row(**{k: v for k, v in r.items() if k in Row.__dataclass_fields__})
+                for r in rows], out=out, failures=False)
+        terminalreporter.write_sep("=", "offload-ref conformance matrix")
+        terminalreporter.write(out.getvalue())
+    cuda = config.stash.get(_CUDA, None)
+    if cuda and cuda["selected"] and not cuda["ran"]:
+        why = ("no CUDA device is available (torch.cuda.is_available() is False)"
+               if not cuda["available"] else "every one was skipped or deselected")
+        terminalreporter.write_sep("=", "offload-ref: CUDA", yellow=True, bold=True)
+        terminalreporter.write_line(
+            f"{cuda['selected']} test(s) marked cuda were selected and none ran: {why}. "
+            f"Nothing was measured on a GPU; --offload-ref-require-cuda makes this an error.",
+            yellow=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    cuda = session.config.stash.get(_CUDA, None)
+    if (cuda and session.config.getoption("--offload-ref-require-cuda") and not cuda["ran"]
+            and not hasattr(session.config, "workerinput")):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    _restore_threads(session)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     threads = session.config.getoption("--offload-ref-threads")
     if not threads or not _runs_kit_checks(session.items):
@@ -91,7 +208,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     torch.set_num_threads(threads)
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def _restore_threads(session: pytest.Session) -> None:
     previous = session.config.stash.get(_PREVIOUS_THREADS, None)
     if previous is not None:
         import torch
@@ -100,12 +217,23 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         del session.config.stash[_PREVIOUS_THREADS]
 
 
-def _load(ref: str):
-    module_name, _, attr = ref.partition(":")
-    obj = importlib.import_module(module_name)
-    for part in attr.split(".") if attr else ():
-        obj = getattr(obj, part)
-    return list(obj) if isinstance(obj, (list, tuple)) else [obj]
+def _load(ref: str) -> list[tuple[Any, str]]:
+    """``(spec, source)`` pairs for ``--offload-ref-spec REF``: a spec, a list of them, or a
+    factory, as ``offload-ref check`` takes it; ``source`` is what reruns it there."""
+    import shlex
+
+    from offload_ref.contracts.refs import RefError, resolve, specs_from
+    from offload_ref.contracts.spec import PipelineSpec
+
+    try:
+        obj = resolve(ref)
+        specs = specs_from(ref, obj)
+    except RefError as exc:
+        raise pytest.UsageError(f"--offload-ref-spec {exc}") from None
+    source = shlex.quote(ref)
+    if isinstance(obj, (list, tuple)):
+        return [(spec, f"{source} --name {shlex.quote(spec.name)}") for spec in specs]
+    return [(spec, source) for spec in specs]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -114,7 +242,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     from offload_ref.contracts.pytest_support import check_params
 
     refs = metafunc.config.getoption("--offload-ref-spec")
-    specs = [s for ref in refs for s in _load(ref)]
+    loaded = [pair for ref in refs for pair in _load(ref)]
+    specs = [spec for spec, _ in loaded]
+    sources = {spec: source for spec, source in loaded}
     specs += list(getattr(metafunc.module, "OFFLOAD_REF_SPECS", []))
     if not specs:
         raise pytest.UsageError(
@@ -125,7 +255,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     expected = getattr(metafunc.module, "OFFLOAD_REF_EXPECTED_FAILURES", None)
     try:
         params = check_params(specs, expected_failures=expected, strategies=strategies,
-                              include_global=False)
+                              include_global=False, sources=sources)
     except ValueError as exc:  # a misspelled OFFLOAD_REF_EXPECTED_FAILURES key, ...
         raise pytest.UsageError(f"{metafunc.module.__name__}: {exc}") from None
     metafunc.parametrize("offload_ref_check", params)

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from .case import DEFAULT_IMPLEMENTATION, Implementation
-from .registry import CheckFailure, CheckInfo
-from .runner import CaseId, expected_failures_for, iter_cases, run_case
+from .registry import AREAS, CheckFailure, CheckInfo, CheckNotApplicable, doc_for
+from .runner import CaseId, expected_failures_for, plan_cases, run_case
 from .spec import PipelineSpec
 
 __all__ = ["BoundCheck", "check_params", "parametrize_with_checks"]
@@ -20,18 +20,28 @@ class BoundCheck:
     """A callable test body: runs one case and adds a reproduction line to a failure."""
 
     def __init__(self, info: CheckInfo, spec: PipelineSpec | None, strategy: str | None,
-                 impl: Implementation) -> None:
+                 impl: Implementation, source: str | None = None) -> None:
         self.info, self.spec, self.strategy, self.impl = info, spec, strategy, impl
-        self.id = CaseId(info.id, spec.name if spec else None, strategy)
+        self.id = CaseId(info.id, spec.name if spec else None, strategy, source)
 
     def __call__(self) -> None:
         try:
             run_case(self.info, self.spec, self.strategy, self.impl)
+        except CheckNotApplicable as exc:
+            pytest.skip(f"not applicable: {exc}")
         except CheckFailure as exc:
             raise CheckFailure(
                 f"[{self.id.check}] on {self.id.spec or '-'} / {self.id.strategy or '-'} "
-                f"(CONTRACTS.md §{self.info.section}): {exc}\n  reproduce: {self.id.repro()}"
+                f"(§{self.info.section} {AREAS.get(self.info.area, '')}; "
+                f"{doc_for(self.info.section)}): {exc}\n  reproduce: {self.id.repro()}"
             ) from None
+
+    def report_fields(self) -> dict[str, Any]:
+        """What the plugin's summary matrix needs of this case (JSON-able: it travels from
+        pytest-xdist workers inside ``user_properties``)."""
+        return {"check": self.info.id, "section": self.info.section, "pipeline": self.id.spec,
+                "strategy": self.id.strategy, "repro": self.id.repro(),
+                "title": self.info.title}
 
     def __repr__(self) -> str:
         return str(self.id)
@@ -45,15 +55,23 @@ def check_params(
     strategies: Iterable[str] | None = None,
     include_global: bool = True,
     impl: Implementation = DEFAULT_IMPLEMENTATION,
+    sources: Mapping[PipelineSpec, str] | None = None,
 ) -> list[Any]:
+    """One ``pytest.param`` per planned case.  ``sources`` maps a spec to the ``offload-ref
+    check`` arguments that select it (its reproduction lines use them)."""
     expected = expected_failures_for(specs, expected_failures)
+    sources = sources or {}
     params = []
-    for info, spec, strategy in iter_cases(specs, checks=checks, strategies=strategies,
-                                           include_global=include_global):
-        bound = BoundCheck(info, spec, strategy, impl)
+    for planned in plan_cases(specs, checks=checks, strategies=strategies,
+                              include_global=include_global):
+        info, spec, strategy = planned.info, planned.spec, planned.strategy
+        bound = BoundCheck(info, spec, strategy, impl, sources.get(spec) if spec else None)
         marks = [pytest.mark.contract, *_process_marks(info, spec)]
         reason = expected.get(str(bound.id), expected.get(info.id))
-        if reason:
+        if planned.not_applicable is not None:
+            # shown as a skip with its reason; an expected failure on it is not checked
+            marks.append(pytest.mark.skip(reason=f"not applicable: {planned.not_applicable}"))
+        elif reason:
             marks.append(pytest.mark.xfail(reason=reason, strict=True, raises=CheckFailure))
         params.append(pytest.param(bound, id=str(bound.id), marks=marks))
     return params

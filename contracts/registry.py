@@ -9,8 +9,9 @@ from typing import Any
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["ALL_STRATEGIES", "CATALOGUE", "CheckFailure", "CheckInfo", "check", "closest",
-           "fail", "strategy_names"]
+__all__ = ["ALL_STRATEGIES", "AREAS", "CATALOGUE", "CheckFailure", "CheckInfo",
+           "CheckNotApplicable", "NotApplicable", "applicability", "check", "closest", "fail",
+           "doc_for", "not_applicable", "strategy_names"]
 
 
 class CheckFailure(AssertionError):
@@ -19,6 +20,46 @@ class CheckFailure(AssertionError):
 
 def fail(message: str) -> None:
     raise CheckFailure(message)
+
+
+class CheckNotApplicable(Exception):
+    """Raised by a check body that finds, once it has looked, that the pipeline lacks what the
+    check needs.  The report shows it as "not applicable: <reason>", never as a pass."""
+
+
+def not_applicable(reason: str) -> None:
+    raise CheckNotApplicable(reason)
+
+
+class NotApplicable:
+    """What an ``applies`` predicate returns when a check does not apply: false in a boolean
+    context, with the reason the report prints (``applies`` may also return plain ``False``;
+    the check's ``needs=`` text is the reason then)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"NotApplicable({self.reason!r})"
+
+
+#: The contract areas, by section letter (docs/model-authors.md explains each).
+AREAS = {
+    "A": "plan",
+    "B": "rollback",
+    "C": "cycles",
+    "D": "aliases",
+    "E": "split models",
+    "F": "residency",
+    "G": "config",
+    "H": "distributed",
+    "J": "misuse",
+}
 
 
 ALL_STRATEGIES = ("model_level", "layer_wise", "distributed_layer_wise")
@@ -54,8 +95,9 @@ class CheckInfo:
 
     ``scope="spec"`` checks run once per pipeline spec and strategy, for the strategies the spec
     claims among ``strategies`` and never for one it does not claim; ``scope="global"`` checks need no pipeline and run once.
-    ``applies(spec, strategy)`` narrows a spec check to pipelines with the needed shape (a
-    check that does not apply is not generated, it is never skipped).
+    ``applies(spec, strategy)`` narrows a spec check to pipelines with the needed shape; a check
+    that does not apply is reported "not applicable" with the reason (a :class:`NotApplicable`
+    returned by ``applies``, else ``needs``), never run and never counted as a pass.
     """
 
     id: str
@@ -65,6 +107,11 @@ class CheckInfo:
     strategies: tuple[str, ...] = ALL_STRATEGIES
     applies: Callable[[Any, str], bool] | None = None
     title: str = ""
+    needs: str = ""
+
+    @property
+    def area(self) -> str:
+        return self.section[:1]
 
     def __call__(self, case: Any) -> None:
         self.func(case)
@@ -79,8 +126,13 @@ def check(
     scope: str = "spec",
     strategies: tuple[str, ...] = ALL_STRATEGIES,
     applies: Callable[[Any, str], bool] | None = None,
+    needs: str = "",
 ) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
-    """Register a check function; its name is its public id (``check_<subject>_<behaviour>``)."""
+    """Register a check function; its name is its public id (``check_<subject>_<behaviour>``).
+    ``needs`` says what a pipeline must have for ``applies`` to hold (the reason printed when it
+    does not); a check with ``applies`` must state it."""
+    if applies is not None and not needs:
+        raise ValueError("a check with applies= must say what it needs (needs=...)")
 
     def register(func: Callable[[Any], None]) -> Callable[[Any], None]:
         name = func.__name__
@@ -90,7 +142,23 @@ def check(
             raise ValueError(f"duplicate check id {name}")
         doc = (func.__doc__ or "").strip().splitlines()
         CATALOGUE[name] = CheckInfo(name, func, section, scope, tuple(strategies), applies,
-                                    doc[0] if doc else "")
+                                    doc[0] if doc else "", needs)
         return func
 
     return register
+
+
+def applicability(info: CheckInfo, spec: Any, strategy: str) -> str | None:
+    """None when ``info`` applies to ``spec`` under ``strategy``; else the reason it does not."""
+    if info.applies is None:
+        return None
+    verdict = info.applies(spec, strategy)
+    if verdict:
+        return None
+    reason = getattr(verdict, "reason", "") or f"needs {info.needs}"
+    return reason
+
+
+def doc_for(section: str) -> str:
+    """The project doc that explains the contracts of ``section`` (e.g. ``"F.3"``)."""
+    return "docs/model-authors.md#5-what-the-kit-checks"

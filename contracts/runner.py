@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from offload_ref.config import OffloadStrategy
 
 from .case import DEFAULT_IMPLEMENTATION, CheckCase, Implementation
-from .registry import CATALOGUE, CheckFailure, CheckInfo, closest, strategy_names
+from .registry import (CATALOGUE, CheckFailure, CheckInfo, CheckNotApplicable, applicability,
+                       closest, strategy_names)
 from .spec import PipelineSpec
 
-__all__ = ["CaseId", "CheckResult", "expected_failures_for", "iter_cases", "load_catalogue",
-           "run_checks"]
+__all__ = ["CaseId", "CheckResult", "PlannedCase", "expected_failures_for", "iter_cases",
+           "load_catalogue", "plan_cases", "run_checks"]
 
 
 def load_catalogue() -> dict[str, CheckInfo]:
@@ -59,27 +60,43 @@ def _is_fixture(name: str) -> bool:
 @dataclass(frozen=True)
 class CheckResult:
     id: CaseId
-    outcome: str  # "passed" | "failed" | "error" | "xfailed" | "xpassed"
+    #: "passed" | "failed" | "error" | "xfailed" | "xpassed" | "not_applicable" (the message
+    #: says why: the pipeline lacks what the check needs; it ran nothing and passed nothing)
+    outcome: str
     message: str = ""
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.outcome in ("passed", "xfailed")
+        """Nothing unexpected: passed, failed as expected, or not applicable."""
+        return self.outcome in ("passed", "xfailed", "not_applicable")
 
 
-def iter_cases(
+@dataclass(frozen=True)
+class PlannedCase:
+    """A case the selection generates; ``not_applicable`` is the reason it will not run."""
+
+    info: CheckInfo
+    spec: PipelineSpec | None
+    strategy: str | None
+    not_applicable: str | None = None
+
+
+def plan_cases(
     specs: Sequence[PipelineSpec],
     *,
     checks: Iterable[str] | None = None,
     strategies: Iterable[str] | None = None,
     include_global: bool = True,
-) -> list[tuple[CheckInfo, PipelineSpec | None, str | None]]:
-    """Every applicable case, sorted (deterministic order for pytest-xdist).
+) -> list[PlannedCase]:
+    """Every case the selection generates, sorted (deterministic order for pytest-xdist), each
+    with the reason it does not apply, if it does not.
 
-    A spec check runs only under the strategies the spec claims (``spec.strategies``): a spec
-    that honestly supports model level alone gets no layerwise or distributed case, not even a
-    resolution-only one, so it can be green.  Global checks need no pipeline and always run.
+    A spec check is generated only under the strategies the spec claims (``spec.strategies``):
+    a spec that honestly supports model level alone gets no layerwise or distributed case, not
+    even a resolution-only one, so it can be green.  Global checks need no pipeline and always
+    run.  A check whose ``applies`` does not hold for a spec is planned as not applicable, with
+    the reason, so that a report shows it instead of letting it vanish.
     """
     catalogue = load_catalogue()
     wanted = None if checks is None else set(checks)
@@ -94,7 +111,7 @@ def iter_cases(
             continue
         if info.scope == "global":
             if include_global:
-                cases.append((info, None, None))
+                cases.append(PlannedCase(info, None, None))
             continue
         for spec in sorted(specs, key=lambda s: s.name):
             for strategy in info.strategies:
@@ -102,10 +119,23 @@ def iter_cases(
                     continue
                 if not spec.supports(strategy):
                     continue
-                if info.applies is not None and not info.applies(spec, strategy):
-                    continue
-                cases.append((info, spec, strategy))
+                cases.append(PlannedCase(info, spec, strategy,
+                                         applicability(info, spec, strategy)))
     return cases
+
+
+def iter_cases(
+    specs: Sequence[PipelineSpec],
+    *,
+    checks: Iterable[str] | None = None,
+    strategies: Iterable[str] | None = None,
+    include_global: bool = True,
+) -> list[tuple[CheckInfo, PipelineSpec | None, str | None]]:
+    """The cases of :func:`plan_cases` that apply, as ``(info, spec, strategy)``."""
+    return [(c.info, c.spec, c.strategy)
+            for c in plan_cases(specs, checks=checks, strategies=strategies,
+                                include_global=include_global)
+            if c.not_applicable is None]
 
 
 def expected_failures_for(specs: Sequence[PipelineSpec],
@@ -159,22 +189,33 @@ def run_checks(
     expected_failures: Mapping[str, str] | None = None,
     include_global: bool = True,
     sources: Mapping[PipelineSpec, str] | None = None,
+    progress: Callable[[int, int, CheckResult], None] | None = None,
 ) -> list[CheckResult]:
     """Run the catalogue against ``specs``.  ``expected_failures`` maps a check id (or a full case
     id ``check-spec-strategy``) to the reason; such cases must fail (strict).  An unknown key
     raises ``ValueError`` (:func:`expected_failures_for`).  ``sources`` maps a spec to the
-    ``offload-ref check`` arguments that select it (see :attr:`CaseId.source`)."""
+    ``offload-ref check`` arguments that select it (see :attr:`CaseId.source`).  ``progress``
+    is called as ``progress(done, total, result)`` after each case."""
     expected = expected_failures_for(specs, expected_failures)
     sources = sources or {}
-    results = []
-    for info, spec, strategy in iter_cases(specs, checks=checks, strategies=strategies,
-                                           include_global=include_global):
+    results: list[CheckResult] = []
+    planned = plan_cases(specs, checks=checks, strategies=strategies,
+                         include_global=include_global)
+    for planned_case in planned:
+        info, spec, strategy = planned_case.info, planned_case.spec, planned_case.strategy
         cid = CaseId(info.id, spec.name if spec else None, strategy,
                      sources.get(spec) if spec else None)
+        if planned_case.not_applicable is not None:
+            results.append(CheckResult(cid, "not_applicable", planned_case.not_applicable))
+            if progress is not None:
+                progress(len(results), len(planned), results[-1])
+            continue
         xfail = expected.get(str(cid), expected.get(info.id))
         start = time.perf_counter()
         try:
             run_case(info, spec, strategy, impl)
+        except CheckNotApplicable as exc:
+            outcome, message = "not_applicable", str(exc)
         except CheckFailure as exc:
             outcome, message = ("xfailed", f"expected: {xfail}") if xfail else ("failed", str(exc))
         except Exception as exc:  # an error is a failure too, never an expected one
@@ -184,4 +225,6 @@ def run_checks(
             outcome, message = ("xpassed", f"expected to fail: {xfail}") if xfail else (
                 "passed", "")
         results.append(CheckResult(cid, outcome, message, time.perf_counter() - start))
+        if progress is not None:
+            progress(len(results), len(planned), results[-1])
     return results

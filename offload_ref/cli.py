@@ -2,7 +2,7 @@
 
     offload-ref check [MODULE:ATTR]... [--pipeline NAME]... [--spec MODULE:ATTR]...
                       [--inputs MODULE:ATTR] [--name NAME]... [--check ID]...
-                      [--strategy S]... [--list] [--json]
+                      [--strategy S]... [--list] [--json PATH]
     offload-ref plan  --pipeline NAME [--strategy S]
     offload-ref bench [--json]
 
@@ -19,7 +19,6 @@ import difflib
 import json
 import shlex
 import sys
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,49 +100,78 @@ def _check_ids(args: argparse.Namespace) -> list[str] | None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from offload_ref.contracts.runner import iter_cases, load_catalogue, run_checks
+    from offload_ref.contracts.runner import load_catalogue, plan_cases, run_checks
 
     if args.list:
         for info in sorted(load_catalogue().values(), key=lambda i: (i.section, i.id)):
             print(f"§{info.section:<5} {info.id:<62} {info.title}")
         return 0
+    import time
+
     import torch
+
+    from offload_ref.contracts import report
 
     specs, sources = _selection(args)
     checks = _check_ids(args)
     torch.set_num_threads(args.torch_threads)
     include_global = not (args.spec or args.refs) or bool(args.pipeline)
     strategies = args.strategy or None
-    total = len(iter_cases(specs, checks=checks, strategies=strategies,
+    total = len(plan_cases(specs, checks=checks, strategies=strategies,
                            include_global=include_global))
+    head = report.header(pipelines={spec.name: sources.get(spec, "built-in fixture")
+                                    for spec in specs}, threads=args.torch_threads)
     print(f"offload-ref check: {total} cases over {len(specs)} pipeline(s)", file=sys.stderr)
-    results = run_checks(specs, checks=checks, strategies=strategies,
-                         include_global=include_global, sources=sources)
+    start = time.perf_counter()
+    progress = _Progress(sys.stderr)
+    try:
+        results = run_checks(specs, checks=checks, strategies=strategies,
+                             include_global=include_global, sources=sources, progress=progress)
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - start
+    rows = report.rows_from_results(results)
     if args.json:
-        print(json.dumps([{"check": r.id.check, "pipeline": r.id.spec, "strategy": r.id.strategy,
-                           "outcome": r.outcome, "message": r.message,
-                           "seconds": round(r.seconds, 4)} for r in results], indent=2))
-    else:
-        _print_table(results)
+        data = json.dumps(report.to_json(rows, head, seconds), indent=2)
+        if args.json == "-":
+            print(data)
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(data + "\n")
+    if args.json != "-":
+        report.render(rows, head, seconds=seconds)
     return 0 if all(r.ok for r in results) else 1
 
 
-def _print_table(results: Sequence[Any]) -> None:
-    rows: dict[tuple[str, str], Counter] = {}
-    for r in results:
-        rows.setdefault((r.id.spec or "(global)", r.id.strategy or "-"), Counter())[r.outcome] += 1
-    header = f"{'pipeline':<16} {'strategy':<24} {'passed':>6} {'failed':>6} {'error':>6}"
-    print(header)
-    print("-" * len(header))
-    for (spec, strategy), counts in sorted(rows.items()):
-        print(f"{spec:<16} {strategy:<24} {counts['passed'] + counts['xfailed']:>6} "
-              f"{counts['failed'] + counts['xpassed']:>6} {counts['error']:>6}")
-    bad = [r for r in results if not r.ok]
-    passed = sum(r.ok for r in results)
-    print("-" * len(header))
-    for r in bad:
-        print(f"\n{r.outcome.upper()} {r.id}\n  {r.message.strip()}\n  reproduce: {r.id.repro()}")
-    print(f"\n{passed} passed, {len(bad)} failed")
+class _Progress:
+    """One progress line on stderr while the kit runs: rewritten in place on a terminal, a line
+    per tenth of the run otherwise (CI logs)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.failed = 0
+        self.shown = -1
+        self.width = 0
+
+    def __call__(self, done: int, total: int, result: Any) -> None:
+        self.failed += not result.ok
+        where = "/".join(p for p in (result.id.spec, result.id.strategy) if p) or "global"
+        line = (f"[{done:>{len(str(total))}}/{total}] {100 * done // max(total, 1):>3}%  "
+                f"{self.failed} failed  {where} {result.id.check}")
+        if self.tty:
+            self.width = max(self.width, len(line))
+            self.stream.write("\r" + line.ljust(self.width))
+            self.stream.flush()
+        elif 10 * done // max(total, 1) > self.shown:
+            self.shown = 10 * done // max(total, 1)
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -190,7 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     selection(p_check)
     p_check.add_argument("--check", action="append", default=[], metavar="ID")
     p_check.add_argument("--list", action="store_true", help="list the check catalogue")
-    p_check.add_argument("--json", action="store_true")
+    p_check.add_argument("--json", metavar="PATH",
+                         help="also write the report as JSON to PATH ('-': to stdout, instead "
+                              "of the text report)")
     p_check.add_argument("--torch-threads", type=int, default=1, metavar="N",
                          help="torch intra-op threads while checking (default 1: the built-in "
                               "pipelines are tiny, and thread hand-offs dominate their run time)")

@@ -118,8 +118,8 @@ def test_positional_factory_and_spec_run_and_their_repro_line_reruns_the_case(
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "2 cases over 2 pipeline(s)" in proc.stderr, out
-    assert re.search(r"^build_seeded\s+model_level\s+1\s+0\s+0$", proc.stdout, re.M), out
-    assert re.search(r"^jittery\s+model_level\s+0\s+1\s+0$", proc.stdout, re.M), out
+    assert re.search(r"^build_seeded\s+model_level\s+ok 1$", proc.stdout, re.M), out
+    assert re.search(r"^jittery\s+model_level\s+FAIL 1/1$", proc.stdout, re.M), out
     repro = _repro_lines(proc.stdout)
     case = f"{_BITWISE}-jittery-model_level"
     assert repro == {case: f"offload-ref check kit_author.testing:SPEC --check {_BITWISE} "

@@ -16,7 +16,7 @@ from offload_ref.config import OffloadConfig, OffloadStrategy
 from offload_ref.discovery import discover_components, get_submodule_path
 from offload_ref.hooks import HOOKS_ATTR
 
-from ..registry import fail
+from ..registry import NotApplicable, fail
 
 __all__ = [
     "Snapshot",
@@ -175,7 +175,9 @@ def dit_has_blocks(at_least: int = 2) -> Callable[[Any, str], bool]:
             pipeline = spec.build()
             dits = discover_components(pipeline).dits
             # No DiT at all: let the check say so (first_dit fails naming the pipeline class).
-            cache[spec.name] = not dits or len(dit_blocks(pipeline, *dits[0])) >= at_least
+            count = len(dit_blocks(pipeline, *dits[0])) if dits else at_least
+            cache[spec.name] = True if count >= at_least else NotApplicable(
+                f"needs a DiT with {at_least} or more declared blocks; {dits[0][0]} has {count}")
         return cache[spec.name]
 
     return applies

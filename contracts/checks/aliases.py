@@ -107,7 +107,8 @@ def _tie(stack: Any, name: str) -> None:
     setattr(module, leaf, shared)
 
 
-@check("D.2", strategies=LAYER_BACKENDS, applies=_has_tie_candidate)
+@check("D.2", strategies=LAYER_BACKENDS, applies=_has_tie_candidate,
+       needs="two streamed blocks holding a parameter of the same name, shape and dtype (to tie)")
 def check_parameter_shared_by_two_blocks_is_never_copied_twice(case) -> None:
     """A Parameter shared by two streamed blocks either streams from one master (parity, and
     host bytes count it once) or is rejected before mutation with a message naming both paths."""

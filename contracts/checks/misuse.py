@@ -55,7 +55,8 @@ def _guarded(spec: Any, strategy: str) -> bool:
                                                        None)))
 
 
-@check("J.3", strategies=BACKENDS, applies=_is_module)
+@check("J.3", strategies=BACKENDS, applies=_is_module,
+       needs="a pipeline that is an nn.Module")
 def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
     """Weights edited inside ``backend.edit_weights()`` (``load_state_dict`` of scaled weights and
     an in-place ``mul_``) take effect exactly: the next generation equals an un-offloaded
@@ -79,7 +80,8 @@ def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
     _same_state("after disable", pipeline.state_dict(), want_state)
 
 
-@check("J.4", strategies=BACKENDS, applies=_is_module)
+@check("J.4", strategies=BACKENDS, applies=_is_module,
+       needs="a pipeline that is an nn.Module")
 def check_state_dict_while_enabled_returns_true_weights(case) -> None:
     """While enabled -- before and after a generation, for the pipeline and for each of its
     children -- ``state_dict()`` returns the true weights bit for bit (a checkpoint saved then
@@ -160,7 +162,8 @@ def _backward(module: nn.Module, args: tuple, kwargs: dict) -> None:
             loss.backward()
 
 
-@check("J.5", strategies=BACKENDS, applies=_guarded)
+@check("J.5", strategies=BACKENDS, applies=_guarded,
+       needs="an nn.Module pipeline that does not delegate model level to its own component groups")
 def check_backward_is_exact_or_refused_at_forward(case) -> None:
     """Calling an offloaded component (each DiT and encoder, with the arguments the pipeline
     gives it) with autograd recording, while its weights require grad, is refused before it runs
@@ -251,7 +254,8 @@ def _in_thread(fn: Any) -> Any:
     return box["out"]
 
 
-@check("J.6", strategies=BACKENDS, applies=_guarded)
+@check("J.6", strategies=BACKENDS, applies=_guarded,
+       needs="an nn.Module pipeline that does not delegate model level to its own component groups")
 def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
     """A second thread calling a pipeline while another thread is inside one of its offloaded
     modules gets a clear error (or an exact output), and the first thread's generation stays

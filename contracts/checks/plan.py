@@ -95,7 +95,8 @@ def check_plan_resolution_is_repeatable(case) -> None:
         fail("two resolutions have equal contents but do not compare equal")
 
 
-@check("A.3", strategies=LAYER, applies=_TWO_BLOCKS)
+@check("A.3", strategies=LAYER, applies=_TWO_BLOCKS,
+       needs="a DiT with two or more declared blocks")
 def check_plan_block_attrs_beat_class_attributes(case) -> None:
     """OffloadPlan.block_attrs wins over the DiT's _layerwise_offload_blocks_attrs."""
     pipeline = case.build()
@@ -124,7 +125,8 @@ def check_plan_block_attrs_beat_class_attributes(case) -> None:
              f"{list(stacks[0].container_paths)}")
 
 
-@check("A.3", applies=_not_delegated)
+@check("A.3", applies=_not_delegated,
+       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
 def check_declared_components_beat_attribute_scan(case) -> None:
     """Declared components are used as declared; a well-known but undeclared name is ignored."""
     pipeline = case.build()
@@ -147,7 +149,8 @@ def check_declared_components_beat_attribute_scan(case) -> None:
              "which declares its components")
 
 
-@check("A.3", strategies=("model_level", "layer_wise"), applies=_not_delegated)
+@check("A.3", strategies=("model_level", "layer_wise"), applies=_not_delegated,
+       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
 def check_attribute_scan_warns_once_per_pipeline_class(case) -> None:
     """A pipeline without declarations is scanned by name, with one warning per class."""
     source = case.build()
@@ -217,7 +220,8 @@ def check_dotted_paths_resolve_nested_components(case) -> None:
              f"{[g[0] for g in got]} (or different modules/blocks)")
 
 
-@check("A.5", strategies=("model_level",), applies=_not_delegated)
+@check("A.5", strategies=("model_level",), applies=_not_delegated,
+       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
 def check_model_level_without_dit_is_rejected(case) -> None:
     """An explicit model-level selection on a pipeline with no DiT fails before mutation."""
     pipeline = case.build()
@@ -226,7 +230,8 @@ def check_model_level_without_dit_is_rejected(case) -> None:
                                   ("_dit_modules",))
 
 
-@check("A.5", strategies=("model_level",), applies=_not_delegated)
+@check("A.5", strategies=("model_level",), applies=_not_delegated,
+       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
 def check_model_level_without_encoder_is_rejected(case) -> None:
     """An explicit model-level selection with no encoder stage to swap against fails."""
     pipeline = case.build()
@@ -256,7 +261,8 @@ def check_missing_block_container_is_rejected(case) -> None:
                                   (f"{path}.kit_missing_blocks",))
 
 
-@check("A.5", strategies=LAYER, applies=_TWO_BLOCKS)
+@check("A.5", strategies=LAYER, applies=_TWO_BLOCKS,
+       needs="a DiT with two or more declared blocks")
 def check_block_claimed_by_two_components_is_rejected(case) -> None:
     """One block reachable from two components is rejected ("claimed by both")."""
     pipeline = case.build()
@@ -272,7 +278,8 @@ def check_block_claimed_by_two_components_is_rejected(case) -> None:
         "the check adds (at 'kit_twin')", ("claimed by both", "kit_twin"))
 
 
-@check("A.5", strategies=LAYER, applies=has_role("vaes"))
+@check("A.5", strategies=LAYER, applies=has_role("vaes"),
+       needs="a declared VAE")
 def check_on_demand_component_without_lifecycle_is_rejected(case) -> None:
     """An on-demand component must implement load_to_device() and offload_to_cpu()."""
     pipeline = case.build()
@@ -297,7 +304,8 @@ def _encoder_block_list(pipeline: Any) -> tuple[str, str] | None:
     return None
 
 
-@check("A.5", strategies=("distributed_layer_wise",), applies=_encoder_with_block_list)
+@check("A.5", strategies=("distributed_layer_wise",), applies=_encoder_with_block_list,
+       needs="an encoder holding a block list (an nn.ModuleList of two or more)")
 def check_encoder_allgather_requires_declared_replication(case) -> None:
     """Encoder AllGather (world > 1) needs OffloadPlan.encoder_dlo_weight_replication."""
     pipeline = case.build()
@@ -327,7 +335,8 @@ def check_resident_layers_need_a_resident_dit_path(case) -> None:
                                   (path, "resident_dit_paths"))
 
 
-@check("A.5", strategies=("distributed_layer_wise",), applies=_TWO_BLOCKS)
+@check("A.5", strategies=("distributed_layer_wise",), applies=_TWO_BLOCKS,
+       needs="a DiT with two or more declared blocks")
 def check_resident_layers_leaving_one_streaming_block_are_rejected(case) -> None:
     """resident_layers that leave exactly one streaming block are rejected."""
     pipeline = case.build()
@@ -339,7 +348,8 @@ def check_resident_layers_leaving_one_streaming_block_are_rejected(case) -> None
                                   (path, "only one streaming block"))
 
 
-@check("A.6", strategies=("model_level", "layer_wise"), applies=_not_delegated)
+@check("A.6", strategies=("model_level", "layer_wise"), applies=_not_delegated,
+       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
 def check_legacy_topology_without_dit_is_a_recorded_noop(case) -> None:
     """Legacy flags on a pipeline without a DiT: skip_reason recorded, nothing placed."""
     pipeline = case.build()
@@ -362,7 +372,8 @@ def check_legacy_topology_without_dit_is_a_recorded_noop(case) -> None:
              f"{platform.memory_allocated()}, changes={problems[:5]}")
 
 
-@check("A.7", strategies=LAYER, applies=_TWO_BLOCKS)
+@check("A.7", strategies=LAYER, applies=_TWO_BLOCKS,
+       needs="a DiT with two or more declared blocks")
 def check_tensors_aliasing_a_block_belong_to_its_ring(case) -> None:
     """A DiT tensor outside the blocks that shares storage with a block tensor is a ring alias
     (placement by identity, not by attribute name)."""
@@ -420,7 +431,8 @@ def check_resident_inside_a_streamed_block_is_rejected(case) -> None:
                                   (path, block_path, "_resident_modules"))
 
 
-@check("A.5", strategies=("model_level",), applies=_not_delegated)
+@check("A.5", strategies=("model_level",), applies=_not_delegated,
+       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
 def check_tensor_in_two_model_level_groups_is_rejected(case) -> None:
     """Model level moves each DiT, each encoder and the resident state separately: pipeline
     state sharing storage with a swapped DiT is rejected by the resolver, naming both."""
@@ -439,7 +451,8 @@ _has_vae = has_role("vaes")
 
 
 @check("A.5", applies=lambda spec, strategy: _has_vae(spec, strategy)
-       and _not_delegated(spec, strategy))
+       and _not_delegated(spec, strategy),
+       needs="a declared VAE in a pipeline that does not delegate model level")
 def check_vae_selection_without_lifecycle_is_rejected(case) -> None:
     """Selecting "vae" without a declared pipeline-managed lifecycle is rejected, naming the
     VAE and what to declare."""
@@ -472,7 +485,8 @@ def _rejected_before_any_change(case, pipeline, before, what: str, mentions) -> 
              f"{platform.memory_allocated()}, pinned bytes={platform.pinned_bytes()}")
 
 
-@check("J.7", strategies=_BUILT, applies=_not_delegated)
+@check("J.7", strategies=_BUILT, applies=_not_delegated,
+       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
 def check_sparse_buffer_is_rejected_before_mutation(case) -> None:
     """A sparse buffer in a DiT block is rejected by the resolver, naming its path and the fix
     (.to_dense()); enable changes nothing."""
@@ -492,7 +506,8 @@ def check_sparse_buffer_is_rejected_before_mutation(case) -> None:
         fail(f"the pipeline changed although a sparse buffer was rejected: {problems[:5]}")
 
 
-@check("J.7", strategies=_BUILT, applies=_not_delegated)
+@check("J.7", strategies=_BUILT, applies=_not_delegated,
+       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
 def check_cyclic_module_graph_is_rejected_before_mutation(case) -> None:
     """A DiT registered as a child of its own last block (a cycle) is rejected by the resolver,
     naming the back edge; nothing recurses forever and enable changes nothing."""

@@ -175,7 +175,8 @@ def _none_resident(platform: Any, tensors: list[torch.Tensor]) -> bool:
     return not any(platform.is_resident(t) for t in tensors)
 
 
-@check("F.1", strategies=("model_level",), applies=_not_delegated)
+@check("F.1", strategies=("model_level",), applies=_not_delegated,
+       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
 def check_model_level_keeps_one_group_resident(case) -> None:
     """While an encoder runs every swapped DiT is on the host; while a DiT runs the swapped
     encoders and the other DiTs are on the host; VAEs, residents (also those declared inside a
@@ -221,7 +222,8 @@ def check_model_level_keeps_one_group_resident(case) -> None:
         fail(f"model-level residency violated: {sorted(set(problems))[:6]}")
 
 
-@check("F.1", strategies=("model_level",), applies=_not_delegated)
+@check("F.1", strategies=("model_level",), applies=_not_delegated,
+       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
 def check_model_level_swaps_move_component_bytes_host_to_device_only(case) -> None:
     """Each swap moves exactly the loaded component's own bytes host -> device (observed at the
     component's forward, before it runs); nothing moves device -> host."""
@@ -436,7 +438,8 @@ def _can_skip(spec: Any, strategy: str) -> bool:
     return False
 
 
-@check("F.4", strategies=LAYER_BACKENDS, applies=_can_skip)
+@check("F.4", strategies=LAYER_BACKENDS, applies=_can_skip,
+       needs="a streamed nn.ModuleList of three or more blocks that the pipeline iterates (so one can be skipped)")
 def check_skipped_block_is_recovered(case) -> None:
     """A caller that skips a block (as cache systems do) still gets the right output (the
     reference with the same skip), the ring stays bounded, and a skip-free pass afterwards

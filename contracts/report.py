@@ -1,0 +1,218 @@
+"""The kit's report: a header, a pipeline x strategy x contract-area matrix, then every failure.
+
+One renderer serves ``offload-ref check`` and the pytest plugin's terminal summary (which feeds
+it rows rebuilt from test reports, so the matrix survives pytest-xdist).  :func:`to_json` is the
+same content as data (``offload-ref check --json PATH``).
+
+Reading a cell: ``ok 5`` (5 cases, all passed or failed as expected), ``FAIL 2/5`` (2 of 5
+failed), ``n/a`` (no case of that area applies to that pipeline; the reasons are listed under
+the matrix), ``-`` (the area has no check for that strategy).
+"""
+
+from __future__ import annotations
+
+import platform as _platform
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from .registry import AREAS, doc_for
+
+__all__ = ["Row", "header", "render", "rows_from_results", "summary", "to_json"]
+
+#: outcomes that count as "nothing unexpected"
+_OK = ("passed", "xfailed")
+_BAD = ("failed", "error", "xpassed")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One case as the report sees it (from a :class:`~.runner.CheckResult` or a pytest report)."""
+
+    check: str
+    section: str
+    pipeline: str | None
+    strategy: str | None
+    outcome: str
+    message: str = ""
+    repro: str = ""
+    seconds: float = 0.0
+    title: str = ""
+
+    @property
+    def area(self) -> str:
+        return self.section[:1] if self.section else "?"
+
+
+def rows_from_results(results: Iterable[Any]) -> list[Row]:
+    from .runner import load_catalogue
+
+    catalogue = load_catalogue()
+    rows = []
+    for r in results:
+        info = catalogue.get(r.id.check)
+        rows.append(Row(r.id.check, info.section if info else "", r.id.spec, r.id.strategy,
+                        r.outcome, r.message, r.id.repro(), r.seconds,
+                        info.title if info else ""))
+    return rows
+
+
+def header(*, implementation: str = "offload_ref", pipelines: Mapping[str, str] | None = None,
+           device: str | None = None, threads: int | None = None) -> dict[str, Any]:
+    """What the report is about: versions, device, and what is under test."""
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        kit = version("offload-ref")
+    except Exception:  # noqa: BLE001 - running from a source tree that is not installed
+        kit = "unknown (not installed)"
+    if device is None:
+        device = "cpu (CpuPlatform, race amplifier on)"
+    return {
+        "kit": kit,
+        "torch": torch.__version__,
+        "python": _platform.python_version(),
+        "machine": _machine(),
+        "device": device,
+        "torch_threads": threads if threads is not None else torch.get_num_threads(),
+        "implementation": implementation,
+        "pipelines": dict(pipelines or {}),
+    }
+
+
+def _machine() -> str:
+    """The CPU model (results that hold on one CPU and not another are defects worth seeing)."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.partition(":")[2].strip()
+                    break
+    except OSError:
+        model = _platform.processor()
+    return " ".join(p for p in (_platform.machine(), model) if p)
+
+
+def summary(rows: Sequence[Row]) -> dict[str, int]:
+    counts = {k: 0 for k in ("passed", "failed", "error", "xfailed", "xpassed",
+                             "not_applicable", "skipped")}
+    for row in rows:
+        counts[row.outcome] = counts.get(row.outcome, 0) + 1
+    counts["total"] = len(rows)
+    return counts
+
+
+def _matrix(rows: Sequence[Row]) -> tuple[list[str], dict[tuple[str, str], dict[str, list[Row]]]]:
+    areas = sorted({r.area for r in rows}, key=lambda a: (list(AREAS).index(a)
+                                                         if a in AREAS else len(AREAS), a))
+    cells: dict[tuple[str, str], dict[str, list[Row]]] = {}
+    for row in rows:
+        key = (row.pipeline or "(global)", row.strategy or "-")
+        cells.setdefault(key, {}).setdefault(row.area, []).append(row)
+    return areas, cells
+
+
+def _cell(rows: Sequence[Row] | None) -> str:
+    if not rows:
+        return "-"
+    ran = [r for r in rows if r.outcome != "not_applicable" and r.outcome != "skipped"]
+    if not ran:
+        return "n/a"
+    bad = sum(r.outcome in _BAD for r in ran)
+    return f"FAIL {bad}/{len(ran)}" if bad else f"ok {len(ran)}"
+
+
+def _table(head: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    line = lambda cells: "  ".join(f"{c:<{w}}" for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return [line(head), line(["-" * w for w in widths]), *(line(b) for b in body)]
+
+
+def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
+           out: TextIO | None = None, seconds: float | None = None,
+           failures: bool = True) -> None:
+    """Print the report: header, matrix, not-applicable reasons, failures (unless
+    ``failures=False``: pytest prints them itself), one summary line."""
+    out = out or sys.stdout
+    w = out.write
+    if head:
+        w(f"offload-ref check {head['kit']} · torch {head['torch']} · python {head['python']}"
+          f" · {head['machine']}\n")
+        w(f"device: {head['device']} · torch threads: {head['torch_threads']}"
+          f" · implementation: {head['implementation']}\n")
+        if head.get("pipelines"):
+            w("under test:\n")
+            for line in _table(("pipeline", "from"), sorted(head["pipelines"].items()))[2:]:
+                w(f"  {line}\n")
+        w("\n")
+    areas, cells = _matrix(rows)
+    titles = [f"{a} {AREAS.get(a, '')}".strip() for a in areas]
+    body = []
+    for (pipeline, strategy), by_area in sorted(cells.items()):
+        body.append([pipeline, strategy, *(_cell(by_area.get(a)) for a in areas)])
+    for line in _table(("pipeline", "strategy", *titles), body):
+        w(line + "\n")
+
+    not_applicable: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        if r.outcome == "not_applicable":
+            where = f"{r.pipeline}/{r.strategy}" if r.pipeline else "-"
+            not_applicable.setdefault((r.check, r.message.strip()), []).append(where)
+    if not_applicable:
+        w(f"\nnot applicable ({sum(len(v) for v in not_applicable.values())} cases):\n")
+        for (check_id, reason), where in sorted(not_applicable.items()):
+            w(f"  {check_id} on {', '.join(sorted(where))}\n    not applicable: {reason}\n")
+
+    bad = [r for r in rows if r.outcome in _BAD] if failures else []
+    for r in bad:
+        case_id = "-".join(p for p in (r.check, r.pipeline, r.strategy) if p)
+        w(f"\n{r.outcome.upper()} {case_id}\n  pipeline {r.pipeline or '-'} · strategy "
+          f"{r.strategy or '-'} · §{r.section} {AREAS.get(r.area, '')} · {doc_for(r.section)}\n")
+        if r.title:
+            w(f"  contract: {r.title}\n")
+        for line in r.message.strip().splitlines() or ["(no message)"]:
+            w(f"  {line}\n")
+        if r.repro:
+            w(f"  reproduce: {r.repro}\n")
+    s = summary(rows)
+    parts = [f"{s['passed']} passed", f"{s['failed'] + s['error']} failed"]
+    if s["error"]:
+        parts[-1] += f" ({s['error']} with an error)"
+    if s["xfailed"]:
+        parts.append(f"{s['xfailed']} failed as expected")
+    if s["xpassed"]:
+        parts.append(f"{s['xpassed']} passed unexpectedly (expected to fail)")
+    if s["not_applicable"]:
+        parts.append(f"{s['not_applicable']} not applicable")
+    if s["skipped"]:
+        parts.append(f"{s['skipped']} skipped")
+    tail = f" in {seconds:.1f} s" if seconds is not None else ""
+    w(f"\n{', '.join(parts)} ({s['total']} cases{tail})\n")
+
+
+def to_json(rows: Sequence[Row], head: Mapping[str, Any] | None = None,
+            seconds: float | None = None) -> dict[str, Any]:
+    areas, cells = _matrix(rows)
+    matrix = []
+    for (pipeline, strategy), by_area in sorted(cells.items()):
+        for area in areas:
+            group = by_area.get(area, [])
+            if group:
+                counts = summary(group)
+                matrix.append({"pipeline": pipeline, "strategy": strategy, "area": area,
+                               "area_title": AREAS.get(area, ""), "cell": _cell(group),
+                               **{k: v for k, v in counts.items() if v}})
+    return {
+        "format": "offload-ref-check/1",
+        "header": dict(head or {}),
+        "summary": summary(rows),
+        "seconds": seconds,
+        "matrix": matrix,
+        "results": [{"check": r.check, "section": r.section, "pipeline": r.pipeline,
+                     "strategy": r.strategy, "outcome": r.outcome, "message": r.message,
+                     "reproduce": r.repro, "seconds": round(r.seconds, 4)} for r in rows],
+    }
