@@ -47,6 +47,18 @@ class BoundCheck:
         return str(self.id)
 
 
+class _PlanningError(BoundCheck):
+    """A case whose ``applies`` raised: the test fails with that message (collection goes on)."""
+
+    def __init__(self, bound: BoundCheck, message: str) -> None:
+        super().__init__(bound.info, bound.spec, bound.strategy, bound.impl, bound.id.source)
+        self.message = message
+
+    def __call__(self) -> None:
+        pytest.fail(f"[{self.id.check}] on {self.id.spec} / {self.id.strategy}: {self.message}",
+                    pytrace=False)
+
+
 def check_params(
     specs: Sequence[PipelineSpec],
     *,
@@ -68,7 +80,9 @@ def check_params(
         bound = BoundCheck(info, spec, strategy, impl, sources.get(spec) if spec else None)
         marks = [pytest.mark.contract, *_process_marks(info, spec)]
         reason = expected.get(str(bound.id), expected.get(info.id))
-        if planned.not_applicable is not None:
+        if planned.planning_error is not None:
+            bound = _PlanningError(bound, planned.planning_error)
+        elif planned.not_applicable is not None:
             # shown as a skip with its reason; an expected failure on it is not checked
             marks.append(pytest.mark.skip(reason=f"not applicable: {planned.not_applicable}"))
         elif reason:

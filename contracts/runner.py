@@ -80,6 +80,9 @@ class PlannedCase:
     spec: PipelineSpec | None
     strategy: str | None
     not_applicable: str | None = None
+    #: the kit could not decide whether the check applies (its ``applies`` raised): the case is
+    #: reported as an error with this message, and not run
+    planning_error: str | None = None
 
 
 def plan_cases(
@@ -119,8 +122,14 @@ def plan_cases(
                     continue
                 if not spec.supports(strategy):
                     continue
-                cases.append(PlannedCase(info, spec, strategy,
-                                         applicability(info, spec, strategy)))
+                try:
+                    reason = applicability(info, spec, strategy)
+                except Exception as exc:  # noqa: BLE001 - the pipeline broke the kit's probe
+                    cases.append(PlannedCase(info, spec, strategy, planning_error=(
+                        f"deciding whether {info.id} applies to {spec.name} (it needs "
+                        f"{info.needs}) raised {type(exc).__name__}: {exc}")))
+                else:
+                    cases.append(PlannedCase(info, spec, strategy, reason))
     return cases
 
 
@@ -135,7 +144,7 @@ def iter_cases(
     return [(c.info, c.spec, c.strategy)
             for c in plan_cases(specs, checks=checks, strategies=strategies,
                                 include_global=include_global)
-            if c.not_applicable is None]
+            if c.not_applicable is None and c.planning_error is None]
 
 
 def expected_failures_for(specs: Sequence[PipelineSpec],
@@ -205,8 +214,11 @@ def run_checks(
         info, spec, strategy = planned_case.info, planned_case.spec, planned_case.strategy
         cid = CaseId(info.id, spec.name if spec else None, strategy,
                      sources.get(spec) if spec else None)
-        if planned_case.not_applicable is not None:
-            results.append(CheckResult(cid, "not_applicable", planned_case.not_applicable))
+        if planned_case.planning_error is not None or planned_case.not_applicable is not None:
+            results.append(
+                CheckResult(cid, "error", planned_case.planning_error)
+                if planned_case.planning_error is not None
+                else CheckResult(cid, "not_applicable", planned_case.not_applicable))
             if progress is not None:
                 progress(len(results), len(planned), results[-1])
             continue

@@ -90,17 +90,33 @@ def observe(
     """
     calls: list[str] = []
     handles = []
+    refused: dict[int, str] = {}  # modules that refuse hooks: watched through global hooks
+
+    def pre(mod: nn.Module, args: Any, path: str) -> None:
+        calls.append(path)
+        if before is not None:
+            before(path, mod)
+
     try:
         for path, module in modules:
-            def pre(mod, args, path=path):
-                calls.append(path)
-                if before is not None:
-                    before(path, mod)
-
-            handles.append(module.register_forward_pre_hook(pre))
+            try:
+                handles.append(module.register_forward_pre_hook(
+                    lambda mod, args, path=path: pre(mod, args, path)))
+                if after is not None:
+                    handles.append(module.register_forward_hook(
+                        lambda mod, args, out, path=path: after(path, mod)))
+            except Exception:  # noqa: BLE001 - a module that refuses hooks (compiled, scripted)
+                refused[id(module)] = path
+        if refused:
+            # The offloader cannot hook such a module either, so running before its own hooks
+            # (which is where global hooks run) observes the same state.
+            handles.append(nn.modules.module.register_module_forward_pre_hook(
+                lambda mod, args: pre(mod, args, refused[id(mod)]) if id(mod) in refused
+                else None))
             if after is not None:
-                handles.append(module.register_forward_hook(
-                    lambda mod, args, out, path=path: after(path, mod)))
+                handles.append(nn.modules.module.register_module_forward_hook(
+                    lambda mod, args, out: after(refused[id(mod)], mod) if id(mod) in refused
+                    else None))
         yield calls
     finally:
         for h in handles:

@@ -26,22 +26,33 @@ class InjectedFault(RuntimeError):
     """The fault the kit injects at one mutation step of enable."""
 
 
-def _dry_run_steps(case: Any) -> list[str]:
+def _dry_run_steps(case: Any) -> tuple[list[str], BaseException | None]:
+    """The mutation steps of one enable, and the error of that enable when the pipeline makes it
+    fail on its own (a module that refuses hooks, say): then the steps are those up to and
+    including the failing one, and the rollback contracts hold for that failure as well."""
     pipeline = case.build()
     backend = case.backend()
     steps: list[str] = []
     backend.fault_injector = lambda index, label: steps.append(label)
-    backend.enable(pipeline)
-    backend.disable()
+    try:
+        backend.enable(pipeline)
+    except Exception as exc:  # noqa: BLE001 - the pipeline's own failure: rolled back as well
+        natural: BaseException | None = exc
+    else:
+        natural = None
+        backend.disable()
+    finally:
+        backend.fault_injector = None
     if not steps:
         fail(f"enable on {type(pipeline).__name__} went through no mutation step; the kit "
              "cannot inject faults (does the backend use a Transaction?)")
-    return steps
+    return steps, natural
 
 
-def _fail_at(case: Any, k: int, pipeline: Any = None) -> tuple[Any, Any, Any, BaseException]:
-    """Enable a (fresh) pipeline with a fault at step ``k``; return (pipeline, backend, platform,
-    error)."""
+def _fail_at(case: Any, k: int | None, pipeline: Any = None
+             ) -> tuple[Any, Any, Any, BaseException]:
+    """Enable a (fresh) pipeline with a fault at step ``k`` (``None``: no fault, for a pipeline
+    whose enable fails on its own); return (pipeline, backend, platform, error)."""
     pipeline = pipeline if pipeline is not None else case.build()
     platform = case.platform()
     backend = case.backend(platform=platform)
@@ -56,10 +67,25 @@ def _fail_at(case: Any, k: int, pipeline: Any = None) -> tuple[Any, Any, Any, Ba
     except Exception as exc:  # the contract: any failure surfaces, chained to the cause
         error = exc
     else:
-        fail(f"enable succeeded although step {k} raised {InjectedFault.__name__}")
+        fail(f"enable succeeded although step {k} raised {InjectedFault.__name__}" if k is not
+             None else "enable succeeded although it failed on the same pipeline before")
     finally:
         backend.fault_injector = None
     return pipeline, backend, platform, error
+
+
+def _faults(steps: list[str], natural: BaseException | None) -> list[tuple[int | None, str]]:
+    """(step to fault, what) for every step, then the pipeline's own failure if there is one."""
+    faults: list[tuple[int | None, str]] = [(k, f"a fault at step {k} ({label})")
+                                            for k, label in enumerate(steps)]
+    if natural is not None:
+        faults.append((None, f"the pipeline's own failure at step {len(steps) - 1} "
+                             f"({steps[-1]}: {type(_root(natural)).__name__})"))
+    return faults
+
+
+def _root(exc: BaseException) -> BaseException:
+    return _chain(exc)[-1]
 
 
 def _chain(exc: BaseException | None) -> list[BaseException]:
@@ -73,8 +99,8 @@ def _chain(exc: BaseException | None) -> list[BaseException]:
 @check("B", strategies=BACKENDS)
 def check_failed_enable_restores_the_pipeline(case) -> None:
     """A fault at any mutation step of enable leaves every tensor, hook and attribute as before."""
-    steps = _dry_run_steps(case)
-    for k, label in enumerate(steps):
+    steps, natural = _dry_run_steps(case)
+    for k, what in _faults(steps, natural):
         pipeline = case.build()
         before, groups = snapshot(pipeline, values=True), storage_groups(pipeline)
         _fail_at(case, k, pipeline)
@@ -84,33 +110,51 @@ def check_failed_enable_restores_the_pipeline(case) -> None:
         problems += [f"hook left: {h}" for h in hook_residue(pipeline)]
         problems += [f"attribute left: {a}" for a in offload_attributes(pipeline)]
         if problems:
-            fail(f"after a fault at step {k} ({label}) the pipeline is not restored: "
-                 f"{problems[:6]}")
+            fail(f"after {what} the pipeline is not restored: {problems[:6]}")
 
 
 @check("B", strategies=BACKENDS)
 def check_failed_enable_releases_memory_and_chains_the_cause(case) -> None:
     """After a failed enable: no device or pinned bytes of ours, backend disabled, the injected
-    fault in the exception chain."""
-    steps = _dry_run_steps(case)
-    for k, label in enumerate(steps):
+    fault (or the pipeline's own error) in the exception chain."""
+    steps, natural = _dry_run_steps(case)
+    for k, what in _faults(steps, natural):
         pipeline, backend, platform, error = _fail_at(case, k)
-        where = f"fault at step {k} ({label})"
-        if not any(isinstance(e, InjectedFault) for e in _chain(error)):
-            fail(f"{where}: the raised {type(error).__name__} does not chain the cause: {error}")
+        chain = _chain(error)
+        if k is not None and not any(isinstance(e, InjectedFault) for e in chain):
+            fail(f"{what}: the raised {type(error).__name__} does not chain the cause: {error}")
+        if k is None and not any(type(e) is type(_root(natural)) and str(e) == str(_root(natural))
+                                 for e in chain):
+            fail(f"{what}: the raised {type(error).__name__} does not chain the pipeline's "
+                 f"error {_root(natural)!r}: {error}")
         if backend.is_enabled():
-            fail(f"{where}: is_enabled() is True after a failed enable")
+            fail(f"{what}: is_enabled() is True after a failed enable")
         held = (platform.memory_allocated(), platform.pinned_bytes(), platform.host_allocated())
         if any(held):
-            fail(f"{where}: (device, pinned, host) bytes {held} are still held")
+            fail(f"{what}: (device, pinned, host) bytes {held} are still held")
 
 
 @check("B", strategies=BACKENDS)
 def check_failed_enable_can_be_retried(case) -> None:
     """After a failed enable, a second enable on the same pipeline works and matches the
-    reference."""
-    steps = _dry_run_steps(case)
+    reference (for a pipeline whose enable fails on its own: fails again the same way, and the
+    pipeline still runs exactly as before)."""
+    steps, natural = _dry_run_steps(case)
     reference = case.reference()
+    if natural is not None:
+        pipeline, backend, _, _ = _fail_at(case, None)
+        try:
+            backend.enable(pipeline)
+        except Exception as exc:  # noqa: BLE001 - compared with the first failure below
+            again = _root(exc)
+        else:
+            fail("a retried enable succeeded on a pipeline whose enable failed before")
+        first = _root(natural)
+        if type(again) is not type(first) or str(again) != str(first):
+            fail(f"a retried enable failed differently: {again!r}, first {first!r} (state "
+                 f"left by the failed enable?)")
+        compare_outputs("after two failed enables, not offloaded", case.run(pipeline), reference)
+        return
     for k in sorted({0, len(steps) // 2, len(steps) - 1}):
         pipeline, backend, platform, _ = _fail_at(case, k)
         backend.enable(pipeline)

@@ -11,7 +11,7 @@ from offload_ref.config import OffloadConfig
 from offload_ref.discovery import get_submodule_path
 from offload_ref.plan import resolve_offload_plan
 
-from ..registry import check, fail
+from ..registry import NotApplicable, check, fail
 from ._observe import (
     CopySpy,
     tensor_bytes,
@@ -413,12 +413,13 @@ def _skip(container: nn.ModuleList, index: int) -> None:
     container.__dict__["_kit_skip"] = index
 
 
-def _can_skip(spec: Any, strategy: str) -> bool:
+def _can_skip(spec: Any, strategy: str) -> Any:
     pipeline = spec.build()
     try:
         plan = resolve_offload_plan(pipeline, OffloadConfig(strategy=strategy))
     except ValueError:
-        return False
+        return NotApplicable("needs a pipeline whose layerwise plan resolves (the plan checks "
+                             "report why it does not)")
     for stack in plan.stacks:
         for path in stack.container_paths:
             c = get_submodule_path(pipeline, path)
@@ -430,12 +431,18 @@ def _can_skip(spec: Any, strategy: str) -> bool:
                 try:
                     with torch.inference_mode():
                         pipeline(**spec.make_inputs())
-                except Exception:  # noqa: BLE001 - skipping this block breaks the model's shapes
-                    return False
+                except Exception as exc:  # noqa: BLE001 - skipping this block breaks the model
+                    return NotApplicable(
+                        f"needs a block that can be skipped; skipping {path}[{len(c) // 2}] "
+                        f"makes the pipeline raise {type(exc).__name__}")
                 finally:
                     h.remove()
-                return not calls  # the pipeline iterates its container
-    return False
+                if calls:
+                    return NotApplicable(
+                        f"needs a pipeline that iterates its block list; {path} is called by "
+                        f"index (a skipped entry still ran)")
+                return True
+    return NotApplicable("needs a streamed nn.ModuleList of three or more blocks")
 
 
 @check("F.4", strategies=LAYER_BACKENDS, applies=_can_skip,
