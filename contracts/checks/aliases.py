@@ -1,4 +1,4 @@
-"""CONTRACTS.md §D: tied aliases, shared parameters and views that share storage."""
+"""Catalogue §D: tied aliases, shared parameters and views that share storage."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CONTRACTS.md §B (rollback on failed enable), §C (disable / enable cycles) and §J.1 (interrupts)."""
+"""Catalogue §B (rollback on failed enable), §C (disable / enable cycles) and §J.1 (interrupts)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CONTRACTS.md §J: what users do next to a plain generation -- edit weights, read a state dict,
+"""Catalogue §J: what users do next to a plain generation -- edit weights, read a state dict,
 record autograd, call from a second thread -- is served exactly or refused loudly."""
 
 from __future__ import annotations

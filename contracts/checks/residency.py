@@ -1,4 +1,4 @@
-"""CONTRACTS.md §F: strategy behaviour, residency bounds and output parity."""
+"""Catalogue §F: strategy behaviour, residency bounds and output parity."""
 
 from __future__ import annotations
 

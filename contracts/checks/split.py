@@ -1,4 +1,4 @@
-"""CONTRACTS.md §E: split-model phase swaps (the Cosmos3 shape)."""
+"""Catalogue §E: split-model phase swaps (the Cosmos3 shape)."""
 
 from __future__ import annotations
 
