@@ -13,7 +13,13 @@ from offload_ref.config import OffloadConfig, OffloadStrategy
 from offload_ref.plan import resolve_offload_plan, selectable_components
 from offload_ref.platform import CpuPlatform
 
+from offload_ref.backends.base import backend_of
+
+from .diagnosis import Run, diagnose
 from .spec import PipelineSpec
+
+#: Generations a case remembers for a diagnosis (a check compares the latest ones).
+_KEPT_RUNS = 16
 
 __all__ = ["CheckCase", "Implementation", "DEFAULT_IMPLEMENTATION"]
 
@@ -58,6 +64,10 @@ class CheckCase:
     _platforms: list[Any] = field(default_factory=list)
     _reference: Any = None
     _components: tuple[str, ...] | None = None
+    #: The latest generations :meth:`run` made (output, pipeline, inputs), newest last, so that a
+    #: failed :meth:`compare` can rerun them for its diagnosis; the reference is kept apart.
+    _runs: list[Run] = field(default_factory=list)
+    _reference_run: Run | None = None
 
     # -- pipelines ------------------------------------------------------------------------------
 
@@ -70,14 +80,59 @@ class CheckCase:
         return self.spec.make_inputs()
 
     def run(self, pipeline: Any, inputs: dict[str, Any] | None = None) -> torch.Tensor:
+        """One generation under ``torch.inference_mode()``; remembered (the pipeline weakly) for
+        the diagnosis of a failed :meth:`compare`."""
         with torch.inference_mode():
-            return pipeline(**(inputs if inputs is not None else self.inputs()))
+            output = pipeline(**(inputs if inputs is not None else self.inputs()))
+        self._runs.append(Run.of(output, pipeline, inputs))
+        del self._runs[:-_KEPT_RUNS]
+        return output
 
     def reference(self) -> torch.Tensor:
         """The output of a fresh pipeline with no offloading (computed once per case)."""
         if self._reference is None:
             self._reference = self.run(self.build())
+            self._runs.pop()
+            self._reference_run = Run(self._reference, None, None, fresh=True)
         return self._reference
+
+    def compare(self, what: str, got: Any, want: Any) -> None:
+        """:func:`~offload_ref.contracts.checks._observe.compare_outputs`, and on a mismatch a
+        diagnosis appended to the failure: the first module whose output diverged (a rerun of
+        both generations with hooks on every module) and the tensors read while off the device.
+        ``got`` and ``want`` should be outputs of :meth:`run` (or :meth:`reference`)."""
+        from .checks._observe import compare_outputs
+
+        compare_outputs(what, got, want, case=self)
+
+    def diagnose(self, got: Any, want: Any) -> str:
+        """The diagnosis lines for a failed comparison of ``got`` with ``want`` (both outputs of
+        :meth:`run`); run only once the comparison has failed."""
+        got_run, want_run = self._run_of(got), self._run_of(want)
+        if got_run is None or want_run is None:
+            which = "output under test" if got_run is None else "reference output"
+            return (f"\n  diagnosis: not run (the {which} was not produced by case.run(), so the "
+                    "kit cannot rerun it)")
+        return diagnose(got_run, want_run, rebuild=self.build, make_inputs=self.inputs,
+                        resident=lambda t, pipe=got_run.pipeline: self._resident(pipe, t),
+                        enabled=lambda p: backend_of(p) is not None,
+                        blocks=self._block_paths)
+
+    def _run_of(self, output: Any) -> Run | None:
+        if self._reference_run is not None and self._reference_run.output is output:
+            return self._reference_run
+        return next((r for r in reversed(self._runs) if r.output is output), None)
+
+    def _resident(self, pipeline_ref: Any, tensor: torch.Tensor) -> bool:
+        pipeline = pipeline_ref() if pipeline_ref is not None else None
+        backend = backend_of(pipeline) if pipeline is not None else None
+        platform = getattr(backend, "platform", None)
+        platforms = [platform] if platform is not None else self._platforms
+        return any(p.is_resident(tensor) for p in platforms)
+
+    def _block_paths(self) -> list[str]:
+        plan = resolve_offload_plan(self.build(), self.config())
+        return [p for c in plan.components for s in c.stacks for p in s.block_paths]
 
     # -- offloader ------------------------------------------------------------------------------
 

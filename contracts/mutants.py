@@ -46,7 +46,7 @@ __all__ = ["MUTANTS", "Mutant"]
 class Mutant:
     """One defect, where to run the catalogue against it, and exactly which checks it fails.
 
-    ``pipelines`` are fixture names; ``sections`` select checks by CONTRACTS.md section prefix;
+    ``pipelines`` are fixture names; ``sections`` select checks by catalogue section prefix (see `registry.doc_for`);
     ``patch`` (optional) is entered around the run for defects in shared helpers; ``factory``
     (optional) replaces the pipelines' factory for defects in the pipeline itself.
     """

@@ -3,7 +3,7 @@
 A reference names a :class:`PipelineSpec`, a list or tuple of them, or a *factory*: a callable
 that builds a pipeline and takes no arguments or a ``seed=`` parameter.  A factory becomes a spec
 named after its attribute whose ``factory`` and ``inputs`` stay ``"module:attr"`` strings, so that
-spawned ranks (CONTRACTS.md §H) can rebuild it:
+spawned ranks (catalogue §H) can rebuild it:
 
 * a factory that takes ``seed=`` is used as it is;
 * a factory without one is reached through :data:`without_seed`:

@@ -9,9 +9,9 @@ from typing import Any
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["ALL_STRATEGIES", "AREAS", "CATALOGUE", "CheckFailure", "CheckInfo",
-           "CheckNotApplicable", "NotApplicable", "applicability", "check", "closest", "fail",
-           "doc_for", "not_applicable", "strategy_names"]
+__all__ = ["ALL_STRATEGIES", "AREAS", "CATALOGUE", "DOCS", "CheckFailure", "CheckInfo",
+           "CheckNotApplicable", "NotApplicable", "applicability", "check", "closest", "doc_for",
+           "fail", "not_applicable", "strategy_names"]
 
 
 class CheckFailure(AssertionError):
@@ -63,6 +63,40 @@ AREAS = {
 
 
 ALL_STRATEGIES = ("model_level", "layer_wise", "distributed_layer_wise")
+
+#: Where the repository's docs explain each section of the catalogue (``docs/`` path and heading
+#: anchor).  A full section id (``"F.6"``) wins over its letter (``"F"``).
+DOCS: dict[str, str] = {
+    "A": "docs/architecture.md#the-lifecycle",
+    "B": "docs/strategies.md#lifecycle-rules-both-strategies",
+    "C": "docs/strategies.md#lifecycle-rules-both-strategies",
+    "D": "docs/model-authors.md#2-declare-blocks-layerwise",
+    "E": "docs/model-authors.md#3-split-models-cosmos3-shape",
+    "F": "docs/strategies.md#strategies-model-level-and-layerwise",
+    "F.1": "docs/strategies.md#model-level-sequential",
+    "F.2": "docs/strategies.md#layerwise-blockwise",
+    "F.4": "docs/strategies.md#the-ring",
+    "F.5": "docs/strategies.md#layerwise-blockwise",
+    "F.6": "docs/strategies.md#alignment",
+    "G": "docs/strategies.md#configuration",
+    "H": "docs/distributed.md#the-conformance-kit-h",
+    "I": "docs/benchmarks.md#gpu-i",
+    "J": "docs/strategies.md#next-to-a-generation-threads-autograd-weight-edits-state_dict",
+    "J.1": "docs/strategies.md#interrupts-and-faults",
+    "J.2": "docs/strategies.md#interrupts-and-faults",
+    "J.7": "docs/model-authors.md#1-declare-components",
+}
+
+
+def doc_for(section: str) -> str:
+    """The doc (``docs/<file>.md#<anchor>``, relative to the repository root) that explains
+    catalogue section ``section`` (``"F.6"``, or a letter ``"A"``-``"J"``)."""
+    key = str(section).lstrip("§").strip()
+    for candidate in (key, key.split(".")[0]):
+        if candidate in DOCS:
+            return DOCS[candidate]
+    raise KeyError(f"no doc for catalogue section {section!r}; sections: "
+                   f"{', '.join(sorted(k for k in DOCS if '.' not in k))}")
 
 
 def closest(name: str, candidates: Iterable[str]) -> str:
@@ -157,8 +191,3 @@ def applicability(info: CheckInfo, spec: Any, strategy: str) -> str | None:
         return None
     reason = getattr(verdict, "reason", "") or f"needs {info.needs}"
     return reason
-
-
-def doc_for(section: str) -> str:
-    """The project doc that explains the contracts of ``section`` (e.g. ``"F.3"``)."""
-    return "docs/model-authors.md#5-what-the-kit-checks"

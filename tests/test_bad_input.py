@@ -1,4 +1,4 @@
-"""Bad input gets a clear error, and nothing changes (issue 9; CONTRACTS.md §J.7).
+"""Bad input gets a clear error, and nothing changes (issue 9; catalogue §J.7).
 
 Each test failed on the code before its fix: a raw RecursionError, a 15-megabyte message, a
 string flag read as True, a mapping read as "no offload", a sparse buffer reported as a tensor

@@ -30,7 +30,7 @@ DISTRIBUTED_SPECS = [s for s in SPECS if s.supports("distributed_layer_wise")]
 
 # The seeds' "Supported Models" table: model-level where it has a tick, layerwise for every
 # architecture; distributed layerwise wherever layerwise streams (the table ticks Cosmos3; the
-# strategy is the same ring with another transport, and CONTRACTS.md §H runs on every streaming
+# strategy is the same ring with another transport, and catalogue §H runs on every streaming
 # fixture).
 EXPECTED_STRATEGIES = {
     "bagel": ("layer_wise", "distributed_layer_wise"),

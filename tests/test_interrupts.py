@@ -1,4 +1,4 @@
-"""Interrupts and faults (issue 9, CONTRACTS.md §J.1-2): a KeyboardInterrupt inside a block or
+"""Interrupts and faults (issue 9, catalogue §J.1-2): a KeyboardInterrupt inside a block or
 inside the offloader's own hook work, a failed swap, a fault on the copy stream.  torch runs
 ``always_call`` forward hooks for ``Exception`` only, so a ``BaseException`` skips our post-hooks.
 Each test failed on the code before its fix."""

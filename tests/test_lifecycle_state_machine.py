@@ -1,7 +1,7 @@
 """Random lifecycles of the model-level and layerwise backends (Hypothesis state machines).
 
 Under test: any sequence of enable / disable / forward / component activation / repeated enable
-or disable keeps the invariants of DESIGN.md after every step --
+or disable keeps the invariants of docs/architecture.md after every step --
 
 * outputs equal the un-offloaded reference bit for bit, enabled or not;
 * disabled: no ``_offload_ref*`` attribute, no offload hook, no device byte, the same parameter

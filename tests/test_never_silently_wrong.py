@@ -1,4 +1,4 @@
-"""Issue 9 (CONTRACTS.md §J.3-J.6): weight edits, state_dict, autograd, threads and lifetime.
+"""Issue 9 (catalogue §J.3-J.6): weight edits, state_dict, autograd, threads and lifetime.
 
 Each test names the defect it pins; all run on the CPU platform with the race amplifier where a
 race could hide."""

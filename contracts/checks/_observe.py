@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..diagnosis import leaf_difference
 from ..outputs import leaves
 from ..registry import fail
 
@@ -144,29 +145,35 @@ class CopySpy:
         return sum(n for k, n in self.copies if k == kind)
 
 
-def compare_outputs(what: str, got: Any, want: Any) -> None:
+def compare_outputs(what: str, got: Any, want: Any, *, case: Any = None) -> None:
     """Bitwise equality (NaNs equal), leaf by leaf (:mod:`offload_ref.contracts.outputs`), with a
-    message naming the path of the first differing leaf and both values."""
+    message naming the path of the first differing leaf, how many elements differ, the max abs
+    diff and the first differing elements by index.  With ``case`` (a :class:`CheckCase` whose
+    :meth:`~CheckCase.run` produced both outputs), a mismatch also gets the case's diagnosis
+    (:mod:`offload_ref.contracts.diagnosis`); nothing of it runs when the outputs are equal."""
+    message = _mismatch(what, got, want)
+    if message is None:
+        return
+    if case is not None:
+        message += case.diagnose(got, want)
+    fail(message)
+
+
+def _mismatch(what: str, got: Any, want: Any) -> str | None:
     want_leaves, got_leaves = leaves(want), leaves(got)
     want_paths = [p for p, _ in want_leaves]
     got_paths = [p for p, _ in got_leaves]
     if want_paths != got_paths:
         missing = [p for p in want_paths if p not in got_paths]
         extra = [p for p in got_paths if p not in want_paths]
-        fail(f"{what}: output structure differs from the reference (missing {missing[:4]}, "
-             f"unexpected {extra[:4]})")
+        return (f"{what}: output structure differs from the reference (missing {missing[:4]}, "
+                f"unexpected {extra[:4]})")
     for (path, g), (_, w) in zip(got_leaves, want_leaves):
-        where = f"{what}: {path}"
-        if not isinstance(w, torch.Tensor) or not isinstance(g, torch.Tensor):
-            if type(g) is not type(w) or g != w:
-                fail(f"{where} is {g!r}, the reference has {w!r}")
+        why = leaf_difference(g, w)
+        if why is None:
             continue
-        if g.shape != w.shape or g.dtype != w.dtype:
-            fail(f"{where} is {tuple(g.shape)} {g.dtype}, the reference is "
-                 f"{tuple(w.shape)} {w.dtype}")
-        g, w = g.detach().cpu(), w.detach().cpu()
-        if not torch.equal(g.nan_to_num(), w.nan_to_num()) or not torch.equal(g.isnan(), w.isnan()):
-            diff = (g.double() - w.double()).abs().nan_to_num(float("inf"))
-            fail(f"{where} differs from the un-offloaded reference (max abs diff "
-                 f"{diff.max().item():.3g}, {int((diff != 0).sum())} of {diff.numel()} elements; "
-                 f"got {g.flatten()[:4].tolist()}, want {w.flatten()[:4].tolist()})")
+        if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor) and (
+                g.shape == w.shape and g.dtype == w.dtype):
+            return f"{what}: {path} differs from the un-offloaded reference: {why}"
+        return f"{what}: {path} {why}"
+    return None

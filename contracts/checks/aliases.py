@@ -1,4 +1,4 @@
-"""CONTRACTS.md §D: tied aliases, shared parameters and views that share storage."""
+"""Catalogue §D: tied aliases, shared parameters and views that share storage."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 from offload_ref.discovery import get_submodule_path
 
 from ..registry import check, fail
-from ._observe import compare_outputs, observe
+from ._observe import observe
 from ._util import first_dit, snapshot, storage_groups
 from .lifecycle import BACKENDS
 from .residency import LAYER_BACKENDS, _rings
@@ -140,7 +140,7 @@ def check_parameter_shared_by_two_blocks_is_never_copied_twice(case) -> None:
             fail(f"the rejection of a tied parameter came after mutation: {problems[:4]}")
         return
     host = backend.stats().host_bytes
-    compare_outputs("tied parameter", case.run(pipeline), reference)
+    case.compare("tied parameter", case.run(pipeline), reference)
     backend.disable()
     if host > sum(unique.values()):
         fail(f"host masters hold {host} bytes, more than the {sum(unique.values())} unique bytes "

@@ -1,4 +1,4 @@
-"""CONTRACTS.md §G: configuration (legacy flag priority, compact schema, conflicts, HSDP).
+"""Catalogue §G: configuration (legacy flag priority, compact schema, conflicts, HSDP).
 
 Every check here is global (it needs no pipeline) and reaches the configuration only through the
 implementation under test: ``case.impl.config_from_mapping(mapping, world_size=..., use_hsdp=...)``
@@ -557,7 +557,7 @@ def check_config_nested_parallel_config_is_read_and_contradictions_rejected(case
                 ("use_hsdp", "parallel_config.use_hsdp"))
 
 
-# -- bad values of any type (CONTRACTS.md §J.7) ---------------------------------------------------
+# -- bad values of any type (catalogue §J.7) ---------------------------------------------------
 
 
 def _deep_list(depth: int) -> list:

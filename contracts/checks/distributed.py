@@ -1,4 +1,4 @@
-"""CONTRACTS.md §H: distributed layerwise offload across real processes (gloo on CPU).
+"""Catalogue §H: distributed layerwise offload across real processes (gloo on CPU).
 
 Note [One spawn per batch]
     A spawn of two ranks costs about two seconds, so the checks of one pipeline share one:

@@ -1,4 +1,4 @@
-"""CONTRACTS.md §B (rollback on failed enable), §C (disable / enable cycles) and §J.1 (interrupts)."""
+"""Catalogue §B (rollback on failed enable), §C (disable / enable cycles) and §J.1 (interrupts)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Any
 from torch import nn
 
 from ..registry import check, fail
-from ._observe import compare_outputs
 from ._util import (
     collected,
     hook_residue,
@@ -153,14 +152,14 @@ def check_failed_enable_can_be_retried(case) -> None:
         if type(again) is not type(first) or str(again) != str(first):
             fail(f"a retried enable failed differently: {again!r}, first {first!r} (state "
                  f"left by the failed enable?)")
-        compare_outputs("after two failed enables, not offloaded", case.run(pipeline), reference)
+        case.compare("after two failed enables, not offloaded", case.run(pipeline), reference)
         return
     for k in sorted({0, len(steps) // 2, len(steps) - 1}):
         pipeline, backend, platform, _ = _fail_at(case, k)
         backend.enable(pipeline)
         if not backend.is_enabled():
             fail(f"retry after a fault at step {k}: backend not enabled")
-        compare_outputs(f"retry after a fault at step {k}", case.run(pipeline), reference)
+        case.compare(f"retry after a fault at step {k}", case.run(pipeline), reference)
         backend.disable()
 
 
@@ -172,9 +171,9 @@ def check_enable_disable_cycles_match_the_reference(case) -> None:
     backend = case.backend()
     for cycle in range(3):
         backend.enable(pipeline)
-        compare_outputs(f"cycle {cycle}, offloaded", case.run(pipeline), reference)
+        case.compare(f"cycle {cycle}, offloaded", case.run(pipeline), reference)
         backend.disable()
-        compare_outputs(f"cycle {cycle}, after disable", case.run(pipeline), reference)
+        case.compare(f"cycle {cycle}, after disable", case.run(pipeline), reference)
 
 
 @check("C", strategies=BACKENDS)
@@ -270,7 +269,7 @@ def check_second_enable_is_idempotent_and_exclusive(case) -> None:
     backend.enable(pipeline)
     if platform.memory_allocated() != held or hook_residue(pipeline) != hooks:
         fail("a second enable on the same pipeline changed device bytes or hooks")
-    compare_outputs("after a second enable", case.run(pipeline), case.reference())
+    case.compare("after a second enable", case.run(pipeline), case.reference())
     other = case.build()
     try:
         backend.enable(other)
@@ -329,7 +328,7 @@ def check_random_lifecycle_sequences_keep_invariants(case) -> None:
             elif op == "disable":
                 backend.disable()
             elif op == "forward":
-                compare_outputs(f"sequence {sequence} {ops}", case.run(pipeline), reference)
+                case.compare(f"sequence {sequence} {ops}", case.run(pipeline), reference)
             elif op == "phase" and backend.is_enabled() and hasattr(backend, "use_component"):
                 paths = [c.path for c in backend.plan.components] if backend.plan else []
                 if paths:
@@ -397,7 +396,7 @@ def check_interrupt_inside_a_block_leaves_a_recoverable_ring(case) -> None:
 
     def generation(what: str) -> int:
         before = backend.stats().sync_recoveries
-        compare_outputs(what, case.run(pipeline), reference)
+        case.compare(what, case.run(pipeline), reference)
         return backend.stats().sync_recoveries - before
 
     generation("warm-up generation")

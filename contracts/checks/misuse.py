@@ -1,4 +1,4 @@
-"""CONTRACTS.md §J: what users do next to a plain generation -- edit weights, read a state dict,
+"""Catalogue §J: what users do next to a plain generation -- edit weights, read a state dict,
 record autograd, call from a second thread -- is served exactly or refused loudly."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..registry import check, fail
-from ._observe import compare_outputs, observe
+from ._observe import observe
 from .lifecycle import BACKENDS
 
 _EDIT_SCALE = 1.25  # a power-of-two-free factor: every edited weight changes
@@ -75,7 +75,7 @@ def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
         _edit(pipe)
     if not backend.is_enabled():
         fail("the backend is not enabled again after edit_weights()")
-    compare_outputs("after edit_weights", case.run(pipeline), want)
+    case.compare("after edit_weights", case.run(pipeline), want)
     backend.disable()
     _same_state("after disable", pipeline.state_dict(), want_state)
 
@@ -98,7 +98,7 @@ def check_state_dict_while_enabled_returns_true_weights(case) -> None:
         prefix = f"{name}."
         _same_state(f"{name}.state_dict()", child.state_dict(),
                     {k[len(prefix):]: v for k, v in want.items() if k.startswith(prefix)})
-    compare_outputs("after state_dict", case.run(pipeline), case.reference())
+    case.compare("after state_dict", case.run(pipeline), case.reference())
     backend.disable()
 
 
@@ -207,7 +207,7 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
         if bad:
             fail(f"backward through offloaded {path} gave {len(bad)} wrong or NaN gradients "
                  f"(e.g. {bad[:3]}); refuse grad-mode forwards at forward time instead")
-    compare_outputs("the next generation", case.run(pipeline), case.reference())
+    case.compare("the next generation", case.run(pipeline), case.reference())
     backend.disable()
 
 
@@ -298,7 +298,7 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
         else:
             release.set()
             thread.join(timeout=30)
-            compare_outputs("second thread (served while another was inside)", second, reference)
+            case.compare("second thread (served while another was inside)", second, reference)
         finally:
             release.set()
         thread.join(timeout=30)
@@ -307,6 +307,6 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
     if "error" in result:
         fail(f"the first thread's generation failed: {type(result['error']).__name__}: "
              f"{result['error']}")
-    compare_outputs("first thread", result["out"], threaded_reference)
-    compare_outputs("afterwards, one thread", case.run(pipeline), reference)
+    case.compare("first thread", result["out"], threaded_reference)
+    case.compare("afterwards, one thread", case.run(pipeline), reference)
     backend.disable()

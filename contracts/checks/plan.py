@@ -1,4 +1,4 @@
-"""CONTRACTS.md §A: plan resolution (pure, repeatable, declared, validated before mutation)."""
+"""Catalogue §A: plan resolution (pure, repeatable, declared, validated before mutation)."""
 
 from __future__ import annotations
 

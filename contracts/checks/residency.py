@@ -1,4 +1,4 @@
-"""CONTRACTS.md §F: strategy behaviour, residency bounds and output parity."""
+"""Catalogue §F: strategy behaviour, residency bounds and output parity."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from ..registry import NotApplicable, check, fail
 from ._observe import (
     CopySpy,
     tensor_bytes,
-    compare_outputs,
     is_offloaded,
     is_resident,
     module_bytes,
@@ -43,7 +42,7 @@ def check_offloaded_output_matches_reference_bitwise(case) -> None:
     backend = case.backend()
     backend.enable(pipeline)
     for run in range(2):
-        compare_outputs(f"run {run}", case.run(pipeline), reference)
+        case.compare(f"run {run}", case.run(pipeline), reference)
     backend.disable()
 
 
@@ -58,7 +57,7 @@ def check_offloaded_output_matches_reference_without_race_amplifier(case) -> Non
     case._platforms.append(platform)
     backend = case.backend(platform=platform)
     backend.enable(pipeline)
-    compare_outputs("plain platform", case.run(pipeline), reference)
+    case.compare("plain platform", case.run(pipeline), reference)
     backend.disable()
 
 
@@ -133,12 +132,12 @@ def check_pipeline_built_under_inference_mode_matches_reference(case) -> None:
     backend = case.backend()
     backend.enable(pipeline)
     try:
-        compare_outputs("enabled, inference_mode", case.run(pipeline), reference)
+        case.compare("enabled, inference_mode", case.run(pipeline), reference)
         with torch.no_grad():
-            compare_outputs("enabled, no_grad", pipeline(**case.inputs()), reference)
+            case.compare("enabled, no_grad", pipeline(**case.inputs()), reference)
     finally:
         backend.disable()
-    compare_outputs("after disable", case.run(pipeline), reference)
+    case.compare("after disable", case.run(pipeline), reference)
     normal = [n for n, t in pipeline.state_dict(keep_vars=True).items()
               if t.numel() and not t.is_inference()]
     if normal:
@@ -472,11 +471,11 @@ def check_skipped_block_is_recovered(case) -> None:
 
     blocks = [(p, b) for s in rings for p, b in zip(s.block_paths, s.blocks)]
     with observe(blocks, before):
-        compare_outputs("with a skipped block", case.run(pipeline), skipped_reference)
-        compare_outputs("skipped block, second run", case.run(pipeline), skipped_reference)
+        case.compare("with a skipped block", case.run(pipeline), skipped_reference)
+        case.compare("skipped block, second run", case.run(pipeline), skipped_reference)
     container.__class__ = nn.ModuleList
     del container.__dict__["_kit_skip"]
-    compare_outputs("after the skips stop", case.run(pipeline), case.reference())
+    case.compare("after the skips stop", case.run(pipeline), case.reference())
     backend.disable()
     if problems:
         fail(sorted(set(problems))[0])

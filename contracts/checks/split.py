@@ -1,4 +1,4 @@
-"""CONTRACTS.md §E: split-model phase swaps (the Cosmos3 shape)."""
+"""Catalogue §E: split-model phase swaps (the Cosmos3 shape)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 from offload_ref.split import ComponentGroups
 
 from ..registry import check, fail
-from ._observe import compare_outputs, is_offloaded, is_resident
+from ._observe import is_offloaded, is_resident
 from ._util import expect_error, hook_residue, offload_attributes, snapshot
 
 
@@ -95,7 +95,7 @@ def check_split_model_keeps_exactly_one_component_resident(case) -> None:
                     problems.append(f"the VAE left the device while {name} runs")
 
         with _watch_contexts(groups, on_enter) as counts:
-            compare_outputs("split model offloaded", case.run(pipeline), case.reference())
+            case.compare("split model offloaded", case.run(pipeline), case.reference())
         if not counts:
             problems.append(f"{type(owner).__name__}._offload_context was never entered")
     backend.disable()
@@ -245,6 +245,6 @@ def check_split_model_failed_enable_calls_disable(case) -> None:
         fail(f"pipeline not restored after a failed delegated enable: {problems[:4]}, "
              f"{platform.memory_allocated()} device bytes")
     backend.enable(pipeline)
-    compare_outputs("retry after a failed delegated enable", case.run(pipeline),
+    case.compare("retry after a failed delegated enable", case.run(pipeline),
                     case.reference())
     backend.disable()

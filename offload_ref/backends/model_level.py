@@ -116,8 +116,8 @@ class ModelLevelOffloadBackend(OffloadBackend):
         enable = pipeline.enable_omni_model_cpu_offload
         params = inspect.signature(enable).parameters
         takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        # DESIGN's minimal signature is (*, device, pin_memory); pass the rest when accepted:
-        # the selection, the platform and the parallel facts the config holds.
+        # The starting design's minimal signature is (*, device, pin_memory); pass the rest when
+        # accepted: the selection, the platform and the parallel facts the config holds.
         facts = (("components", self.config.components), ("platform", self.platform),
                  ("use_hsdp", self.config.use_hsdp), ("world_size", self.config.world_size))
         for name, value in facts:
