@@ -168,9 +168,15 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
             w(f"  {check_id} on {', '.join(sorted(where))}\n    not applicable: {reason}\n")
 
     bad = [r for r in rows if r.outcome in _BAD] if failures else []
+    # One root cause (a pipeline the strategy rejects, a module refusing hooks) fails many
+    # checks with the same error: print it once, then the other cases it failed.
+    groups: dict[tuple[str, str, str | None], list[Row]] = {}
     for r in bad:
-        case_id = "-".join(p for p in (r.check, r.pipeline, r.strategy) if p)
-        w(f"\n{r.outcome.upper()} {case_id}\n  pipeline {r.pipeline or '-'} · strategy "
+        first = (r.message.strip().splitlines() or [""])[0]
+        groups.setdefault((r.outcome, first, r.pipeline), []).append(r)
+    for (_, _, _), group in groups.items():
+        r = group[0]
+        w(f"\n{r.outcome.upper()} {_case_id(r)}\n  pipeline {r.pipeline or '-'} · strategy "
           f"{r.strategy or '-'} · §{r.section} {AREAS.get(r.area, '')} · {doc_for(r.section)}\n")
         if r.title:
             w(f"  contract: {r.title}\n")
@@ -178,6 +184,9 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
             w(f"  {line}\n")
         if r.repro:
             w(f"  reproduce: {r.repro}\n")
+        if len(group) > 1:
+            others = ", ".join(_case_id(o) for o in group[1:])
+            w(f"  the same {r.outcome} in {len(group) - 1} more case(s): {others}\n")
     s = summary(rows)
     parts = [f"{s['passed']} passed", f"{s['failed'] + s['error']} failed"]
     if s["error"]:
@@ -192,6 +201,10 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
         parts.append(f"{s['skipped']} skipped")
     tail = f" in {seconds:.1f} s" if seconds is not None else ""
     w(f"\n{', '.join(parts)} ({s['total']} cases{tail})\n")
+
+
+def _case_id(r: Row) -> str:
+    return "-".join(p for p in (r.check, r.pipeline, r.strategy) if p)
 
 
 def to_json(rows: Sequence[Row], head: Mapping[str, Any] | None = None,
