@@ -12,6 +12,7 @@ from ._observe import compare_outputs
 from ._util import (
     collected,
     hook_residue,
+    module_view,
     offload_attributes,
     snapshot,
     storage_groups,
@@ -195,8 +196,8 @@ def check_disable_restores_parameters_and_placement(case) -> None:
 
 
 def _tensors(pipeline: Any) -> list[tuple[str, Any]]:
-    out = list(pipeline.named_parameters(remove_duplicate=False))
-    return out + [(n, b) for n, b in pipeline.named_buffers(remove_duplicate=False)
+    out = list(module_view(pipeline).named_parameters(remove_duplicate=False))
+    return out + [(n, b) for n, b in module_view(pipeline).named_buffers(remove_duplicate=False)
                   if b is not None]
 
 
