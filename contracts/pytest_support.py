@@ -10,7 +10,8 @@ import pytest
 
 from .case import DEFAULT_IMPLEMENTATION, Implementation
 from .registry import CheckFailure, CheckInfo
-from .runner import CaseId, expected_failures_for, iter_cases, run_case
+from .runner import (CaseId, expected_failures_for, failed_preflight, iter_cases,
+                     preflight_message, run_case)
 from .spec import PipelineSpec
 
 __all__ = ["BoundCheck", "check_params", "parametrize_with_checks"]
@@ -37,6 +38,20 @@ class BoundCheck:
         return str(self.id)
 
 
+class _PreflightFailure:
+    """The test body of a spec that failed its preflight: fails with the problem lines."""
+
+    def __init__(self, spec: PipelineSpec, problems: Sequence[str]) -> None:
+        self.message = preflight_message(spec, problems)
+        self.id = CaseId("preflight", spec.name, None)
+
+    def __call__(self) -> None:
+        raise CheckFailure(self.message)
+
+    def __repr__(self) -> str:
+        return str(self.id)
+
+
 def check_params(
     specs: Sequence[PipelineSpec],
     *,
@@ -47,7 +62,9 @@ def check_params(
     impl: Implementation = DEFAULT_IMPLEMENTATION,
 ) -> list[Any]:
     expected = expected_failures_for(specs, expected_failures)
-    params = []
+    params = [pytest.param(_PreflightFailure(spec, problems), id=f"preflight-{spec.name}",
+                           marks=[pytest.mark.contract])
+              for spec, problems in failed_preflight(specs).items()]
     for info, spec, strategy in iter_cases(specs, checks=checks, strategies=strategies,
                                            include_global=include_global):
         bound = BoundCheck(info, spec, strategy, impl)

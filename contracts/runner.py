@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from offload_ref.config import OffloadStrategy
 
 from .case import DEFAULT_IMPLEMENTATION, CheckCase, Implementation
+from .preflight import failed_preflight
 from .registry import CATALOGUE, CheckFailure, CheckInfo, closest, strategy_names
 from .spec import PipelineSpec
 
-__all__ = ["CaseId", "CheckResult", "expected_failures_for", "iter_cases", "load_catalogue",
-           "run_checks"]
+__all__ = ["CaseId", "CheckResult", "expected_failures_for", "failed_preflight", "iter_cases",
+           "load_catalogue", "preflight_message", "run_checks"]
 
 
 def load_catalogue() -> dict[str, CheckInfo]:
@@ -80,6 +81,7 @@ def iter_cases(
     A spec check runs only under the strategies the spec claims (``spec.strategies``): a spec
     that honestly supports model level alone gets no layerwise or distributed case, not even a
     resolution-only one, so it can be green.  Global checks need no pipeline and always run.
+    A spec failing its preflight (:func:`failed_preflight`) gets no case at all.
     """
     catalogue = load_catalogue()
     wanted = None if checks is None else set(checks)
@@ -89,6 +91,7 @@ def iter_cases(
             raise KeyError(f"unknown check id(s) {unknown}; see `offload-ref check --list`")
     allowed = None if strategies is None else set(strategy_names(strategies, "strategies"))
     cases = []
+    failed = failed_preflight(specs)  # reported once per spec by run_checks / check_params
     for info in sorted(catalogue.values(), key=lambda i: i.id):
         if wanted is not None and info.id not in wanted:
             continue
@@ -97,6 +100,8 @@ def iter_cases(
                 cases.append((info, None, None))
             continue
         for spec in sorted(specs, key=lambda s: s.name):
+            if spec in failed:  # its `applies` would build the pipeline, and crash
+                continue
             for strategy in info.strategies:
                 if allowed is not None and strategy not in allowed:
                     continue
@@ -140,6 +145,12 @@ def expected_failures_for(specs: Sequence[PipelineSpec],
     return expected
 
 
+def preflight_message(spec: PipelineSpec, problems: Sequence[str]) -> str:
+    """What a spec failing its preflight reports: its problem lines, then that its checks did not
+    run."""
+    return "\n".join([*problems, f"the checks of {spec.name} were not run"])
+
+
 def run_case(info: CheckInfo, spec: PipelineSpec | None, strategy: str | None,
              impl: Implementation = DEFAULT_IMPLEMENTATION) -> None:
     """Run one case; raises :class:`CheckFailure` (or any error) when the contract does not hold."""
@@ -166,7 +177,9 @@ def run_checks(
     ``offload-ref check`` arguments that select it (see :attr:`CaseId.source`)."""
     expected = expected_failures_for(specs, expected_failures)
     sources = sources or {}
-    results = []
+    results = [CheckResult(CaseId("preflight", spec.name, None, sources.get(spec)), "error",
+                           preflight_message(spec, problems))
+               for spec, problems in failed_preflight(specs).items()]
     for info, spec, strategy in iter_cases(specs, checks=checks, strategies=strategies,
                                            include_global=include_global):
         cid = CaseId(info.id, spec.name if spec else None, strategy,
