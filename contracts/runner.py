@@ -45,7 +45,8 @@ class CaseId:
             # an author's spec whose reference is unknown here: MODULE:ATTR is for them to fill
             parts.append(f"--pipeline {self.spec}" if _is_fixture(self.spec) else
                          f"--spec MODULE:ATTR --name {self.spec}")
-        parts.append(f"--check {self.check}")
+        if self.check != "preflight":  # any selection of the spec reruns its preflight
+            parts.append(f"--check {self.check}")
         if self.strategy:
             parts.append(f"--strategy {self.strategy}")
         return " ".join(parts)
