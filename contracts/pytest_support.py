@@ -10,7 +10,8 @@ import pytest
 
 from .case import DEFAULT_IMPLEMENTATION, Implementation
 from .registry import AREAS, CheckFailure, CheckInfo, CheckNotApplicable, doc_for
-from .runner import CaseId, expected_failures_for, plan_cases, run_case
+from .runner import (CaseId, expected_failures_for, failed_preflight, plan_cases,
+                     preflight_message, run_case)
 from .spec import PipelineSpec
 
 __all__ = ["BoundCheck", "check_params", "parametrize_with_checks"]
@@ -59,6 +60,24 @@ class _PlanningError(BoundCheck):
                     pytrace=False)
 
 
+class _PreflightFailure:
+    """The test body of a spec that failed its preflight: fails with the problem lines."""
+
+    def __init__(self, spec: PipelineSpec, problems: Sequence[str]) -> None:
+        self.message = preflight_message(spec, problems)
+        self.id = CaseId("preflight", spec.name, None)
+
+    def __call__(self) -> None:
+        raise CheckFailure(self.message)
+
+    def report_fields(self) -> dict[str, Any]:
+        return {"check": "preflight", "section": "", "pipeline": self.id.spec, "strategy": None,
+                "repro": "", "title": "the spec is usable by the kit"}
+
+    def __repr__(self) -> str:
+        return str(self.id)
+
+
 def check_params(
     specs: Sequence[PipelineSpec],
     *,
@@ -73,7 +92,9 @@ def check_params(
     check`` arguments that select it (its reproduction lines use them)."""
     expected = expected_failures_for(specs, expected_failures)
     sources = sources or {}
-    params = []
+    params = [pytest.param(_PreflightFailure(spec, problems), id=f"preflight-{spec.name}",
+                           marks=[pytest.mark.contract])
+              for spec, problems in failed_preflight(specs).items()]
     for planned in plan_cases(specs, checks=checks, strategies=strategies,
                               include_global=include_global):
         info, spec, strategy = planned.info, planned.spec, planned.strategy

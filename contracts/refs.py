@@ -26,7 +26,8 @@ from typing import Any
 
 from .spec import PipelineSpec
 
-__all__ = ["RefError", "load_specs", "no_inputs", "resolve", "specs_from", "without_seed"]
+__all__ = ["RefError", "call_seeded", "call_unseeded", "load_specs", "no_inputs", "resolve",
+           "specs_from", "without_seed"]
 
 DEFAULT_STRATEGIES = ("model_level", "layer_wise")
 
@@ -109,6 +110,21 @@ def takes_seed(func: Callable[..., Any], ref: str) -> bool:
                for p in params)
 
 
+def call_unseeded(func: Callable[[], Any], seed: int) -> Any:
+    """``func()`` under ``torch.manual_seed(seed)``; the caller's RNG state is restored after."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return func()
+
+
+def call_seeded(func: Callable[..., Any], seed: int, ref: str) -> Any:
+    """``func(seed=seed)``, or :func:`call_unseeded` for a callable taking no arguments
+    (:func:`takes_seed`; ``ref`` names ``func`` in its :class:`RefError`)."""
+    return func(seed=seed) if takes_seed(func, ref) else call_unseeded(func, seed)
+
+
 def _adapted(ref: str, func: Callable[..., Any]) -> str:
     return ref if takes_seed(func, ref) else f"{__name__}:without_seed.{ref}"
 
@@ -150,14 +166,9 @@ class _WithoutSeed:
         return _WithoutSeed(f"{self._ref}.{part}" if self._ref else part)
 
     def __call__(self, seed: int = 0) -> Any:
-        import torch
-
         from .spec import load_object
 
-        target = load_object(self._ref)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return target()
+        return call_unseeded(load_object(self._ref), seed)
 
     def __repr__(self) -> str:
         return f"{__name__}:without_seed.{self._ref}"

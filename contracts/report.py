@@ -23,6 +23,7 @@ __all__ = ["Row", "header", "render", "rows_from_results", "summary", "to_json"]
 
 #: outcomes that count as "nothing unexpected"
 _OK = ("passed", "xfailed")
+PREFLIGHT_DOC = "docs/model-authors.md#preflight"
 _BAD = ("failed", "error", "xpassed")
 
 
@@ -42,7 +43,18 @@ class Row:
 
     @property
     def area(self) -> str:
+        if self.check == "preflight":
+            return "preflight"
         return self.section[:1] if self.section else "?"
+
+    @property
+    def doc(self) -> str:
+        if self.check == "preflight":
+            return PREFLIGHT_DOC
+        try:
+            return doc_for(self.section)
+        except KeyError:
+            return "docs/model-authors.md"
 
 
 def rows_from_results(results: Iterable[Any]) -> list[Row]:
@@ -107,8 +119,9 @@ def summary(rows: Sequence[Row]) -> dict[str, int]:
 
 
 def _matrix(rows: Sequence[Row]) -> tuple[list[str], dict[tuple[str, str], dict[str, list[Row]]]]:
-    areas = sorted({r.area for r in rows}, key=lambda a: (list(AREAS).index(a)
-                                                         if a in AREAS else len(AREAS), a))
+    order = ["preflight", *AREAS]
+    areas = sorted({r.area for r in rows}, key=lambda a: (order.index(a) if a in order
+                                                         else len(order), a))
     cells: dict[tuple[str, str], dict[str, list[Row]]] = {}
     for row in rows:
         key = (row.pipeline or "(global)", row.strategy or "-")
@@ -177,7 +190,7 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
     for (_, _, _), group in groups.items():
         r = group[0]
         w(f"\n{r.outcome.upper()} {_case_id(r)}\n  pipeline {r.pipeline or '-'} · strategy "
-          f"{r.strategy or '-'} · §{r.section} {AREAS.get(r.area, '')} · {doc_for(r.section)}\n")
+          f"{r.strategy or '-'} · {_area_text(r)} · {r.doc}\n")
         if r.title:
             w(f"  contract: {r.title}\n")
         for line in r.message.strip().splitlines() or ["(no message)"]:
@@ -201,6 +214,10 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
         parts.append(f"{s['skipped']} skipped")
     tail = f" in {seconds:.1f} s" if seconds is not None else ""
     w(f"\n{', '.join(parts)} ({s['total']} cases{tail})\n")
+
+
+def _area_text(r: Row) -> str:
+    return f"§{r.section} {AREAS.get(r.area, '')}".strip() if r.section else r.area
 
 
 def _case_id(r: Row) -> str:

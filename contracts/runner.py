@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 from offload_ref.config import OffloadStrategy
 
 from .case import DEFAULT_IMPLEMENTATION, CheckCase, Implementation
+from .preflight import failed_preflight
 from .registry import (CATALOGUE, CheckFailure, CheckInfo, CheckNotApplicable, applicability,
                        closest, strategy_names)
 from .spec import PipelineSpec
 
-__all__ = ["CaseId", "CheckResult", "PlannedCase", "expected_failures_for", "iter_cases",
-           "load_catalogue", "plan_cases", "run_checks"]
+__all__ = ["CaseId", "CheckResult", "PlannedCase", "expected_failures_for", "failed_preflight",
+           "iter_cases", "load_catalogue", "plan_cases", "preflight_message", "run_checks"]
 
 
 def load_catalogue() -> dict[str, CheckInfo]:
@@ -45,7 +46,8 @@ class CaseId:
             # an author's spec whose reference is unknown here: MODULE:ATTR is for them to fill
             parts.append(f"--pipeline {self.spec}" if _is_fixture(self.spec) else
                          f"--spec MODULE:ATTR --name {self.spec}")
-        parts.append(f"--check {self.check}")
+        if self.check != "preflight":  # any selection of the spec reruns its preflight
+            parts.append(f"--check {self.check}")
         if self.strategy:
             parts.append(f"--strategy {self.strategy}")
         return " ".join(parts)
@@ -99,7 +101,8 @@ def plan_cases(
     a spec that honestly supports model level alone gets no layerwise or distributed case, not
     even a resolution-only one, so it can be green.  Global checks need no pipeline and always
     run.  A check whose ``applies`` does not hold for a spec is planned as not applicable, with
-    the reason, so that a report shows it instead of letting it vanish.
+    the reason, so that a report shows it instead of letting it vanish.  A spec failing its
+    preflight (:func:`failed_preflight`) gets no case at all (its one preflight result says so).
     """
     catalogue = load_catalogue()
     wanted = None if checks is None else set(checks)
@@ -109,6 +112,7 @@ def plan_cases(
             raise KeyError(f"unknown check id(s) {unknown}; see `offload-ref check --list`")
     allowed = None if strategies is None else set(strategy_names(strategies, "strategies"))
     cases = []
+    failed = failed_preflight(specs)  # reported once per spec by run_checks / check_params
     for info in sorted(catalogue.values(), key=lambda i: i.id):
         if wanted is not None and info.id not in wanted:
             continue
@@ -117,6 +121,8 @@ def plan_cases(
                 cases.append(PlannedCase(info, None, None))
             continue
         for spec in sorted(specs, key=lambda s: s.name):
+            if spec in failed:  # its `applies` would build the pipeline, and crash
+                continue
             for strategy in info.strategies:
                 if allowed is not None and strategy not in allowed:
                     continue
@@ -179,6 +185,12 @@ def expected_failures_for(specs: Sequence[PipelineSpec],
     return expected
 
 
+def preflight_message(spec: PipelineSpec, problems: Sequence[str]) -> str:
+    """What a spec failing its preflight reports: its problem lines, then that its checks did not
+    run."""
+    return "\n".join([*problems, f"the checks of {spec.name} were not run"])
+
+
 def run_case(info: CheckInfo, spec: PipelineSpec | None, strategy: str | None,
              impl: Implementation = DEFAULT_IMPLEMENTATION) -> None:
     """Run one case; raises :class:`CheckFailure` (or any error) when the contract does not hold."""
@@ -207,9 +219,12 @@ def run_checks(
     is called as ``progress(done, total, result)`` after each case."""
     expected = expected_failures_for(specs, expected_failures)
     sources = sources or {}
-    results: list[CheckResult] = []
+    results = [CheckResult(CaseId("preflight", spec.name, None, sources.get(spec)), "error",
+                           preflight_message(spec, problems))
+               for spec, problems in failed_preflight(specs).items()]
     planned = plan_cases(specs, checks=checks, strategies=strategies,
                          include_global=include_global)
+    total = len(results) + len(planned)
     for planned_case in planned:
         info, spec, strategy = planned_case.info, planned_case.spec, planned_case.strategy
         cid = CaseId(info.id, spec.name if spec else None, strategy,
@@ -220,7 +235,7 @@ def run_checks(
                 if planned_case.planning_error is not None
                 else CheckResult(cid, "not_applicable", planned_case.not_applicable))
             if progress is not None:
-                progress(len(results), len(planned), results[-1])
+                progress(len(results), total, results[-1])
             continue
         xfail = expected.get(str(cid), expected.get(info.id))
         start = time.perf_counter()
@@ -238,5 +253,5 @@ def run_checks(
                 "passed", "")
         results.append(CheckResult(cid, outcome, message, time.perf_counter() - start))
         if progress is not None:
-            progress(len(results), len(planned), results[-1])
+            progress(len(results), total, results[-1])
     return results

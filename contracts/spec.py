@@ -25,13 +25,24 @@ def load_object(ref: str | Callable[..., Any]) -> Callable[..., Any]:
     return obj
 
 
+def _seeded(ref: str | Callable[..., Any], seed: int) -> Any:
+    """Call a factory or inputs reference for ``seed``: ``ref(seed=seed)``, or ``ref()`` under a
+    seeded, restored RNG when it takes no arguments (as ``refs.without_seed`` does)."""
+    from .refs import call_seeded
+
+    return call_seeded(load_object(ref), seed, ref if isinstance(ref, str) else
+                       f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', ref)}")
+
+
 @dataclass(frozen=True)
 class PipelineSpec:
     """A pipeline under test.
 
-    ``factory(seed=...)`` returns a fresh pipeline (an ``nn.Module``) on the host;
-    ``inputs(seed=...)`` returns the keyword arguments of one generation; ``pipeline(**inputs)``
-    returns a tensor.  Both are ``"package.module:attr"`` references (so worker processes can
+    ``factory(seed=...)`` returns a fresh pipeline (an ``nn.Module``, or a plain object whose
+    components are ``nn.Module`` attributes) on the host; ``inputs(seed=...)`` returns the keyword
+    arguments of one generation; ``pipeline(**inputs)`` returns a tensor, or tensors in tuples,
+    lists, mappings or dataclasses.  A factory or inputs taking no arguments at all is called
+    under ``torch.manual_seed(seed)`` (the caller's RNG restored).  Both are ``"package.module:attr"`` references (so worker processes can
     import them) or callables (single-process checks only).  ``strategies`` lists the offload
     strategies the pipeline claims to support (strings or ``OffloadStrategy`` values, from
     ``registry.ALL_STRATEGIES``; an unknown name raises ``ValueError``).
@@ -50,10 +61,10 @@ class PipelineSpec:
         object.__setattr__(self, "strategies", strategies)
 
     def build(self) -> Any:
-        return load_object(self.factory)(seed=self.seed)
+        return _seeded(self.factory, self.seed)
 
     def make_inputs(self) -> dict[str, Any]:
-        return dict(load_object(self.inputs)(seed=self.seed))
+        return dict(_seeded(self.inputs, self.seed))
 
     def supports(self, strategy: Any) -> bool:
         return str(getattr(strategy, "value", strategy)) in self.strategies

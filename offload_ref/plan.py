@@ -357,6 +357,31 @@ def pipeline_state(pipeline: Any, exclude: Iterable[nn.Module]) -> list[tuple[st
 
     if isinstance(pipeline, nn.Module):
         walk(pipeline, "")
+    else:
+        # A plain-object pipeline (diffusers-style): its nn.Module attributes are its tree, so
+        # an undeclared module attribute is pipeline state too, as a child of an nn.Module
+        # pipeline would be; skipping it would leave it on the host under every strategy.
+        for name, module in _module_attributes(pipeline):
+            if id(module) not in excluded:
+                require_acyclic(module, f"{name}.", error=OffloadTopologyError)
+                walk(module, f"{name}.")
+    return out
+
+
+def _module_attributes(pipeline: Any) -> list[tuple[str, nn.Module]]:
+    """The nn.Module attributes of a plain-object pipeline: instance attributes, then the values
+    of its ``__slots__`` (discovery resolves both)."""
+    out = [(n, v) for n, v in getattr(pipeline, "__dict__", {}).items()
+           if isinstance(v, nn.Module)]
+    seen = {n for n, _ in out}
+    for cls in type(pipeline).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in seen and name not in ("__dict__", "__weakref__"):
+                value = getattr(pipeline, name, None)
+                if isinstance(value, nn.Module):
+                    seen.add(name)
+                    out.append((name, value))
     return out
 
 

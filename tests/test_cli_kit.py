@@ -40,10 +40,12 @@ _AUTHOR_MODULE = textwrap.dedent('''
 
 
     class JitteryFlux2(flux2.Flux2Pipeline):
-        """Each generation adds a growing offset: never bitwise equal to the previous one."""
+        """Reproducible as a reference (the kit's preflight runs it twice), but once offloaded
+        each generation adds a growing offset: never bitwise equal to the reference."""
 
         def forward(self, **inputs):
-            return super().forward(**inputs) + next(_calls)
+            offloaded = "_offload_ref_backend" in self.__dict__
+            return super().forward(**inputs) + (next(_calls) if offloaded else 0)
 
 
     def build_pipeline():                      # a factory without a seed parameter

@@ -22,7 +22,11 @@ __all__ = [
 ]
 
 
-def tensors_of(module: nn.Module) -> list[torch.Tensor]:
+def tensors_of(module: Any) -> list[torch.Tensor]:
+    """The distinct non-empty tensors of a module (or of a plain-object pipeline's modules)."""
+    from ._util import module_view
+
+    module = module_view(module)
     seen, out = set(), []
     for t in list(module.parameters()) + [b for b in module.buffers() if b is not None]:
         if id(t) not in seen and t.numel():

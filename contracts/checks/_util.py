@@ -24,12 +24,67 @@ __all__ = [
     "expect_error",
     "first_dit",
     "hook_residue",
+    "module_attributes",
+    "module_view",
     "offload_attributes",
     "snapshot",
 ]
 
 
-def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+class PipelineView(nn.Module):
+    """An ``nn.Module`` whose children are the ``nn.Module`` attributes of a pipeline that is not
+    one (a diffusers-style plain object), under their attribute names (see :func:`module_view`).
+    It registers nothing on the pipeline and holds no tensors of its own."""
+
+    def __init__(self, pipeline: Any) -> None:
+        super().__init__()
+        self.__dict__["pipeline"] = pipeline  # not a child: the view is not part of the tree
+        for name, module in module_attributes(pipeline):
+            self._modules[name] = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.pipeline(*args, **kwargs)
+
+
+def module_attributes(pipeline: Any) -> list[tuple[str, nn.Module]]:
+    """The ``nn.Module`` attributes of a plain-object pipeline, in definition order: instance
+    attributes, then ``__slots__`` values (the library resolves both)."""
+    out = [(n, v) for n, v in getattr(pipeline, "__dict__", {}).items()
+           if isinstance(v, nn.Module)]
+    seen = {n for n, _ in out}
+    for cls in type(pipeline).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in [slots] if isinstance(slots, str) else slots:
+            if name in seen or name in ("__dict__", "__weakref__"):
+                continue
+            value = getattr(pipeline, name, None)
+            if isinstance(value, nn.Module):
+                seen.add(name)
+                out.append((name, value))
+    return out
+
+
+def module_view(pipeline: Any) -> nn.Module:
+    """The pipeline as an ``nn.Module`` tree, for the kit's walks (``named_parameters``,
+    ``named_modules``, ``state_dict``...): the pipeline itself when it is an ``nn.Module``, else
+    a :class:`PipelineView` whose children are its ``nn.Module`` attributes, so that dotted paths
+    match the pipeline's own (``transformer.blocks.0``).  Built afresh on each call: attributes
+    a check adds or removes are seen."""
+    return pipeline if isinstance(pipeline, nn.Module) else PipelineView(pipeline)
+
+
+def _attribute_dicts(pipeline: Any) -> list[tuple[str, dict[str, Any]]]:
+    """``(path, __dict__)`` of the pipeline and of each of its modules; the root ``''`` is the
+    pipeline's own (for a plain object, not its view's)."""
+    out = [(path, module.__dict__)
+           for path, module in module_view(pipeline).named_modules(remove_duplicate=False)]
+    if not isinstance(pipeline, nn.Module):
+        out[0] = ("", getattr(pipeline, "__dict__", {}))
+    return out
+
+
+def _named_tensors(module: Any) -> list[tuple[str, torch.Tensor]]:
+    module = module_view(module)
     out = [(n, p) for n, p in module.named_parameters(remove_duplicate=False)]
     out += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
     return out
@@ -89,9 +144,9 @@ def snapshot(pipeline: nn.Module, *, values: bool = False) -> Snapshot:
                          t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
         if values:
             vals[name] = t.detach().clone()
-    dict_keys, hooks = {}, {}
-    for path, module in pipeline.named_modules(remove_duplicate=False):
-        dict_keys[path] = tuple(sorted(module.__dict__))
+    dict_keys = {path: tuple(sorted(d)) for path, d in _attribute_dicts(pipeline)}
+    hooks = {}
+    for path, module in module_view(pipeline).named_modules(remove_duplicate=False):
         hooks[path] = (len(module._forward_pre_hooks), len(module._forward_hooks))
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     return Snapshot(tensors, vals, dict_keys, hooks, distributed)
@@ -186,8 +241,8 @@ def dit_has_blocks(at_least: int = 2) -> Callable[[Any, str], bool]:
 def offload_attributes(pipeline: nn.Module) -> list[str]:
     """Every ``_offload_ref_*`` attribute left on the pipeline or its modules."""
     out = []
-    for path, module in pipeline.named_modules(remove_duplicate=False):
-        for key in module.__dict__:
+    for path, attributes in _attribute_dicts(pipeline):
+        for key in attributes:
             if key.startswith("_offload_ref"):
                 out.append(f"{path or '<root>'}.{key}")
     return out
@@ -195,15 +250,15 @@ def offload_attributes(pipeline: nn.Module) -> list[str]:
 
 def hook_residue(pipeline: nn.Module) -> list[str]:
     out = []
-    for path, module in pipeline.named_modules(remove_duplicate=False):
-        if HOOKS_ATTR in module.__dict__:
-            out.append(f"{path or '<root>'}: {list(module.__dict__[HOOKS_ATTR])}")
+    for path, attributes in _attribute_dicts(pipeline):
+        if HOOKS_ATTR in attributes:
+            out.append(f"{path or '<root>'}: {list(attributes[HOOKS_ATTR])}")
     return out
 
 
 def weak_hooks(pipeline: nn.Module) -> list[weakref.ref]:
     refs = []
-    for _, module in pipeline.named_modules():
+    for _, module in module_view(pipeline).named_modules():
         for entry in module.__dict__.get(HOOKS_ATTR, {}).values():
             refs.append(weakref.ref(entry.hook))
     return refs

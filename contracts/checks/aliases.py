@@ -11,7 +11,7 @@ from offload_ref.discovery import get_submodule_path
 
 from ..registry import check, fail
 from ._observe import observe
-from ._util import first_dit, snapshot, storage_groups
+from ._util import first_dit, module_view, snapshot, storage_groups
 from .lifecycle import BACKENDS
 from .residency import LAYER_BACKENDS, _rings
 
@@ -176,7 +176,7 @@ def check_views_keep_strides_and_sharing(case) -> None:
                 problems.append(f"{moment}: {group} no longer share storage")
 
     compare("after enable")
-    components = [(n, m) for n, m in pipeline.named_children()]
+    components = [(n, m) for n, m in module_view(pipeline).named_children()]
     with observe(components, lambda p, m: compare(f"while {p} runs", [(p, m)])):
         case.run(pipeline)
     backend.disable()
@@ -188,8 +188,8 @@ def check_views_keep_strides_and_sharing(case) -> None:
 
 
 def _named(pipeline: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    out = list(pipeline.named_parameters(remove_duplicate=False))
-    return out + [(n, b) for n, b in pipeline.named_buffers(remove_duplicate=False)
+    out = list(module_view(pipeline).named_parameters(remove_duplicate=False))
+    return out + [(n, b) for n, b in module_view(pipeline).named_buffers(remove_duplicate=False)
                   if b is not None]
 
 

@@ -33,6 +33,7 @@ from ..case import DEFAULT_IMPLEMENTATION, CheckCase
 from ..registry import NotApplicable, check, fail
 from ..spec import load_object
 from ._observe import compare_outputs
+from ._util import module_view
 
 WORLD = 2
 #: The rendezvous timeout of the rank-failure scenario; a prompt failure takes milliseconds.
@@ -158,8 +159,8 @@ def streamed_block_bytes(plan: Any) -> int:
 
 
 def _state(pipeline: nn.Module) -> dict[str, torch.Tensor]:
-    named = list(pipeline.named_parameters(remove_duplicate=False))
-    named += [(n, b) for n, b in pipeline.named_buffers(remove_duplicate=False) if b is not None]
+    named = list(module_view(pipeline).named_parameters(remove_duplicate=False))
+    named += [(n, b) for n, b in module_view(pipeline).named_buffers(remove_duplicate=False) if b is not None]
     return {n: t.detach().clone() for n, t in named}
 
 
@@ -167,8 +168,8 @@ def _restored(pipeline: nn.Module, fresh: nn.Module, platform: Any) -> list[str]
     """Tensors of ``pipeline`` that differ from a fresh build, or that are still on the device."""
     want = _state(fresh)
     problems = []
-    named = list(pipeline.named_parameters(remove_duplicate=False))
-    named += [(n, b) for n, b in pipeline.named_buffers(remove_duplicate=False) if b is not None]
+    named = list(module_view(pipeline).named_parameters(remove_duplicate=False))
+    named += [(n, b) for n, b in module_view(pipeline).named_buffers(remove_duplicate=False) if b is not None]
     for n, t in named:
         w = want.get(n)
         if w is None or t.shape != w.shape or t.dtype != w.dtype or not torch.equal(
@@ -360,9 +361,9 @@ def _unique_contiguous(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def _non_persistent_differences(pipeline: nn.Module, fresh: nn.Module) -> list[str]:
-    want = dict(fresh.named_buffers(remove_duplicate=False))
+    want = dict(module_view(fresh).named_buffers(remove_duplicate=False))
     problems = []
-    for module_path, module in pipeline.named_modules():
+    for module_path, module in module_view(pipeline).named_modules():
         for name in module._non_persistent_buffers_set:
             full = f"{module_path}.{name}" if module_path else name
             got, w = module._buffers.get(name), want.get(full)

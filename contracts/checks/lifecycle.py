@@ -11,6 +11,7 @@ from ..registry import check, fail
 from ._util import (
     collected,
     hook_residue,
+    module_view,
     offload_attributes,
     snapshot,
     storage_groups,
@@ -238,8 +239,8 @@ def check_disable_restores_parameters_and_placement(case) -> None:
 
 
 def _tensors(pipeline: Any) -> list[tuple[str, Any]]:
-    out = list(pipeline.named_parameters(remove_duplicate=False))
-    return out + [(n, b) for n, b in pipeline.named_buffers(remove_duplicate=False)
+    out = list(module_view(pipeline).named_parameters(remove_duplicate=False))
+    return out + [(n, b) for n, b in module_view(pipeline).named_buffers(remove_duplicate=False)
                   if b is not None]
 
 

@@ -442,7 +442,10 @@ def check_tensor_in_two_model_level_groups_is_rejected(case) -> None:
     inner = {id(t) for c in case.resolve(pipeline).components
              if c.module is not dit and id(c.module) in subs for t in c.module.parameters()}
     tensor = next(p for p in dit.parameters() if p.numel() > 1 and id(p) not in inner)
-    pipeline.register_buffer("_kit_tied", tensor.data.view(-1)[:1], persistent=False)
+    holder = pipeline
+    if not isinstance(pipeline, nn.Module):  # a plain object: its module attributes are its state
+        holder = pipeline.kit_state = nn.Module()
+    holder.register_buffer("_kit_tied", tensor.data.view(-1)[:1], persistent=False)
     _resolve_and_expect_rejection(case, pipeline, case.config(), "a storage in two groups",
                                   ("_kit_tied", path, "one offload group"))
 

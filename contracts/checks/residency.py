@@ -21,6 +21,7 @@ from ._observe import (
     observe,
     tensors_of,
 )
+from ._util import module_view
 from .lifecycle import BACKENDS
 
 LAYER_BACKENDS = ("layer_wise",)
@@ -65,14 +66,7 @@ def check_offloaded_output_matches_reference_without_race_amplifier(case) -> Non
 
 
 def _named_modules(pipeline: Any) -> list[tuple[str, nn.Module]]:
-    if isinstance(pipeline, nn.Module):
-        return list(pipeline.named_modules(remove_duplicate=False))
-    out = []
-    for name, value in vars(pipeline).items():
-        if isinstance(value, nn.Module):
-            out += [(f"{name}.{p}" if p else name, m)
-                    for p, m in value.named_modules(remove_duplicate=False)]
-    return out
+    return list(module_view(pipeline).named_modules(remove_duplicate=False))
 
 
 def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -138,7 +132,7 @@ def check_pipeline_built_under_inference_mode_matches_reference(case) -> None:
     finally:
         backend.disable()
     case.compare("after disable", case.run(pipeline), reference)
-    normal = [n for n, t in pipeline.state_dict(keep_vars=True).items()
+    normal = [n for n, t in module_view(pipeline).state_dict(keep_vars=True).items()
               if t.numel() and not t.is_inference()]
     if normal:
         fail(f"after disable these tensors are no longer inference tensors: {normal[:5]}")
@@ -552,7 +546,7 @@ def check_stats_match_what_the_platform_saw(case) -> None:
     compare("after enable")
     platform.copies.clear()
     h2d_before = backend.stats().h2d_bytes + backend.stats().h2d_padding_bytes
-    with observe(list(pipeline.named_children()), lambda p, m: compare(f"while {p} runs")):
+    with observe(list(module_view(pipeline).named_children()), lambda p, m: compare(f"while {p} runs")):
         case.run(pipeline)
     platform.synchronize()
     s = backend.stats()

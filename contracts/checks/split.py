@@ -14,7 +14,7 @@ from offload_ref.split import ComponentGroups
 
 from ..registry import check, fail
 from ._observe import is_offloaded, is_resident
-from ._util import expect_error, hook_residue, offload_attributes, snapshot
+from ._util import expect_error, hook_residue, module_view, offload_attributes, snapshot
 
 
 def _delegates(spec: Any, strategy: str) -> bool:
@@ -38,7 +38,7 @@ def _reasoner_and_generator(spec: Any, strategy: str) -> bool:
 def _groups(pipeline: nn.Module) -> list[tuple[nn.Module, ComponentGroups]]:
     """(module with _offload_context, its ComponentGroups) pairs."""
     out = []
-    for module in pipeline.modules():
+    for module in module_view(pipeline).modules():
         for value in module.__dict__.values():
             if isinstance(value, ComponentGroups):
                 out.append((module, value))
@@ -79,7 +79,7 @@ def check_split_model_keeps_exactly_one_component_resident(case) -> None:
     backend = case.backend(platform=platform)
     backend.enable(pipeline)
     problems: list[str] = []
-    vaes = [m for n, m in pipeline.named_children() if "vae" in n]
+    vaes = [m for n, m in module_view(pipeline).named_children() if "vae" in n]
     for owner, groups in _groups(pipeline):
         members = _members(groups)
 

@@ -1,0 +1,165 @@
+"""Validate a pipeline spec once, before any check runs (issue 11 item 6).
+
+A spec the kit cannot drive -- a factory needing arguments, inputs that are not keyword
+arguments, an output of an uncomparable type, a reference that differs between two runs of one
+seed, a pipeline that is neither an ``nn.Module`` nor a plain object with components -- would
+otherwise fail every check with the same raw internal error.  :func:`preflight` reports each such
+problem once, in one line naming the spec, the object and the fix; the runner then reports the
+spec's checks as not run (``runner.run_checks``, ``pytest_support.check_params``), and the other
+specs run normally.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .outputs import OutputStructureError, leaves
+from .refs import RefError, takes_seed
+from .spec import PipelineSpec, _seeded, load_object
+
+__all__ = ["failed_preflight", "preflight"]
+
+#: spec -> its problems; keyed by the spec itself (held here), so an id is never reused.
+_CACHE: dict[PipelineSpec, list[str]] = {}
+
+
+def _name(obj: Any) -> str:
+    """``module:attr`` of a reference or of a callable (its qualname), for messages."""
+    if isinstance(obj, str):
+        return obj
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+    return f"{module}:{qualname}" if module else qualname
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def preflight(spec: PipelineSpec) -> list[str]:
+    """The problems that keep the kit from running ``spec``'s checks, one line each (empty: the
+    spec is usable).  Computed once per spec in a process."""
+    if spec not in _CACHE:
+        _CACHE[spec] = _problems(spec)
+    return list(_CACHE[spec])
+
+
+def _problems(spec: PipelineSpec) -> list[str]:
+    where = f"spec {spec.name!r}"
+    problems = []
+    for role, ref, fix in (
+        ("factory", spec.factory, "a callable returning a fresh pipeline"),
+        ("inputs", spec.inputs, "a callable returning the pipeline's keyword arguments"),
+    ):
+        try:
+            func = load_object(ref)
+        except Exception as exc:  # noqa: BLE001 - an unimportable reference
+            problems.append(f"{where}: {role} {ref!r} cannot be loaded ({_one_line(exc)}); "
+                            f"name {fix} as 'package.module:attr'")
+            continue
+        if not callable(func):
+            problems.append(f"{where}: {role} {_name(ref)} is a {type(func).__name__}, not "
+                            f"callable; pass {fix}")
+            continue
+        try:
+            takes_seed(func, _name(ref))
+        except RefError:
+            required = _required(func)
+            problems.append(f"{where}: {role} {_name(ref)} needs argument(s) "
+                            f"{', '.join(required)}; it must take no arguments or only seed= "
+                            f"(wrap it in one that does)")
+    if problems:
+        return problems
+
+    outputs = []
+    for run in (1, 2):
+        try:
+            pipeline = spec.build()
+        except Exception as exc:  # noqa: BLE001 - the author's factory failed
+            return [f"{where}: building the pipeline with factory {_name(spec.factory)} raised "
+                    f"{_one_line(exc)}; fix the factory (it must build a pipeline for seed="
+                    f"{spec.seed})"]
+        if run == 1:
+            kind = _pipeline_kind_problem(where, pipeline)
+            if kind:
+                return [kind]
+        try:
+            inputs = _seeded(spec.inputs, spec.seed)
+        except Exception as exc:  # noqa: BLE001 - the author's inputs failed
+            return [f"{where}: inputs {_name(spec.inputs)} raised {_one_line(exc)}; fix it (it "
+                    f"must return the keyword arguments of one generation for seed={spec.seed})"]
+        if not isinstance(inputs, Mapping):
+            return [f"{where}: inputs {_name(spec.inputs)} returned a {type(inputs).__name__}, "
+                    f"not a mapping; return a dict of keyword arguments (the kit calls "
+                    f"pipeline(**inputs))"]
+        try:
+            with torch.inference_mode():
+                output = pipeline(**dict(inputs))
+        except Exception as exc:  # noqa: BLE001 - the author's pipeline failed
+            return [f"{where}: calling the pipeline of {_name(spec.factory)} "
+                    f"({type(pipeline).__qualname__}) with the inputs of {_name(spec.inputs)} "
+                    f"raised {_one_line(exc)}; fix the pipeline or its inputs"]
+        try:
+            leaves(output)
+        except OutputStructureError as exc:
+            return [f"{where}: the output of {type(pipeline).__qualname__} cannot be compared: "
+                    f"{exc}"]
+        outputs.append(output)
+    from .checks._observe import compare_outputs
+    from .registry import CheckFailure
+
+    try:
+        compare_outputs("second run", outputs[1], outputs[0])
+    except CheckFailure as exc:
+        return [f"{where}: two fresh builds and runs of seed={spec.seed} differ "
+                f"({_one_line(exc).removeprefix('CheckFailure: ')}); the kit compares offloaded "
+                f"outputs bitwise against a reference, so seed every random draw (weights in "
+                f"the factory, noise from a generator seeded by the inputs)"]
+    return []
+
+
+def failed_preflight(specs: Iterable[PipelineSpec]) -> dict[PipelineSpec, list[str]]:
+    """The specs of ``specs`` that fail :func:`preflight`, with their problem lines."""
+    out = {}
+    for spec in specs:
+        problems = preflight(spec)
+        if problems:
+            out[spec] = problems
+    return out
+
+
+def _required(func: Callable[..., Any]) -> list[str]:
+    params = inspect.signature(func).parameters.values()
+    return [p.name for p in params if p.default is p.empty and p.name != "seed"
+            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _pipeline_kind_problem(where: str, pipeline: Any) -> str | None:
+    if isinstance(pipeline, nn.Module):
+        return None
+    cls = f"{type(pipeline).__module__}.{type(pipeline).__qualname__}"
+    if not callable(pipeline):
+        return (f"{where}: the pipeline, a {cls}, is not callable; the kit runs a generation "
+                f"as pipeline(**inputs): return an nn.Module or an object with __call__")
+    from offload_ref.discovery import discover_components
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a declaration-less pipeline: a check reports it
+            found = discover_components(pipeline)
+    except Exception as exc:  # noqa: BLE001 - a malformed declaration
+        return (f"{where}: the components of {cls} cannot be discovered ({_one_line(exc)}); "
+                f"fix its _dit_modules / _encoder_modules / _vae_modules declarations")
+    if not (found.dits or found.encoders or found.vaes or found.residents):
+        return (f"{where}: the pipeline, a {cls}, is neither an nn.Module nor an object with "
+                f"discoverable components; declare its nn.Module attributes in _dit_modules, "
+                f"_encoder_modules and _vae_modules (offload_ref.SupportsComponentDiscovery)")
+    return None
