@@ -3,8 +3,10 @@
 A generation may return a tensor, a tuple or list, a mapping (diffusers' output classes are
 ``OrderedDict`` subclasses), a dataclass, or any nesting of them.  :func:`leaves` flattens such
 an output into ``(path, leaf)`` pairs in a stable order, so that two outputs compare leaf by leaf
-and a difference is reported at its path (``output['images'][0]``).  A leaf that is neither a
-container nor a tensor (a number, a string, ``None``) is compared with ``==``.
+and a difference is reported at its path (``output['images'][0]``).  A numpy array or a PIL
+image (diffusers' ``output_type="np"`` / ``"pil"``) is compared as the tensor of its values; a
+leaf that is neither a container nor an array (a number, a string, ``None``) is compared with
+``==``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ def leaves(output: Any, path: str = "output") -> list[tuple[str, Any]]:
     """
     if isinstance(output, torch.Tensor) or isinstance(output, _SCALARS):
         return [(path, output)]
+    if hasattr(output, "__array_interface__") or hasattr(output, "__array__"):
+        # numpy arrays and PIL images (diffusers' output_type="np" / "pil"): compared bitwise
+        # as tensors of the same values
+        return [(path, _as_tensor(output, path))]
     if isinstance(output, Mapping):
         out = []
         for key in output:
@@ -52,6 +58,17 @@ def leaves(output: Any, path: str = "output") -> list[tuple[str, Any]]:
         f"{path} is a {type(output).__module__}.{type(output).__qualname__}: the kit compares "
         f"tensors (and numbers, strings, None) inside tuples, lists, mappings and dataclasses; "
         f"return tensors (e.g. output_type='pt' for a diffusers pipeline)")
+
+
+def _as_tensor(array: Any, path: str) -> torch.Tensor:
+    import numpy as np
+
+    values = np.asarray(array)
+    if values.dtype == object or not values.dtype.isnative:
+        raise OutputStructureError(
+            f"{path} is an array of dtype {values.dtype}: the kit compares numeric arrays; "
+            f"return tensors (e.g. output_type='pt' for a diffusers pipeline)")
+    return torch.from_numpy(np.ascontiguousarray(values).copy())
 
 
 def structure(output: Any) -> list[tuple[str, str]]:
