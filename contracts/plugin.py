@@ -22,7 +22,6 @@ leaves torch's setting alone everywhere.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Any
 
@@ -223,7 +222,6 @@ def _load(ref: str) -> list[tuple[Any, str]]:
     import shlex
 
     from offload_ref.contracts.refs import RefError, resolve, specs_from
-    from offload_ref.contracts.spec import PipelineSpec
 
     try:
         obj = resolve(ref)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import platform as _platform
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from .registry import AREAS, doc_for

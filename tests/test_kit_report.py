@@ -182,7 +182,7 @@ _JITTERY_OFFLOADED = dataclasses.replace(get_spec("qwen_image"), name="jittery_o
 
 # -- the plugin's matrix -------------------------------------------------------------------------
 
-_AUTHOR_TEST = f'''
+_AUTHOR_TEST = '''
 from offload_ref.fixtures import get_spec
 OFFLOAD_REF_SPECS = [get_spec("flux2")]
 
