@@ -92,3 +92,72 @@ def test_nested_block_calls_and_tied_heads_stay_exact(tie_head: bool) -> None:
     assert not platform.hazards
     backend.disable()
     platform.close()
+
+
+class _AdaNormBlock(nn.Module):
+    """A DiT block: its norm owns a label embedding that the model also calls directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Module()
+        self.norm.emb = nn.Embedding(1001, 16)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + self.norm.emb(labels))
+
+
+class _SubmoduleDit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_AdaNormBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, labels)
+        # diffusers' DiTTransformer2DModel: ``self.transformer_blocks[0].norm1.emb(...)`` after
+        # the loop, a submodule of block 0 called outside block 0's forward.
+        return x * self.blocks[0].norm.emb(labels)
+
+
+class _SubmodulePipe(nn.Module, SupportsComponentDiscovery):
+    _dit_modules = ["transformer"]
+    _vae_modules: list[str] = []
+    _offload_plan = OffloadPlan(block_attrs={"transformer": ("blocks",)})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = _SubmoduleDit()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, steps: int = 2) -> torch.Tensor:
+        for _ in range(steps):
+            x = self.transformer(x, labels)
+        return x
+
+
+def _submodule_pipe() -> _SubmodulePipe:
+    torch.manual_seed(0)
+    return _SubmodulePipe().eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_block_submodule_called_outside_its_block_reads_its_weights(prefetch: bool) -> None:
+    # The model calls a submodule of block 0 after the block loop, when block 0 is only
+    # prefetched (its copy may be in flight) or not materialized at all (prefetch off).
+    x, labels = torch.randn(2, 16), torch.tensor([1, 7])
+    with torch.inference_mode():
+        reference = _submodule_pipe()(x, labels)
+    platform = CpuPlatform(race_amplifier=True)
+    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
+    if not prefetch:
+        backend.prefetch = False
+    pipe = _submodule_pipe()
+    for _ in range(2):
+        backend.enable(pipe)
+        for _ in range(3):
+            with torch.inference_mode():
+                out = pipe(x, labels)
+            assert torch.equal(out, reference)
+        backend.disable()
+    assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
+    platform.close()

@@ -79,6 +79,70 @@ class LayerwiseOffloadHook(ModelHook):
         return [n for n, t, v in zip(self.names, tensors, self.versions) if t._version != v]
 
 
+class LayerwisePartHook(ModelHook):
+    """On a tensor-owning submodule of a streamed block: when the model calls it outside the
+    block's forward, the block is materialized and waited for around the call (Note [Block
+    parts] in ring.py).  Inside the block's forward it does nothing."""
+
+    def __init__(self, block_hook: LayerwiseOffloadHook, path: str) -> None:
+        self.block_hook = block_hook
+        self.ring = block_hook.ring
+        self.index = block_hook.index
+        self.path = path
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.ring.is_running(self.index):  # the block's own forward (the steady state)
+            return None
+        frame = call_frame()
+        block = self.block_hook
+        if not block.guard.enter(self.path, frame):
+            return None
+        try:
+            refuse_autograd(block.path, block.names, self.ring.groups[self.index].tensors)
+            edited = block.edited()
+            if edited:
+                raise OffloadWeightEditError(
+                    f"{edited[0]} (and {len(edited) - 1} more of {block.path}) was edited in "
+                    "place while its block streams; edit weights inside "
+                    "`with backend.edit_weights(): ...`")
+            with torch.inference_mode(False):
+                self.ring.before_part(self.index, frame)
+        except BaseException:
+            block.guard.exit(frame)
+            raise
+        return None
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self.ring.is_running(self.index):
+            return None
+        frame = call_frame()
+        if not self.block_hook.guard.holds(frame):
+            return None  # inside the block's forward: the block's own hooks handle it
+        try:
+            with torch.inference_mode(False):
+                self.ring.after_part(self.index)
+        finally:
+            self.block_hook.guard.exit(frame)
+        return None
+
+
+def _block_parts(block: nn.Module, blocks: set[int]) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``block`` that own tensors, other blocks and their subtrees excluded."""
+    out = []
+    skip: list[str] = []
+    for name, sub in block.named_modules(remove_duplicate=True):
+        if not name:
+            continue
+        if any(name.startswith(p + ".") for p in skip):
+            continue
+        if id(sub) in blocks:
+            skip.append(name)
+            continue
+        if next(sub.parameters(), None) is not None or next(sub.buffers(), None) is not None:
+            out.append((name, sub))
+    return out
+
+
 class LayerWiseOffloadBackend(OffloadBackend):
     """Streams the declared blocks of the selected components through :class:`BlockRing` s;
     everything else stays on the device.  Selected by ``enable_layerwise_offload`` or compact
@@ -136,11 +200,20 @@ class LayerWiseOffloadBackend(OffloadBackend):
         for ring in self.rings:
             ring.commit(txn)
         self._hooks = []
+        blocks = {id(b) for ring in self.rings for b in ring.blocks}
+        parts: set[int] = set()
         for ring in self.rings:
             for k, (block, path) in enumerate(zip(ring.blocks, ring.block_paths)):
                 hook = LayerwiseOffloadHook(ring, k, self._guard)
                 self._hooks.append(hook)
                 txn.register_hook(block, self.hook_name, hook, path)
+                # Note [Block parts] (ring.py): a submodule the model calls outside the block.
+                for name, sub in _block_parts(block, blocks):
+                    if id(sub) in parts:  # shared by two blocks: served by its first
+                        continue
+                    parts.add(id(sub))
+                    txn.register_hook(sub, self.hook_name + ".part",
+                                      LayerwisePartHook(hook, f"{path}.{name}"), f"{path}.{name}")
 
     def _transport_for(self, stack: Any) -> Transport | None:
         """The transport of ``stack``'s ring (None: rank-local host masters)."""

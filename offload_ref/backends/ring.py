@@ -353,6 +353,60 @@ class BlockRing:
                 self._load(q, 1 - s)
         self._dirty = False
 
+    # Note [Block parts]
+    #     A model may call a submodule of a streamed block outside that block's forward: diffusers'
+    #     DiTTransformer2DModel runs ``transformer_blocks[0].norm1.emb(...)`` after its block
+    #     loop.  The block's own hooks do not fire then, so the submodule would read whatever its
+    #     tensors are bound to: a slot whose prefetch copy may still be in flight (no wait on its
+    #     ready event), or placeholders.  Every tensor-owning submodule of a block carries a part
+    #     hook (layerwise.py) that does nothing while the block runs and otherwise calls
+    #     ``before_part`` / ``after_part``: the block is loaded if it is not materialized, compute
+    #     waits for its ready event and the part runs as a running block (so no prefetch refills
+    #     its slot meanwhile); afterwards the slot's free event is recorded after the part's reads
+    #     and the block stays bound (it is usually the block predicted next).  The call order is
+    #     not observed: a part call is no block call.
+
+    def is_running(self, k: int) -> bool:
+        for r, _ in self._running:
+            if r == k:
+                return True
+        return False
+
+    def before_part(self, k: int, frame: FrameType | None = None) -> None:
+        """Pre-forward of a submodule of block k called outside k's forward (Note [Block
+        parts])."""
+        if self._dirty or self._running:
+            self._recover(None, None)  # cheap when every running block is live
+        self._dirty = True
+        s = self.slot_of[k]
+        if s is None:
+            s = self._recovery_slot(k)
+            self._load(k, s)
+            if self._cold:
+                self._cold = False
+            else:
+                self.stats.sync_recoveries += 1
+        self._wait_ready(s)
+        self.platform.record_use(self.slots[s])
+        self._running.append((k, frame if frame is not None else call_frame()))
+        self._dirty = False
+
+    def after_part(self, k: int) -> None:
+        """Post-forward of a submodule of block k that ``before_part`` let run."""
+        if self._dirty:
+            self._recover(None, k)
+            return
+        self._dirty = True
+        for i in range(len(self._running) - 1, -1, -1):
+            if self._running[i][0] == k:
+                del self._running[i]
+                break
+        s = self.slot_of[k]
+        if s is not None:  # the block stays bound; its slot is refilled only after these reads
+            self.platform.record_use(self.slots[s])
+            self.free[s].record(self.platform.current_stream())
+        self._dirty = False
+
     @property
     def running(self) -> list[int]:
         """Blocks whose forward is in progress (more than one: nested calls)."""
