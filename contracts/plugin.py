@@ -110,6 +110,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         for value in params.values():
             fields = getattr(value, "report_fields", None)
             if callable(fields):
+                if hasattr(value, "nodeid"):
+                    value.nodeid = item.nodeid
                 item.user_properties.append((_CASE_PROPERTY, json.dumps(fields())))
                 break
     cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -24,6 +25,17 @@ class BoundCheck:
                  impl: Implementation, source: str | None = None) -> None:
         self.info, self.spec, self.strategy, self.impl = info, spec, strategy, impl
         self.id = CaseId(info.id, spec.name if spec else None, strategy, source)
+        #: the pytest node id of the test running this case (set by the plugin at collection)
+        self.nodeid: str | None = None
+
+    def repro(self) -> str:
+        """The command that reruns exactly this case: ``offload-ref check`` when the spec's
+        reference is known (a fixture, ``--offload-ref-spec REF``), else this pytest test."""
+        from .runner import _is_fixture
+
+        if self.id.source or not self.id.spec or _is_fixture(self.id.spec) or not self.nodeid:
+            return self.id.repro()
+        return f"python -m pytest {shlex.quote(self.nodeid)}"
 
     def __call__(self) -> None:
         try:
@@ -34,14 +46,14 @@ class BoundCheck:
             raise CheckFailure(
                 f"[{self.id.check}] on {self.id.spec or '-'} / {self.id.strategy or '-'} "
                 f"(§{self.info.section} {AREAS.get(self.info.area, '')}; "
-                f"{doc_for(self.info.section)}): {exc}\n  reproduce: {self.id.repro()}"
+                f"{doc_for(self.info.section)}): {exc}\n  reproduce: {self.repro()}"
             ) from None
 
     def report_fields(self) -> dict[str, Any]:
         """What the plugin's summary matrix needs of this case (JSON-able: it travels from
         pytest-xdist workers inside ``user_properties``)."""
         return {"check": self.info.id, "section": self.info.section, "pipeline": self.id.spec,
-                "strategy": self.id.strategy, "repro": self.id.repro(),
+                "strategy": self.id.strategy, "repro": self.repro(),
                 "title": self.info.title}
 
     def __repr__(self) -> str:

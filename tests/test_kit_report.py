@@ -231,3 +231,21 @@ def test_plugin_cuda_selection_without_a_gpu_says_nothing_ran(pytester) -> None:
                                 "--offload-ref-require-cuda")
     assert strict.ret == pytest.ExitCode.USAGE_ERROR
     strict.stderr.fnmatch_lines(["*--offload-ref-require-cuda: no CUDA device is available*"])
+
+
+def test_pytest_repro_line_of_a_module_spec_reruns_that_test(pytester) -> None:
+    """A spec from OFFLOAD_REF_SPECS has no reference the CLI could import: its repro line is the
+    pytest node id, and running it reruns exactly that case (issue 11 item 2)."""
+    pytester.makepyfile(test_author=f'''
+        from {__name__} import _JITTERY_OFFLOADED
+        OFFLOAD_REF_SPECS = [_JITTERY_OFFLOADED]
+
+        def test_offload(offload_ref_check):
+            offload_ref_check()
+    ''')
+    result = pytester.runpytest("-p", "no:cacheprovider", "-k", _BITWISE)
+    result.assert_outcomes(failed=1)
+    nodeid = f"test_author.py::test_offload[{_BITWISE}-jittery_offloaded-model_level]"
+    assert f"reproduce: python -m pytest '{nodeid}'" in result.stdout.str()
+    again = pytester.runpytest("-p", "no:cacheprovider", nodeid)
+    again.assert_outcomes(failed=1)
