@@ -191,7 +191,7 @@ def test_downstream_author_test_file_runs_the_kit(tmp_path: Path) -> None:
     assert proc.returncode == 0, f"pytest on a downstream test file exited {proc.returncode}:\n{output}"
     passed = re.search(r"(\d+) passed", output)
     assert passed and int(passed.group(1)) > 0, f"no contract test ran:\n{output}"
-    assert not re.search(r"\d+ (failed|error)", output), output
+    assert not re.search(r"[1-9]\d* (failed|error)", output), output
 
 
 
