@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _spans
 from ..discovery import get_submodule_path
 from ..host import storage_key
 from ..plan import BlockStack
@@ -360,7 +361,8 @@ class BlockRing:
 
     def _wait_ready(self, s: int) -> None:
         """Order compute after the copy that filled slot s (a device-side wait)."""
-        self.platform.current_stream().wait_event(self.ready[s])
+        with _spans.span("wait", "ring=%s block=%s slot=%d", self.label, self.occupant[s], s):
+            self.platform.current_stream().wait_event(self.ready[s])
 
     def after(self, k: int) -> None:
         if self._dirty:  # our hook work was interrupted (or raised): reset, k included
@@ -567,6 +569,8 @@ class RankLocalTransport(Transport):
         flats = ring._slot_flats(k, s)
         with platform.stream(ring.copy_stream):
             ring.copy_stream.wait_event(ring.free[s])
+            copy_span = _spans.stream_enter(platform, "copy", "ring=%s block=%d slot=%d",
+                                            ring.label, k, s)
             if mapped is None:
                 for dtype, flat in flats.items():
                     platform.copy_(flat, group.master.flats[dtype])
@@ -574,6 +578,7 @@ class RankLocalTransport(Transport):
                 for seg, span in zip(group.layout.segments, mapped):
                     if seg.numel:
                         platform.copy_(flats[seg.dtype].narrow(0, seg.offset, seg.numel), span)
+            _spans.stream_exit(platform, copy_span)
             ring.ready[s].record(ring.copy_stream)
 
     def count_fill(self, ring: BlockRing, k: int) -> None:
