@@ -7,7 +7,8 @@ Note [Spans]
     ``torch.autograd.profiler._is_profiler_enabled`` (a module global that ``torch.profiler``
     sets for the whole process while it profiles, on every thread; the C++
     ``torch._C._autograd._profiler_enabled()`` is thread-local and reads False on threads the
-    profiler does not know) and returns one shared no-op context, so the name is never built.
+    profiler does not know) and returns None, so the name is never built.  Spans are opened and
+    closed by plain calls: a context manager's two method calls would cost more than the check.
 
     Names are ``offload_ref.<kind> <where>``: kinds ``copy`` (a host to device fill),
     ``collective`` (an AllGather), ``wait`` (compute waits for a slot's copy: on the CPU platform
@@ -16,8 +17,8 @@ Note [Spans]
     work and ``component=<label>`` for model-level swaps.
 
     :func:`stream_enter` / :func:`stream_exit` ranges are ordered on the *current stream*: their
-    enter and exit are ``platform.submit`` ted around the work, so on the CPU platform they run on the copy stream's
-    worker thread, exactly around the copies (their own thread track in the trace), and on CUDA
+    enter and exit are ``platform.submit`` ted around the work, so on the CPU platform they run
+    on the copy stream's worker thread, exactly around the copies (their own thread track in the trace), and on CUDA
     they run on the issuing thread at issue time (the copies themselves are the memcpy kernels on
     the copy stream's lane).  torch records ranges of a thread it did not start the profile on
     only under ``_ExperimentalConfig(profile_all_threads=True)`` (what ``offload-ref trace``
@@ -26,15 +27,12 @@ Note [Spans]
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
 from torch.autograd import profiler as _profiler
 
-__all__ = ["enabled", "enter", "exit", "span", "stream_enter", "stream_exit"]
-
-_OFF = contextlib.nullcontext()  # shared: reusable and reentrant
+__all__ = ["enabled", "enter", "exit", "stream_enter", "stream_exit"]
 
 
 def enabled() -> bool:
@@ -46,16 +44,11 @@ def _name(kind: str, fmt: str, args: tuple[Any, ...]) -> str:
     return f"offload_ref.{kind} {fmt % args}"
 
 
-def span(kind: str, fmt: str, *args: Any) -> Any:
-    """A host-side range on the calling thread (``fmt % args`` is built only when profiling)."""
-    if not _profiler._is_profiler_enabled:
-        return _OFF
-    return _profiler.record_function(_name(kind, fmt, args))
-
-
 def enter(kind: str, fmt: str, *args: Any) -> Any:
-    """Open a range closed later by :func:`exit` (a block's pre-hook to its post-hook); None
-    when no profiler runs."""
+    """Open a range on the calling thread, closed by :func:`exit` (a block's pre-hook to its
+    post-hook, a wait); None when no profiler runs.  No context manager: when off, a span is two
+    calls that each read one bool.  A range left open by an exception ends when its handle is
+    collected."""
     if not _profiler._is_profiler_enabled:
         return None
     rf = _profiler.record_function(_name(kind, fmt, args))

@@ -361,8 +361,9 @@ class BlockRing:
 
     def _wait_ready(self, s: int) -> None:
         """Order compute after the copy that filled slot s (a device-side wait)."""
-        with _spans.span("wait", "ring=%s block=%s slot=%d", self.label, self.occupant[s], s):
-            self.platform.current_stream().wait_event(self.ready[s])
+        span = _spans.enter("wait", "ring=%s block=%s slot=%d", self.label, self.occupant[s], s)
+        self.platform.current_stream().wait_event(self.ready[s])
+        _spans.exit(span)
 
     def after(self, k: int) -> None:
         if self._dirty:  # our hook work was interrupted (or raised): reset, k included
