@@ -66,6 +66,18 @@ def _name_threads(path: str, names: dict[int, str]) -> None:
         json.dump(trace, f)
 
 
+def _all_threads(log: Callable[[str], None]) -> Any:
+    """The profiler config that records ranges of every thread: the CPU platform's copy worker
+    is a thread the profiler did not start on, whose ranges are dropped otherwise (Note [Spans]
+    in _spans.py).  None (with a note) on a torch without the option."""
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        log(f"offload-ref trace: torch {torch.__version__} cannot profile all threads; the CPU "
+            "platform's copy ranges will be missing (CUDA's are on the issuing thread)")
+        return None
+
+
 def run_trace(spec: Any, strategy: str, output: str, *, prefetch: bool = True,
               device: str = "cpu", threads: int = 1,
               log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
@@ -96,11 +108,7 @@ def run_trace(spec: Any, strategy: str, output: str, *, prefetch: bool = True,
         with torch.inference_mode():
             pipeline(**inputs)  # warm-up: first swaps, the ring learns the caller's order
             platform.synchronize()
-            # profile_all_threads: record_function ranges of the CPU platform's copy worker,
-            # a thread the profiler did not start on, are recorded only so (Note [Spans]).
-            with profile(activities=activities,
-                         experimental_config=torch._C._profiler._ExperimentalConfig(
-                             profile_all_threads=True)) as prof:
+            with profile(activities=activities, experimental_config=_all_threads(log)) as prof:
                 pipeline(**inputs)
                 platform.synchronize()
         names = {threading.main_thread().native_id: "compute (caller thread)",
