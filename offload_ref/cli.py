@@ -1,10 +1,12 @@
-"""``offload-ref``: run the conformance kit, explain a plan, benchmark.
+"""``offload-ref``: run the conformance kit, explain a plan, benchmark, trace.
 
     offload-ref check [MODULE:ATTR]... [--pipeline NAME]... [--spec MODULE:ATTR]...
                       [--inputs MODULE:ATTR] [--name NAME]... [--check ID]...
                       [--strategy S]... [--list] [--json PATH]
     offload-ref plan  --pipeline NAME [--strategy S]
     offload-ref bench [--json]
+    offload-ref trace [--pipeline NAME | --spec MODULE:ATTR] [--strategy S] -o TRACE.json
+                      [--no-prefetch] [--png TIMELINE.png]
 
 MODULE:ATTR (positional or --spec) names a PipelineSpec, a list or tuple of them, or a factory: a
 callable taking no arguments or seed= that builds your pipeline.  A factory's pipeline is called
@@ -233,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from offload_ref.bench import add_bench_parser
 
     add_bench_parser(sub)
+    from offload_ref.trace import add_trace_parser
+
+    add_trace_parser(sub, selection)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .. import _spans
 from ..config import OffloadStrategy, WeightTransfer
 from ..plan import BlockStack, shard_bytes
 from .groups import TensorGroup, restore_group
@@ -54,6 +55,9 @@ from .ring import BlockRing, RankLocalTransport, Transport
 from .transaction import Transaction
 
 __all__ = ["AllGatherTransport", "DistributedLayerwiseOffloadBackend"]
+
+
+_WHERE = "ring=%s block=%d slot=%d"  # span names (Note [Spans] in _spans.py)
 
 
 def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
@@ -136,12 +140,16 @@ class AllGatherTransport(Transport):
         out, mine = self._slot_views(ring, k, s)
         with platform.stream(ring.copy_stream):
             ring.copy_stream.wait_event(ring.free[s])
+            span = _spans.stream_enter(platform, "copy", _WHERE, ring.label, k, s)
             platform.copy_(mine, self.shards[k])
+            _spans.stream_exit(platform, span)
             self.copied[s].record(ring.copy_stream)
         with platform.stream(self.comm_stream):
             self.comm_stream.wait_event(self.copied[s])
+            span = _spans.stream_enter(platform, "collective", _WHERE, ring.label, k, s)
             platform.submit(functools.partial(_all_gather, out, mine, self.group),
                             reads=(ring.slots[s],), writes=(ring.slots[s],))
+            _spans.stream_exit(platform, span)
             ring.ready[s].record(self.comm_stream)
 
     def count_fill(self, ring: BlockRing, k: int) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .. import _spans
 from ..host import HostMaster, Layout, aligned_empty, storage_key, unique_tensors
 from ..platform import Platform
 from .guard import OffloadWeightEditError
@@ -246,8 +247,10 @@ class ComponentSwapper:
             flats = group.device_flats
             for dtype, n in group.layout.numel.items():
                 flats[dtype] = self.platform.empty(n, dtype)
+            span = _spans.stream_enter(self.platform, "copy", "component=%s", label)
             for dtype, flat in flats.items():
                 self.platform.copy_(flat, group.master.flats[dtype])
+            _spans.stream_exit(self.platform, span)
             for t, v in zip(group.tensors, group.layout.views(flats)):
                 t.data = v
         except BaseException:

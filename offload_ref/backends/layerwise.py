@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _spans
 from ..config import OffloadStrategy
 from ..hooks import ModelHook
 from ..host import storage_key
@@ -37,6 +38,7 @@ class LayerwiseOffloadHook(ModelHook):
         self.path = ring.block_paths[index]
         self.names = [r.name for r in group.layout.records]
         self.versions = [t._version for t in group.tensors]  # our rebinds never bump them
+        self._span: Any = None  # the block's compute range (Note [Spans] in _spans.py)
 
     # Note [Hooks leave inference mode]: tensors the offloader creates or views inside a hook
     # must be ordinary tensors, or disable (run outside inference mode) could not reuse them.
@@ -58,6 +60,8 @@ class LayerwiseOffloadHook(ModelHook):
                 )
             with torch.inference_mode(False):
                 self.ring.before(self.index, frame)
+            self._span = _spans.enter("block", "ring=%s block=%d slot=%s", self.ring.label,
+                                      self.index, self.ring.slot_of[self.index])
         except BaseException:
             self.guard.exit(frame)
             raise
@@ -68,6 +72,8 @@ class LayerwiseOffloadHook(ModelHook):
         if not self.guard.holds(frame):
             return None
         try:
+            _spans.exit(self._span)
+            self._span = None
             with torch.inference_mode(False):
                 self.ring.after(self.index)
         finally:

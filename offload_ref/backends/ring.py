@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _spans
 from ..discovery import get_submodule_path
 from ..host import storage_key
 from ..plan import BlockStack
@@ -414,7 +415,9 @@ class BlockRing:
 
     def _wait_ready(self, s: int) -> None:
         """Order compute after the copy that filled slot s (a device-side wait)."""
+        span = _spans.enter("wait", "ring=%s block=%s slot=%d", self.label, self.occupant[s], s)
         self.platform.current_stream().wait_event(self.ready[s])
+        _spans.exit(span)
 
     def after(self, k: int) -> None:
         if self._dirty:  # our hook work was interrupted (or raised): reset, k included
@@ -621,6 +624,8 @@ class RankLocalTransport(Transport):
         flats = ring._slot_flats(k, s)
         with platform.stream(ring.copy_stream):
             ring.copy_stream.wait_event(ring.free[s])
+            copy_span = _spans.stream_enter(platform, "copy", "ring=%s block=%d slot=%d",
+                                            ring.label, k, s)
             if mapped is None:
                 for dtype, flat in flats.items():
                     platform.copy_(flat, group.master.flats[dtype])
@@ -628,6 +633,7 @@ class RankLocalTransport(Transport):
                 for seg, span in zip(group.layout.segments, mapped):
                     if seg.numel:
                         platform.copy_(flats[seg.dtype].narrow(0, seg.offset, seg.numel), span)
+            _spans.stream_exit(platform, copy_span)
             ring.ready[s].record(ring.copy_stream)
 
     def count_fill(self, ring: BlockRing, k: int) -> None:
