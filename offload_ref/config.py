@@ -12,6 +12,10 @@ Two inputs produce an :class:`OffloadConfig`:
        "layer_options": {"dit": {"weight_transfer": "allgather", "resident_layers": 0}},
        "pin_memory": True}
 
+or, letting the plan pick the strategy for a device budget (docs/strategies.md, "Auto mode")::
+
+      {"mode": "auto", "device_budget_bytes": 8 * 2**30}
+
 Every error names the offending key, the value it got and the values it accepts.  The legacy flags
 are translated once into a config with ``explicit=False`` (the historical "warn and skip" topology
 rules); a compact mapping yields ``explicit=True`` (every declaration problem is an error).
