@@ -18,6 +18,7 @@ from torch import nn
 
 from offload_ref import discovery
 from offload_ref.backends import OffloadEnableError, get_offload_backend
+from offload_ref.backends.auto import AutoOffloadBackend
 from offload_ref.backends.groups import ComponentSwapper
 from offload_ref.backends.distributed import (
     AllGatherTransport,
@@ -30,10 +31,13 @@ from offload_ref.backends.ring import BlockRing
 from offload_ref.backends.transaction import Transaction
 from offload_ref.discovery import FALLBACK_NAMES, get_submodule_path
 from offload_ref.plan import (
+    AutoChoice,
     OffloadTopologyError,
     ResolvedComponent,
     ResolvedOffloadPlan,
     _Resolver,
+    auto_candidates,
+    resolve_candidate,
     resolve_offload_plan,
 )
 
@@ -227,6 +231,18 @@ def _backend_with(**classes: type) -> Callable[[Any, Any], Any]:
         return backend
 
     return make
+
+
+class _BudgetBlindAuto(AutoOffloadBackend):
+    """strategy='auto' that ignores the budget: always the coarsest strategy (every weight
+    resident), as an offloader that reads "auto" as "off" does."""
+
+    def _choose(self, pipeline):
+        candidates = auto_candidates(pipeline, self.config, alignment=self.platform.alignment)
+        chosen = candidates[0]
+        plan = resolve_candidate(pipeline, chosen, alignment=self.platform.alignment)
+        choice = AutoChoice(self.config.device_budget_bytes, chosen.name, tuple(candidates))
+        return chosen, dataclasses.replace(plan, auto=choice)
 
 
 class _ForgetsOneHookTransaction(Transaction):
@@ -613,6 +629,8 @@ _INTERRUPTS = dict(pipelines=("flux2",), sections=("J.1",), strategies=("layer_w
 _DISTRIBUTED = dict(pipelines=("flux2",), sections=("H",),
                     strategies=("distributed_layer_wise",))
 _NESTED_RESIDENT = dict(pipelines=("soulx_singer",), sections=("F",), strategies=("model_level",))
+# wan22: every auto candidate has a prediction (encoder rings included)
+_AUTO = dict(pipelines=("wan22_t2v",), sections=("A.8",), strategies=("layer_wise",))
 
 
 def _m(name: str, defect: str, scope: dict, *, patch: Any = None, factory: Any = None,
@@ -725,6 +743,7 @@ def _wave_runner_without_agreement() -> Any:
 
 #: Exactly the checks each mutant fails (asserted by tests/test_mutants.py).
 KILLS: dict[str, set[str]] = {
+    "auto_ignores_budget": {"check_auto_mode_measured_peak_never_exceeds_the_budget"},
     "shard_not_zero_padded": {"check_allgather_shards_are_zero_padded"},
     "wrong_rank_shard_gathered": {
         "check_allgather_outputs_match_each_ranks_reference",
@@ -978,6 +997,9 @@ KILLS: dict[str, set[str]] = {
 KILLS["slot_reused_before_free"] = set(KILLS["missing_ready_wait"])
 
 MUTANTS: tuple[Mutant, ...] = (
+    # §A.8 (auto mode)
+    _m("auto_ignores_budget", "strategy='auto' ignores device_budget_bytes: every weight stays "
+       "resident", _AUTO, make_backend=_backend_with(AutoOffloadBackend=_BudgetBlindAuto)),
     # §A
     _resolver("impure_resolver", "resolution writes an attribute on the pipeline", _impure),
     _resolver("unstable_resolver", "every second resolution lists components in another order",

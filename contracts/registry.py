@@ -68,6 +68,7 @@ ALL_STRATEGIES = ("model_level", "layer_wise", "distributed_layer_wise")
 #: anchor).  A full section id (``"F.6"``) wins over its letter (``"F"``).
 DOCS: dict[str, str] = {
     "A": "docs/architecture.md#the-lifecycle",
+    "A.8": "docs/strategies.md#auto-mode-a-device-budget",
     "B": "docs/strategies.md#lifecycle-rules-both-strategies",
     "C": "docs/strategies.md#lifecycle-rules-both-strategies",
     "D": "docs/model-authors.md#2-declare-blocks-layerwise",

@@ -3,7 +3,7 @@
     offload-ref check [MODULE:ATTR]... [--pipeline NAME]... [--spec MODULE:ATTR]...
                       [--inputs MODULE:ATTR] [--name NAME]... [--check ID]...
                       [--strategy S]... [--list] [--json PATH]
-    offload-ref plan  --pipeline NAME [--strategy S]
+    offload-ref plan  --pipeline NAME [--strategy S] [--strategy auto --device-budget N]
     offload-ref bench [--json]
     offload-ref trace [--pipeline NAME | --spec MODULE:ATTR] [--strategy S] -o TRACE.json
                       [--no-prefetch] [--png TIMELINE.png]
@@ -182,11 +182,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     specs, _ = _selection(args)
     strategies = args.strategy or None
+    if args.device_budget is not None and "auto" not in (strategies or ()):
+        raise _UsageError("--device-budget applies to --strategy auto only")
+    if "auto" in (strategies or ()) and args.device_budget is None:
+        raise _UsageError("--strategy auto needs --device-budget N (bytes)")
+    if args.device_budget is not None and args.device_budget < 1:
+        raise _UsageError(f"--device-budget {args.device_budget}: must be a positive int (bytes)")
     for spec in specs:
         for strategy in strategies or spec.strategies:
             pipeline = spec.build()
-            components = selectable_components(pipeline, strategy)
-            config = OffloadConfig(strategy=strategy, components=components)
+            if strategy == "auto":
+                config = OffloadConfig(strategy="auto", device_budget_bytes=args.device_budget)
+            else:
+                components = selectable_components(pipeline, strategy)
+                config = OffloadConfig(strategy=strategy, components=components)
             print(f"== {spec.name} ==")
             try:
                 print(resolve_offload_plan(pipeline, config).describe())
@@ -201,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def selection(p: argparse.ArgumentParser) -> None:
+    def selection(p: argparse.ArgumentParser, auto: bool = False) -> None:
         p.add_argument("refs", nargs="*", default=[], metavar="MODULE:ATTR",
                        help="your own PipelineSpec, list of specs, or factory (see above)")
         p.add_argument("--pipeline", action="append", default=[],
@@ -214,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--name", action="append", default=[],
                        help="keep only the selected pipelines of this name")
         p.add_argument("--strategy", action="append", default=[],
-                       choices=["model_level", "layer_wise", "distributed_layer_wise"])
+                       choices=["model_level", "layer_wise", "distributed_layer_wise"]
+                       + (["auto"] if auto else []))
 
     p_check = sub.add_parser("check", help="run the conformance kit")
     selection(p_check)
@@ -229,7 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_check.set_defaults(func=_cmd_check)
 
     p_plan = sub.add_parser("plan", help="explain the resolved topology of a pipeline")
-    selection(p_plan)
+    selection(p_plan, auto=True)
+    p_plan.add_argument("--device-budget", type=int, metavar="N",
+                        help="with --strategy auto: the device budget in bytes; prints the "
+                             "strategy auto picks and every strategy's predicted peak")
     p_plan.set_defaults(func=_cmd_plan)
 
     from offload_ref.bench import add_bench_parser

@@ -12,6 +12,10 @@ Two inputs produce an :class:`OffloadConfig`:
        "layer_options": {"dit": {"weight_transfer": "allgather", "resident_layers": 0}},
        "pin_memory": True}
 
+or, letting the plan pick the strategy for a device budget (docs/strategies.md, "Auto mode")::
+
+      {"mode": "auto", "device_budget_bytes": 8 * 2**30}
+
 Every error names the offending key, the value it got and the values it accepts.  The legacy flags
 are translated once into a config with ``explicit=False`` (the historical "warn and skip" topology
 rules); a compact mapping yields ``explicit=True`` (every declaration problem is an error).
@@ -45,6 +49,9 @@ class OffloadStrategy(str, enum.Enum):
     MODEL_LEVEL = "model_level"
     LAYER_WISE = "layer_wise"
     DISTRIBUTED_LAYER_WISE = "distributed_layer_wise"
+    #: Picks none, model_level or layer_wise (with or without encoder rings) at enable, by the
+    #: plan's predicted peak device bytes against ``OffloadConfig.device_budget_bytes``.
+    AUTO = "auto"
 
     def __str__(self) -> str:
         return self.value
@@ -68,8 +75,8 @@ COMPONENTS: tuple[str, ...] = ("dit", "text_encoder", "image_encoder", "vae")
 ENCODER_KINDS: tuple[str, ...] = ("text_encoder", "image_encoder")
 #: What model-level offload selects when nothing is named: every DiT and every encoder.
 _MODEL_LEVEL_DEFAULT: tuple[str, ...] = ("dit", *ENCODER_KINDS)
-_MODES = ("module", "layer")
-_TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory")
+_MODES = ("module", "layer", "auto")
+_TOP_LEVEL_KEYS = ("mode", "components", "layer_options", "pin_memory", "device_budget_bytes")
 _LAYER_OPTION_KEYS = ("weight_transfer", "resident_layers")
 _VAE_OPTIONS = ("layer_options['vae'] is not accepted: a selected VAE follows the lifecycle its "
                 "pipeline declares (load_to_device / offload_to_cpu), it does not stream; "
@@ -183,6 +190,9 @@ class OffloadConfig:
     world_size: int = 1
     use_hsdp: bool = False
     explicit: bool = True
+    #: ``strategy="auto"`` only: the most device bytes (padding included) the chosen strategy's
+    #: predicted peak may reach (see ``offload_ref.plan.auto_candidates``).
+    device_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         strategies = [s.value for s in OffloadStrategy]
@@ -208,7 +218,12 @@ class OffloadConfig:
                     f"OffloadConfig.components = {_r(components)}: entries must be strings, got "
                     f"{_r(c)}; accepted: {list(COMPONENTS)}"
                 )
-        if strategy is not OffloadStrategy.NONE and not components:
+        if strategy is OffloadStrategy.AUTO and components:
+            raise ValueError(
+                f"OffloadConfig.components = {_r(components)}: strategy='auto' picks the "
+                "components with the strategy; drop components, or name an explicit strategy"
+            )
+        if strategy not in (OffloadStrategy.NONE, OffloadStrategy.AUTO) and not components:
             components = ("dit",) if strategy is not OffloadStrategy.MODEL_LEVEL \
                 else _MODEL_LEVEL_DEFAULT
         unknown = [c for c in components if c not in COMPONENTS]
@@ -245,6 +260,13 @@ class OffloadConfig:
         if type(self.world_size) is not int or self.world_size < 1:
             raise ValueError(
                 f"OffloadConfig.world_size must be an int >= 1, got {_r(self.world_size)}")
+        _check_budget("OffloadConfig.device_budget_bytes", self.device_budget_bytes, strategy)
+        if strategy is OffloadStrategy.AUTO and self.world_size != 1:
+            raise ValueError(
+                f"OffloadConfig.world_size = {self.world_size}: strategy='auto' chooses among "
+                "the single-process strategies (none, model_level, layer_wise); with several "
+                "ranks name distributed_layer_wise explicitly"
+            )
         for name, opts in options.items():
             if opts.resident_layers and opts.weight_transfer is WeightTransfer.ALLGATHER:
                 raise ValueError(
@@ -294,6 +316,7 @@ class OffloadConfig:
                 self.world_size,
                 self.use_hsdp,
                 self.explicit,
+                self.device_budget_bytes,
             )
         )
 
@@ -308,6 +331,7 @@ class OffloadConfig:
                 self.world_size,
                 self.use_hsdp,
                 self.explicit,
+                self.device_budget_bytes,
             ),
         )
 
@@ -335,7 +359,8 @@ class OffloadConfig:
         return _parse_compact(mapping, world_size=world_size, use_hsdp=use_hsdp)
 
 
-def _rebuild(strategy, components, pin_memory, layer_options, world_size, use_hsdp, explicit):
+def _rebuild(strategy, components, pin_memory, layer_options, world_size, use_hsdp, explicit,
+             device_budget_bytes=None):
     return OffloadConfig(
         strategy=strategy,
         components=components,
@@ -344,7 +369,24 @@ def _rebuild(strategy, components, pin_memory, layer_options, world_size, use_hs
         world_size=world_size,
         use_hsdp=use_hsdp,
         explicit=explicit,
+        device_budget_bytes=device_budget_bytes,
     )
+
+
+def _check_budget(name: str, budget: Any, strategy: OffloadStrategy) -> None:
+    """``device_budget_bytes``: a positive int (never a bool), with ``strategy='auto'`` only."""
+    if strategy is OffloadStrategy.AUTO and budget is None:
+        raise ValueError(f"{name} is required with strategy='auto' (mode='auto'): the most "
+                         "device bytes the chosen strategy may hold, a positive int")
+    if budget is None:
+        return
+    if type(budget) is not int or budget < 1:
+        raise ValueError(f"{name} = {_r(budget)}: must be a positive int (bytes)")
+    if strategy is not OffloadStrategy.AUTO:
+        raise ValueError(
+            f"{name} = {budget}: a device budget applies to strategy='auto' (mode='auto') "
+            f"only, got strategy {strategy.value}; use strategy='auto', or drop the budget"
+        )
 
 
 def _key(path: str, value: Any) -> str:
@@ -374,6 +416,8 @@ def _parse_compact(mapping: Any, *, world_size: int, use_hsdp: bool) -> OffloadC
             f"{list(_TOP_LEVEL_KEYS)}"
         )
     for required, accepted in (("mode", list(_MODES)), ("components", list(COMPONENTS))):
+        if required == "components" and mapping.get("mode") == "auto":
+            continue
         if required not in mapping:
             raise ValueError(
                 f"diffusion_offload_config: missing required key {_r(required)} "
@@ -385,6 +429,30 @@ def _parse_compact(mapping: Any, *, world_size: int, use_hsdp: bool) -> OffloadC
         raise TypeError(f"{_key('[mode]', mode)}: must be a string, one of {list(_MODES)}")
     if mode not in _MODES:
         raise ValueError(f"{_key('[mode]', mode)}: unknown mode; accepted: {list(_MODES)}")
+    budget = mapping.get("device_budget_bytes")
+    if "device_budget_bytes" in mapping and mode != "auto":
+        raise ValueError(f"{_key('[device_budget_bytes]', budget)}: a device budget requires "
+                         f"mode='auto' (got mode={_r(mode)}); drop it or use mode='auto'")
+    if mode == "auto":
+        if "components" in mapping:
+            raise ValueError(f"{_key('[components]', mapping['components'])}: mode='auto' "
+                             "picks the components with the strategy; drop components")
+        if "layer_options" in mapping:
+            raise ValueError(f"{_key('[layer_options]', mapping['layer_options'])}: "
+                             "layer_options requires mode='layer' (got mode='auto')")
+        if "device_budget_bytes" not in mapping:
+            raise ValueError("diffusion_offload_config: mode='auto' requires the key "
+                             "'device_budget_bytes' (a positive int: the most device bytes "
+                             "the chosen strategy may hold)")
+        if type(budget) is not int or budget < 1:
+            raise ValueError(f"{_key('[device_budget_bytes]', budget)}: must be a positive int "
+                             "(bytes)")
+        pin_memory = mapping.get("pin_memory", True)
+        if type(pin_memory) is not bool:
+            raise TypeError(f"{_key('[pin_memory]', pin_memory)}: must be True or False")
+        return OffloadConfig(strategy=OffloadStrategy.AUTO, pin_memory=pin_memory,
+                             world_size=world_size, use_hsdp=use_hsdp, explicit=True,
+                             device_budget_bytes=budget)
 
     components = mapping["components"]
     if isinstance(components, (str, bytes, Mapping)) or not isinstance(
@@ -621,7 +689,7 @@ def _from_od_config(od_config: Any) -> OffloadConfig:
         if "pin_memory" not in compact and getattr(od_config, "pin_cpu_memory", None) is False:
             return _rebuild(
                 config.strategy, config.components, False, dict(config.layer_options),
-                config.world_size, config.use_hsdp, config.explicit,
+                config.world_size, config.use_hsdp, config.explicit, config.device_budget_bytes,
             )
         return config
 

@@ -42,12 +42,15 @@ from .discovery import (
 )
 
 __all__ = [
+    "AutoCandidate",
+    "AutoChoice",
     "BlockStack",
     "OffloadPlan",
     "OffloadTopologyError",
     "ResolvedComponent",
     "ResolvedOffloadPlan",
     "RingAlias",
+    "auto_candidates",
     "encoder_kind",
     "owned_tensors",
     "pipeline_state",
@@ -202,6 +205,47 @@ class ResolvedComponent:
 
 
 @dataclass(frozen=True)
+class AutoCandidate:
+    """One strategy ``strategy="auto"`` considers: its concrete config, its predicted peak device
+    bytes (None when it cannot serve the pipeline, or its peak cannot be predicted: ``reason``)."""
+
+    name: str  # "none", "model_level", "layer_wise" or "layer_wise+encoders"
+    config: OffloadConfig
+    predicted: int | None
+    reason: str = ""
+
+    def label(self) -> str:
+        if self.name == "none":
+            return "none (every weight resident)"
+        return f"{self.name} ({', '.join(self.config.components)})"
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``strategy="auto"`` chose for a budget, and every strategy it weighed."""
+
+    budget: int
+    chosen: str
+    candidates: tuple[AutoCandidate, ...]
+
+    def describe(self) -> list[str]:
+        picked = next(c for c in self.candidates if c.name == self.chosen)
+        lines = [f"auto: picked {self.chosen} (predicted peak {picked.predicted} bytes <= budget "
+                 f"{self.budget})"]
+        for c in self.candidates:
+            if c.predicted is None:
+                verdict = f"not achievable: {c.reason}"
+            elif c.name == self.chosen:
+                verdict = f"{c.predicted} bytes  <- picked"
+            elif c.predicted > self.budget:
+                verdict = f"would need {c.predicted} bytes (over budget)"
+            else:
+                verdict = f"{c.predicted} bytes (fits; a coarser strategy was picked)"
+            lines.append(f"  {c.label()}: {verdict}")
+        return lines
+
+
+@dataclass(frozen=True)
 class ResolvedOffloadPlan:
     """What a backend will do to a pipeline.  ``skip_reason`` set means: nothing at all."""
 
@@ -214,6 +258,9 @@ class ResolvedOffloadPlan:
     device_bytes_bound: int = 0  # predicted peak device bytes, padding included (see _predict)
     alignment: int = ALLOCATOR_ALIGNMENT  # the platform's alignment the prediction assumes
     world_size: int = 1  # ranks an AllGather ring shards across (distributed layerwise)
+    #: ``strategy="auto"``: the choice this plan is (``strategy`` is the chosen one; ``NONE``
+    #: with no skip_reason means every weight resident on the device).
+    auto: AutoChoice | None = None
 
     def by_role(self, role: str) -> tuple[ResolvedComponent, ...]:
         return tuple(c for c in self.components if c.role == role)
@@ -238,7 +285,12 @@ class ResolvedOffloadPlan:
 
     def describe(self) -> str:
         """A human-readable account of the topology (used by ``offload-ref plan``)."""
-        lines = [f"strategy: {self.strategy.value}"]
+        lines = list(self.auto.describe()) if self.auto is not None else []
+        lines.append(f"strategy: {self.strategy.value}")
+        if self.strategy is OffloadStrategy.NONE and self.skip_reason is None:
+            lines.append(f"every weight resident on the device: predicted peak device bytes: "
+                         f"{self.predicted_device_bytes()} (tensors in {self.alignment}-byte "
+                         "aligned regions)")
         if self.skip_reason:
             lines.append(f"skipped: {self.skip_reason}")
         if self.delegated:
@@ -1177,4 +1229,135 @@ def resolve_offload_plan(pipeline: Any, config: OffloadConfig, *,
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
     if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two (bytes), got {alignment!r}")
+    if config.strategy is OffloadStrategy.AUTO:
+        return _resolve_auto(pipeline, config, alignment)
     return _Resolver(pipeline, config, alignment).resolve()
+
+
+# -- strategy="auto" -------------------------------------------------------------------------------
+#
+# Note [Auto mode]
+#     ``strategy="auto"`` weighs, coarsest first: none (every weight resident), model level (every
+#     selectable component swaps), layerwise (the DiTs stream), layerwise with encoder rings
+#     (every encoder kind with declared blocks streams too).  Each is resolved purely, as an
+#     explicit config, and its predicted peak device bytes (``_predict``, which equals the
+#     measured ``stats().peak_device_bytes``) is compared with the budget; the first that fits is
+#     the plan.  A strategy that cannot serve the pipeline (no encoder, no blocks) or whose peak
+#     cannot be predicted (model level delegated to a split model) is skipped, with its reason.
+#     Nothing fitting is an OffloadTopologyError before any mutation.
+
+
+def resident_plan(pipeline: Any, *, alignment: int = ALLOCATOR_ALIGNMENT) -> ResolvedOffloadPlan:
+    """The "none" candidate of auto mode: every tensor of the pipeline resident on the device,
+    except the components the pipeline manages itself (``on_demand_component_paths``).  Pure."""
+    plan = getattr(pipeline, "_offload_plan", None)
+    managed = []
+    if isinstance(plan, OffloadPlan):
+        for path in plan.on_demand_component_paths:
+            module = get_submodule_path(pipeline, path)
+            if isinstance(module, nn.Module):
+                managed.append(module)
+    named = resident_state(pipeline, managed)
+    total = _span_bytes((t for _, t in named), alignment)
+    return ResolvedOffloadPlan(OffloadStrategy.NONE, other_state_bytes=total,
+                               device_bytes_bound=total, alignment=alignment)
+
+
+def resident_state(pipeline: Any,
+                   managed: Iterable[nn.Module] = ()) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of ``pipeline`` outside ``managed``: its state (:func:`pipeline_state`) and
+    the discovered components' (a plain-object pipeline may reach one through a non-module)."""
+    managed = list(managed)
+    named = pipeline_state(pipeline, managed)
+    seen = {id(t) for _, t in named}
+    excluded = {id(m) for root in managed for m in root.modules()}
+    found = discover_components(pipeline, warn=lambda message: None)
+    for group in (found.dits, found.encoders, found.vaes, found.residents):
+        for path, module in group:
+            if id(module) in excluded:
+                continue
+            for name, t in _tensors_of(module, path):
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    named.append((name, t))
+    return named
+
+
+def auto_candidates(pipeline: Any, config: OffloadConfig | None = None, *,
+                    alignment: int = ALLOCATOR_ALIGNMENT) -> list[AutoCandidate]:
+    """The strategies ``strategy="auto"`` weighs for ``pipeline``, coarsest first, each with its
+    predicted peak device bytes or the reason it cannot serve the pipeline (Note [Auto mode]).
+    ``config`` (an auto config) lends its ``pin_memory``.  Pure."""
+    pin = config.pin_memory if config is not None else True
+    cands = [AutoCandidate("none", OffloadConfig(pin_memory=pin),
+                           resident_plan(pipeline, alignment=alignment).predicted_device_bytes())]
+    layer_all = selectable_components(pipeline, OffloadStrategy.LAYER_WISE)
+    configs = [("model_level", OffloadStrategy.MODEL_LEVEL,
+                selectable_components(pipeline, OffloadStrategy.MODEL_LEVEL)),
+               ("layer_wise", OffloadStrategy.LAYER_WISE, ("dit",))]
+    if layer_all != ("dit",):
+        configs.append(("layer_wise+encoders", OffloadStrategy.LAYER_WISE, layer_all))
+    for name, strategy, components in configs:
+        cfg = OffloadConfig(strategy=strategy, components=components, pin_memory=pin)
+        try:
+            with warnings.catch_warnings():  # the chosen plan warns when it is enabled
+                warnings.simplefilter("ignore")
+                plan = _Resolver(pipeline, cfg, alignment).resolve()
+        except OffloadTopologyError as exc:
+            cands.append(AutoCandidate(name, cfg, None, str(exc)))
+            continue
+        if plan.delegated:
+            cands.append(AutoCandidate(name, cfg, None, "delegated to the pipeline's "
+                                       "enable_omni_model_cpu_offload, whose peak the plan "
+                                       "cannot predict"))
+        elif plan.skip_reason is not None:
+            cands.append(AutoCandidate(name, cfg, None, plan.skip_reason))
+        else:
+            cands.append(AutoCandidate(name, cfg, plan.predicted_device_bytes()))
+    return cands
+
+
+def choose_auto(candidates: Iterable[AutoCandidate], budget: int) -> AutoCandidate:
+    """The first (coarsest) candidate whose prediction fits ``budget``; an
+    OffloadTopologyError naming the smallest achievable peak when none does."""
+    candidates = list(candidates)
+    for c in candidates:
+        if c.predicted is not None and c.predicted <= budget:
+            return c
+    feasible = [c for c in candidates if c.predicted is not None]
+    if not feasible:  # "none" always has a prediction; kept for a mutated candidate list
+        raise OffloadTopologyError(f"strategy='auto': no strategy can serve this pipeline: "
+                                   f"{'; '.join(f'{c.name}: {c.reason}' for c in candidates)}")
+    best = min(feasible, key=lambda c: c.predicted)
+    weighed = "; ".join(f"{c.name} {c.predicted}" if c.predicted is not None
+                        else f"{c.name} not achievable" for c in candidates)
+    if best.name in ("none", "model_level"):
+        fix = ("raise the budget, or declare the DiT's blocks (_layerwise_offload_blocks_attrs "
+               "or OffloadPlan.block_attrs) so layerwise can stream them")
+    elif best.name == "layer_wise":
+        fix = ("raise the budget, or declare the encoders' blocks "
+               "(OffloadPlan.encoder_block_attrs) so layerwise streams them too")
+    else:
+        fix = "raise the budget (layerwise with encoder rings is the finest strategy)"
+    raise OffloadTopologyError(
+        f"strategy='auto': no strategy fits device_budget_bytes={budget}; the smallest "
+        f"achievable predicted peak is {best.predicted} bytes ({best.label()}); predicted "
+        f"peaks: {weighed}.  Fix: {fix}"
+    )
+
+
+def _resolve_auto(pipeline: Any, config: OffloadConfig, alignment: int) -> ResolvedOffloadPlan:
+    budget = config.device_budget_bytes
+    assert budget is not None  # OffloadConfig requires it with strategy="auto"
+    candidates = auto_candidates(pipeline, config, alignment=alignment)
+    chosen = choose_auto(candidates, budget)
+    return dataclasses.replace(resolve_candidate(pipeline, chosen, alignment=alignment),
+                               auto=AutoChoice(budget, chosen.name, tuple(candidates)))
+
+
+def resolve_candidate(pipeline: Any, candidate: AutoCandidate, *,
+                      alignment: int = ALLOCATOR_ALIGNMENT) -> ResolvedOffloadPlan:
+    """The plan of one auto candidate (the resident plan for "none")."""
+    if candidate.name == "none":
+        return resident_plan(pipeline, alignment=alignment)
+    return _Resolver(pipeline, candidate.config, alignment).resolve()

@@ -535,3 +535,66 @@ def check_cyclic_module_graph_is_rejected_before_mutation(case) -> None:
     problems = before.diff(snapshot(pipeline, values=True))
     if problems:
         fail(f"the pipeline changed although a cyclic graph was rejected: {problems[:5]}")
+
+
+def _auto_config(budget: int) -> OffloadConfig:
+    return OffloadConfig(strategy="auto", device_budget_bytes=budget)
+
+
+@check("A.8", strategies=("layer_wise",))
+def check_auto_mode_measured_peak_never_exceeds_the_budget(case) -> None:
+    """``strategy="auto"``: for budgets at and 1 byte above each strategy's predicted peak, enable
+    picks the coarsest strategy that fits (none, model level, layerwise, layerwise with encoder
+    rings), one generation matches the reference, and the measured peak device bytes never
+    exceed the budget; a budget below every prediction is rejected before any mutation, naming
+    the smallest achievable peak."""
+    from offload_ref.plan import auto_candidates
+
+    want = case.reference()
+    platform = case.platform()
+    candidates = auto_candidates(case.build(), alignment=platform.alignment)
+    feasible = [c for c in candidates if c.predicted is not None]
+    if not feasible:
+        fail(f"auto mode: no strategy has a predicted peak: {candidates}")
+    budgets = sorted({b for c in feasible for b in (c.predicted, c.predicted + 1)})
+    generated: set[str] = set()
+    for budget in budgets:  # ascending: each strategy first comes up at its tightest budget
+        expected = next(c for c in candidates if c.predicted is not None and c.predicted <= budget)
+        what = f"strategy='auto', device_budget_bytes={budget}"
+        pipeline = case.build()
+        backend = case.backend(_auto_config(budget), platform)
+        # One generation per strategy, at the tightest budget that picks it (a looser budget
+        # that picks it again is checked at enable: its choice and the peak so far).
+        generate = expected.name not in generated
+        try:
+            backend.enable(pipeline)
+            got = case.run(pipeline) if generate else None
+            stats = backend.stats()
+        finally:
+            backend.disable()
+        generated.add(expected.name)
+        if stats.peak_device_weight_bytes > budget or stats.peak_device_bytes > budget:
+            fail(f"{what}: the measured peak device bytes exceed the budget (weights "
+                 f"{stats.peak_device_weight_bytes}, with padding {stats.peak_device_bytes}); "
+                 f"the budget allows {expected.label()} (predicted {expected.predicted})")
+        chosen = getattr(backend, "chosen", None)
+        if chosen is None or chosen.name != expected.name:
+            fail(f"{what}: auto picked {getattr(chosen, 'name', None)!r}; the coarsest strategy "
+                 f"that fits is {expected.label()} (predicted {expected.predicted} bytes)")
+        if not stats.peak_device_weight_bytes:
+            fail(f"{what}: {expected.name} held no device weight bytes")
+        if generate:
+            case.compare(what, got, want)
+    smallest = min(c.predicted for c in feasible)
+    pipeline = case.build()
+    before = snapshot(pipeline, values=True)
+    backend = case.backend(_auto_config(smallest - 1), platform)
+    what = f"strategy='auto', device_budget_bytes={smallest - 1} (below every prediction)"
+    try:
+        expect_error(what, lambda: backend.enable(pipeline), mentions=(str(smallest - 1),
+                                                                       str(smallest)))
+    finally:
+        backend.disable()
+    problems = before.diff(snapshot(pipeline, values=True))
+    if problems:
+        fail(f"{what}: the pipeline changed although enable was rejected: {problems[:5]}")

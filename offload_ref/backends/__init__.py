@@ -42,6 +42,10 @@ def get_offload_backend(
 ) -> OffloadBackend | None:
     """Exactly one backend for ``config``, or None when offloading is off.
 
+    ``strategy="auto"`` gets an :class:`~offload_ref.backends.auto.AutoOffloadBackend`, which
+    picks the strategy for the budget when it is enabled and hands the pipeline to that
+    strategy's backend (Note [Auto backend] in auto.py).
+
     ``platform`` overrides the platform that ``device`` would select (tests pass a
     ``CpuPlatform(race_amplifier=True)``).  Nothing is installed until ``enable``.  A device
     that is not available (``"cuda"`` on a CPU-only torch) raises RuntimeError rather than
@@ -54,5 +58,9 @@ def get_offload_backend(
         return None
     if platform is None:
         platform = get_platform(device)
+    if config.strategy is OffloadStrategy.AUTO:  # the choice depends on the pipeline: at enable
+        from .auto import AutoOffloadBackend
+
+        return AutoOffloadBackend(config, platform, **options)
     module, name = BACKENDS[config.strategy]
     return getattr(importlib.import_module(module, __name__), name)(config, platform, **options)

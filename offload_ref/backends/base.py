@@ -94,8 +94,7 @@ class OffloadBackend:
                 f"{type(pipeline).__name__} is already offloaded by {owner!r}; disable that "
                 "backend first (at most one offload strategy may own a pipeline)"
             )
-        plan = resolve_offload_plan(pipeline, self.config,  # raises before any mutation
-                                    alignment=self.platform.alignment)
+        plan = self._resolve(pipeline)  # raises before any mutation
         self.plan = plan
         self.skip_reason = plan.skip_reason
         if plan.skip_reason is not None:
@@ -248,6 +247,10 @@ class OffloadBackend:
         return OffloadStats(**self._stats.as_dict())
 
     # -- for subclasses -------------------------------------------------------------------------
+
+    def _resolve(self, pipeline: Any) -> ResolvedOffloadPlan:
+        """The plan ``enable`` applies (pure: Note [Resolution is pure] in plan.py)."""
+        return resolve_offload_plan(pipeline, self.config, alignment=self.platform.alignment)
 
     def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         raise NotImplementedError
