@@ -212,13 +212,19 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
 
 
 def _pause_point(case: Any, pipeline: Any) -> tuple[str, nn.Module]:
-    """Where the first thread waits: inside the last streamed block (layerwise; a second
-    generation would leave it a placeholder), or inside the first DiT (model level)."""
+    """Where the first thread waits: inside the last streamed block, at its last submodule that
+    holds weights (layerwise: the block's own hooks and its parts' have run, its forward is under
+    way, and a second generation would rebind its slot to another block), or inside the first DiT
+    (model level)."""
     plan = case.resolve(pipeline)
     rings = [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
     if rings:
         ring = rings[0]
-        return ring.block_paths[-1], ring.streamed_blocks[-1]
+        block, path = ring.streamed_blocks[-1], ring.block_paths[-1]
+        owners = [(f"{path}.{name}" if name else path, sub)
+                  for name, sub in block.named_modules()
+                  if any(True for _ in sub.parameters(recurse=False))]
+        return owners[-1] if owners else (path, block)
     dit = next(c for c in plan.components if c.role == "dit")
     return dit.path, dit.module
 

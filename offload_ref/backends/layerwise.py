@@ -95,6 +95,9 @@ class LayerwisePartHook(ModelHook):
         self.ring = block_hook.ring
         self.index = block_hook.index
         self.path = path
+        #: frames of the calls this hook let run outside the block (post_forward closes them;
+        #: a call inside the block's own forward is never here)
+        self._outside: list[Any] = []
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.ring.is_running(self.index):  # the block's own forward (the steady state)
@@ -116,14 +119,19 @@ class LayerwisePartHook(ModelHook):
         except BaseException:
             block.guard.exit(frame)
             raise
+        self._outside.append(frame)
         return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not self.ring.is_running(self.index):
-            return None
-        frame = call_frame()
-        if not self.block_hook.guard.holds(frame):
+        if not self._outside:
             return None  # inside the block's forward: the block's own hooks handle it
+        frame = call_frame()
+        if self._outside[-1] is not frame:
+            return None
+        self._outside.pop()
+        if not self.ring.is_running(self.index):
+            self.block_hook.guard.exit(frame)
+            return None
         try:
             with torch.inference_mode(False):
                 self.ring.after_part(self.index)
