@@ -237,7 +237,7 @@ class Layout:
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize  # no allocation: this runs on every fill (count_fill)
 
 
 class HostMaster:

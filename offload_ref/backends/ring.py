@@ -75,7 +75,7 @@ _NUM_SLOTS = 2
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 class _Placeholders:
