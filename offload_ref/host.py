@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -206,17 +207,17 @@ class Layout:
                     name, seg_index, tuple(t.shape), tuple(t.stride()), offset + local)
         self.records: tuple[TensorRecord, ...] = tuple(r for r in records if r is not None)
 
-    @property
+    @cached_property  # segments are fixed at construction; read on every fill
     def nbytes(self) -> int:
         """Bytes of the flat buffers, alignment padding included."""
         return sum(n * _element_size(d) for d, n in self.numel.items())
 
-    @property
+    @cached_property  # segments are fixed at construction; read on every fill
     def weight_bytes(self) -> int:
         """Bytes of the segments themselves (what the tensors touch), padding excluded."""
         return sum(s.numel * _element_size(s.dtype) for s in self.segments)
 
-    @property
+    @cached_property
     def padding_bytes(self) -> int:
         return self.nbytes - self.weight_bytes
 
