@@ -265,13 +265,14 @@ class _Worker:
         self._platform._tls.worker_stream = self._stream_ref
         try:
             while (item := self.queue.get()) is not _STOP:
-                for kind, payload in (item[1] if item[0] == "batch" else (item,)):
-                    try:
+                items = item[1] if item[0] == "batch" else (item,)
+                try:
+                    for kind, payload in items:
                         self._execute(kind, payload)
-                    finally:
-                        with self.cond:
-                            self.pending -= 1
-                            self.cond.notify_all()
+                finally:  # one update per queue item: ``pending`` reaches 0 once all of it ran
+                    with self.cond:
+                        self.pending -= len(items)
+                        self.cond.notify_all()
         finally:
             self._platform._worker_exited(self)
 
@@ -756,7 +757,7 @@ class CpuPlatform:
                 target[other] = seq
 
     def _lookup(self, tensor: torch.Tensor) -> _Allocation | None:
-        if tensor.device.type != "cpu" or tensor.is_sparse:
+        if not tensor.is_cpu or tensor.is_sparse:
             return None
         try:
             key = tensor.untyped_storage().data_ptr()
