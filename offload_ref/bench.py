@@ -153,14 +153,14 @@ def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: i
         lw["exposed_stall_per_block_s"] = max(
             0.0, (lw["step_s"] - results["resident"]["step_s"]) / blocks)
         lw["copy_gbps"] = blocks * config.block_bytes / lw["copy_only_step_s"] / 1e9
-        overhead = per_block_overhead(repeats=max(repeats, 15))
+        overhead = per_block_overhead(repeats=max(repeats, 50))
         lw["per_block_overhead_us"] = overhead["inline"]["per_block_overhead_us"]
         lw["per_block_overhead_cpu_us"] = overhead["inline"]["per_block_overhead_cpu_us"]
         lw["per_block_overhead_cpu_platform_us"] = overhead["cpu"]["per_block_overhead_us"]
         lw["per_block_overhead_cpu_platform_cpu_us"] = \
             overhead["cpu"]["per_block_overhead_cpu_us"]
         if peers:
-            results["peers"] = run_peers(repeats=max(repeats, 15))
+            results["peers"] = run_peers(repeats=max(repeats, 50))
         return results
     finally:
         for backend in backends:
@@ -278,7 +278,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                                "torch": torch.__version__}}
             text = []
             if args.peers:
-                out["peers"] = run_peers(repeats=max(args.repeats, 15))
+                out["peers"] = run_peers(repeats=max(args.repeats, 50))
                 text.append(format_peers(out["peers"]))
             if args.growth:
                 out["growth"] = run_growth(repeats=args.repeats)
