@@ -441,8 +441,13 @@ def run_peers(*, blocks: int = 64, hidden: int = 512, heavy_blocks: int = 8, tok
                     OffloadConfig(strategy=OffloadStrategy.LAYER_WISE), platform)
                 backend.enable(pipes[name])
                 backends.append(backend)
-            for name in peers:
-                _apply_peer(name, pipes[name].transformer)
+            for name in list(peers):
+                try:
+                    _apply_peer(name, pipes[name].transformer)
+                except Exception as exc:  # noqa: BLE001 - another version's API: say so, go on
+                    skip[name] = f"applying it failed: {type(exc).__name__}: {exc}"
+                    peers.remove(name)
+                    del pipes[name]
 
             def sync() -> None:
                 for platform in platforms.values():
@@ -463,7 +468,8 @@ def run_peers(*, blocks: int = 64, hidden: int = 512, heavy_blocks: int = 8, tok
             row[model] = {**m, "bitwise_equal_to_resident": exact[name], "blocks": n}
     out = list(rows.values())
     for name, reason in skip.items():
-        out.append({"name": name, "skipped": reason})
+        if name not in rows:
+            out.append({"name": name, "skipped": reason})
     return out
 
 
