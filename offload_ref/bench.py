@@ -7,6 +7,18 @@ Note [Overlap ratio]
     copies); the serial ratio (prefetch switched off) shows what the prefetch buys.  All numbers
     are medians of repeated runs taken back to back, so ratios compare like with like on a
     shared, noisy machine.
+
+Note [Per-block overhead]
+    per-block overhead = (layerwise step - resident step) / blocks on a DiT of many tiny blocks
+    (``offload_ref.fixtures.many_blocks``: 64 x ``nn.Linear(8, 8)``, batch 1), where compute is a
+    few microseconds, so the difference is the offloader's host work per block.  Reported on the
+    inline-stream platform (``InlinePlatform``: the ring's own Python work, hooks, predictor,
+    rebinds, calls into streams and events, which is what also costs on CUDA) and on the CPU
+    platform (plus its copy worker and stream-order checker; race amplifier off).  Each figure
+    comes in wall time and in the calling thread's CPU time: on a loaded shared machine the
+    process is descheduled for a varying share of a step, which inflates wall time but not
+    thread CPU time.  ``--peers`` measures diffusers' and accelerate's CPU-offload hooks the same
+    way on the same models (Note [Peers] in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -74,7 +86,8 @@ def _parallel_speedup(threads: int = 2) -> float:
 
 
 def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: int = 4,
-              repeats: int = 7, device: str = "cpu", threads: int = 1) -> dict[str, Any]:
+              repeats: int = 7, device: str = "cpu", threads: int = 1,
+              peers: bool = True) -> dict[str, Any]:
     """Measure resident, model-level and layerwise offload on the heavy fixture pipeline."""
     from offload_ref.fixtures.heavy import HeavyConfig, build_pipeline, make_inputs
 
@@ -131,6 +144,7 @@ def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: i
                 results[name] = entry
 
         results["enable"] = _enable_cost(pipes["resident"], platform, repeats)
+        results["enable_memcpy_ratio"] = {k: v["ratio"] for k, v in results["enable"].items()}
         lw, serial = results["layerwise"], results["layerwise_serial"]
         lw["copy_only_step_s"] = step_s["copy_only"]
         bound = max(results["resident"]["step_s"], lw["copy_only_step_s"])
@@ -139,6 +153,14 @@ def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: i
         lw["exposed_stall_per_block_s"] = max(
             0.0, (lw["step_s"] - results["resident"]["step_s"]) / blocks)
         lw["copy_gbps"] = blocks * config.block_bytes / lw["copy_only_step_s"] / 1e9
+        overhead = per_block_overhead(repeats=max(repeats, 50))
+        lw["per_block_overhead_us"] = overhead["inline"]["per_block_overhead_us"]
+        lw["per_block_overhead_cpu_us"] = overhead["inline"]["per_block_overhead_cpu_us"]
+        lw["per_block_overhead_cpu_platform_us"] = overhead["cpu"]["per_block_overhead_us"]
+        lw["per_block_overhead_cpu_platform_cpu_us"] = \
+            overhead["cpu"]["per_block_overhead_cpu_us"]
+        if peers:
+            results["peers"] = run_peers(repeats=max(repeats, 50))
         return results
     finally:
         for backend in backends:
@@ -217,6 +239,11 @@ def format_table(results: dict[str, Any]) -> str:
         *(f"enable {name}: {e['enable_s'] * 1e3:.1f} ms for {e['host_bytes'] / 2**20:.1f} MiB of "
           f"host masters = {e['ratio']:.1f} x one memcpy of those bytes "
           f"({e['memcpy_s'] * 1e3:.1f} ms)" for name, e in results["enable"].items()),
+        f"per-block host overhead, 64 tiny blocks (Note [Per-block overhead]): inline-stream "
+        f"platform {lw['per_block_overhead_us']:.1f} µs wall / "
+        f"{lw['per_block_overhead_cpu_us']:.1f} µs thread CPU; CPU platform "
+        f"{lw['per_block_overhead_cpu_platform_us']:.1f} µs wall / "
+        f"{lw['per_block_overhead_cpu_platform_cpu_us']:.1f} µs thread CPU",
         f"two-thread parallel speedup of this machine: "
         f"{results['machine']['parallel_speedup_2_threads']:.2f} (2.0 = two real cores)",
     ]
@@ -233,11 +260,310 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--peers", action="store_true",
+                   help="only the side-by-side table: offload-ref layerwise vs diffusers group "
+                        "offloading and accelerate cpu_offload hooks (per-block overhead, step)")
+    p.add_argument("--growth", action="store_true",
+                   help="only the growth table: enable time and per-block overhead at 8, 64, "
+                        "512 blocks and 10^3, 10^5 tensors, with fitted exponents")
     p.set_defaults(func=_cmd_bench)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.peers or args.growth:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            out: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "torch_threads": 1,
+                                               "torch": torch.__version__}}
+            text = []
+            if args.peers:
+                out["peers"] = run_peers(repeats=max(args.repeats, 50))
+                text.append(format_peers(out["peers"]))
+            if args.growth:
+                out["growth"] = run_growth(repeats=args.repeats)
+                text.append(format_growth(out["growth"]))
+        finally:
+            torch.set_num_threads(previous)
+        print(json.dumps(out, indent=2) if args.json else "\n\n".join(text))
+        return 0
     results = run_bench(hidden=args.hidden, blocks=args.blocks, tokens=args.tokens,
                         steps=args.steps, repeats=args.repeats, device=args.device)
-    print(json.dumps(results, indent=2) if args.json else format_table(results))
+    text = format_table(results)
+    if "peers" in results:
+        text += "\n\n" + format_peers(results["peers"])
+    print(json.dumps(results, indent=2) if args.json else text)
     return 0
+
+
+# -- per-block host overhead, peers, growth (issue 12) -------------------------------------------
+
+def _interleaved_cpu(fns: dict[str, Callable[[], Any]], repeats: int,
+                     sync: Callable[[], None]) -> tuple[dict[str, float], dict[str, float]]:
+    """Like :func:`_interleaved`, returning medians of wall seconds and of this thread's CPU
+    seconds per call (the CPU time of the calling thread does not count the time the machine
+    gave to other processes, so it is the steadier figure on a loaded machine)."""
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+        fn()
+        sync()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            c, start = time.thread_time(), time.perf_counter()
+            fn()
+            sync()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.thread_time() - c)
+    return ({n: statistics.median(v) for n, v in wall.items()},
+            {n: statistics.median(v) for n, v in cpu.items()})
+
+
+def _many_blocks(blocks: int, tensors_per_block: int = 1) -> Any:
+    from offload_ref.fixtures.many_blocks import build_pipeline
+
+    return build_pipeline(0, blocks, tensors_per_block=tensors_per_block)
+
+
+def _overhead_row(variants: dict[str, Callable[[], Any]], blocks: int, repeats: int,
+                  sync: Callable[[], None]) -> dict[str, dict[str, float]]:
+    """Step time and (step - resident step) / blocks of every variant, in one interleaved run.
+    ``variants`` must contain ``"resident"``."""
+    wall, cpu = _interleaved_cpu(variants, repeats, sync)
+    out = {}
+    for name in variants:
+        out[name] = {
+            "step_s": wall[name],
+            "per_block_overhead_us": (wall[name] - wall["resident"]) / blocks * 1e6,
+            "step_cpu_s": cpu[name],
+            "per_block_overhead_cpu_us": (cpu[name] - cpu["resident"]) / blocks * 1e6,
+        }
+    return out
+
+
+def per_block_overhead(*, blocks: int = 64, tensors_per_block: int = 1, repeats: int = 30,
+                       ) -> dict[str, dict[str, float]]:
+    """Layerwise host overhead per block on a DiT of many tiny blocks (Note [Per-block
+    overhead]): on the inline-stream platform (the ring's own Python work) and on the CPU
+    platform (with its copy worker, stream-order checker on, race amplifier off)."""
+    from offload_ref.fixtures.many_blocks import make_input
+
+    from .platform.inline import InlinePlatform
+
+    x = make_input(0)
+    pipes = {name: _many_blocks(blocks, tensors_per_block)
+             for name in ("resident", "inline", "cpu")}
+    platforms = {"inline": InlinePlatform(), "cpu": CpuPlatform()}
+    backends = []
+    try:
+        for name, platform in platforms.items():
+            backend = LayerWiseOffloadBackend(
+                OffloadConfig(strategy=OffloadStrategy.LAYER_WISE), platform)
+            backend.enable(pipes[name])
+            backends.append(backend)
+
+        def sync() -> None:
+            for platform in platforms.values():
+                platform.synchronize()
+
+        with torch.inference_mode():
+            fns = {name: (lambda p=p: p.transformer(x)) for name, p in pipes.items()}
+            return _overhead_row(fns, blocks, repeats, sync)
+    finally:
+        for backend in backends:
+            backend.disable()
+        for platform in platforms.values():
+            platform.close()
+
+
+def _peer_skip() -> dict[str, str]:
+    """Peers that cannot run here, with the reason."""
+    reasons = {}
+    try:
+        from diffusers.hooks import apply_group_offloading  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure is a reason to skip
+        reasons["diffusers_group_offload"] = f"diffusers not importable: {exc}"
+    try:
+        from accelerate import cpu_offload  # noqa: F401
+    except Exception as exc:  # noqa: BLE001
+        reasons["accelerate_cpu_offload"] = f"accelerate not importable: {exc}"
+    return reasons
+
+
+def _apply_peer(name: str, module: torch.nn.Module) -> None:
+    cpu = torch.device("cpu")
+    if name == "diffusers_group_offload":
+        from diffusers.hooks import apply_group_offloading
+
+        apply_group_offloading(module, onload_device=cpu, offload_device=cpu,
+                               offload_type="block_level", num_blocks_per_group=1)
+    else:
+        from accelerate import cpu_offload
+
+        cpu_offload(module, execution_device=cpu)
+
+
+def run_peers(*, blocks: int = 64, hidden: int = 512, heavy_blocks: int = 8, tokens: int = 32,
+              repeats: int = 30) -> list[dict[str, Any]]:
+    """Side by side, one interleaved run per model: offload-ref layerwise (inline and CPU
+    platform), diffusers ``apply_group_offloading(block_level, num_blocks_per_group=1)`` and
+    accelerate ``cpu_offload`` on the same model, weights and inputs.  Both peers onload to the
+    CPU, so what they cost over the resident model is exactly their host overhead."""
+    from offload_ref.fixtures.heavy import HeavyConfig
+    from offload_ref.fixtures.heavy import build_pipeline as build_heavy
+    from offload_ref.fixtures.many_blocks import make_input
+
+    from .platform.inline import InlinePlatform
+
+    skip = _peer_skip()
+    peers = [p for p in ("diffusers_group_offload", "accelerate_cpu_offload") if p not in skip]
+    heavy = HeavyConfig(hidden=hidden, blocks=heavy_blocks, tokens=tokens)
+    x_small = make_input(0)
+    x_heavy = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([0.5])
+    context = torch.zeros(1, hidden)
+    models = {
+        "many_blocks": (lambda: _many_blocks(blocks), blocks,
+                        lambda p: p.transformer(x_small)),
+        "heavy": (lambda: build_heavy(0, heavy), heavy_blocks,
+                  lambda p: p.transformer(x_heavy, t, context)),
+    }
+    rows: dict[str, dict[str, Any]] = {}
+    for model, (build, n, call) in models.items():
+        pipes = {name: build() for name in ("resident", "layerwise_inline", "layerwise_cpu",
+                                            *peers)}
+        platforms = {"layerwise_inline": InlinePlatform(), "layerwise_cpu": CpuPlatform()}
+        backends = []
+        try:
+            for name, platform in platforms.items():
+                backend = LayerWiseOffloadBackend(
+                    OffloadConfig(strategy=OffloadStrategy.LAYER_WISE), platform)
+                backend.enable(pipes[name])
+                backends.append(backend)
+            for name in list(peers):
+                try:
+                    _apply_peer(name, pipes[name].transformer)
+                except Exception as exc:  # noqa: BLE001 - another version's API: say so, go on
+                    skip[name] = f"applying it failed: {type(exc).__name__}: {exc}"
+                    peers.remove(name)
+                    del pipes[name]
+
+            def sync() -> None:
+                for platform in platforms.values():
+                    platform.synchronize()
+
+            with torch.inference_mode():
+                reference = call(pipes["resident"])
+                exact = {name: bool(torch.equal(call(p), reference)) for name, p in pipes.items()}
+                fns = {name: (lambda p=p: call(p)) for name, p in pipes.items()}
+                measured = _overhead_row(fns, n, repeats, sync)
+        finally:
+            for backend in backends:
+                backend.disable()
+            for platform in platforms.values():
+                platform.close()
+        for name, m in measured.items():
+            row = rows.setdefault(name, {"name": name})
+            row[model] = {**m, "bitwise_equal_to_resident": exact[name], "blocks": n}
+    out = list(rows.values())
+    for name, reason in skip.items():
+        if name not in rows:
+            out.append({"name": name, "skipped": reason})
+    return out
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares exponent b of y = a x^b."""
+    import math
+
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(max(y, 1e-12)) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return (sum((a - mx) * (b - my) for a, b in zip(lx, ly))
+            / sum((a - mx) ** 2 for a in lx))
+
+
+def _enable_time(build: Callable[[], Any], repeats: int) -> tuple[float, int]:
+    pipe = build()
+    platform = CpuPlatform()
+    backend = LayerWiseOffloadBackend(OffloadConfig(strategy=OffloadStrategy.LAYER_WISE),
+                                      platform)
+    times = []
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            backend.enable(pipe)
+            platform.synchronize()
+            times.append(time.perf_counter() - start)
+            backend.disable()
+    finally:
+        platform.close()
+    return statistics.median(times), sum(1 for _ in pipe.state_dict().values())
+
+
+def run_growth(*, block_counts: tuple[int, ...] = (8, 64, 512),
+               tensor_counts: tuple[int, ...] = (1_000, 100_000), tensor_blocks: int = 64,
+               repeats: int = 7) -> dict[str, Any]:
+    """Enable time and per-block overhead against the number of blocks and of tensors, with
+    the fitted exponent of each (1.0: linear)."""
+    by_blocks = []
+    for n in block_counts:
+        enable_s, tensors = _enable_time(lambda n=n: _many_blocks(n), repeats)
+        overhead = per_block_overhead(blocks=n, repeats=max(5, repeats))
+        by_blocks.append({"blocks": n, "tensors": tensors, "enable_s": enable_s,
+                          "per_block_overhead_us": overhead["inline"]["per_block_overhead_us"],
+                          "per_block_overhead_cpu_us":
+                              overhead["inline"]["per_block_overhead_cpu_us"],
+                          "per_block_overhead_cpu_platform_us":
+                              overhead["cpu"]["per_block_overhead_us"]})
+    by_tensors = []
+    for count in tensor_counts:
+        per_block = max(2, round(count / tensor_blocks))  # a Linear's 2 plus extra buffers
+        enable_s, tensors = _enable_time(
+            lambda p=per_block: _many_blocks(tensor_blocks, p - 1), max(3, repeats // 2))
+        overhead = per_block_overhead(blocks=tensor_blocks, tensors_per_block=per_block - 1,
+                                      repeats=max(5, repeats))
+        by_tensors.append({"blocks": tensor_blocks, "tensors": tensors, "enable_s": enable_s,
+                           "per_block_overhead_us": overhead["inline"]["per_block_overhead_us"],
+                           "per_block_overhead_cpu_us":
+                               overhead["inline"]["per_block_overhead_cpu_us"]})
+    exponents = {
+        "enable_vs_blocks": _slope([r["blocks"] for r in by_blocks],
+                                   [r["enable_s"] for r in by_blocks]),
+        "step_overhead_vs_blocks": _slope(
+            [r["blocks"] for r in by_blocks],
+            [r["per_block_overhead_cpu_us"] * r["blocks"] for r in by_blocks]),
+        "enable_vs_tensors": _slope([r["tensors"] for r in by_tensors],
+                                    [r["enable_s"] for r in by_tensors]),
+        "per_block_overhead_vs_tensors": _slope(
+            [r["tensors"] for r in by_tensors],
+            [max(r["per_block_overhead_cpu_us"], 1e-3) for r in by_tensors]),
+    }
+    return {"by_blocks": by_blocks, "by_tensors": by_tensors, "exponents": exponents}
+
+
+def format_peers(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'variant':<26} {'µs/block (wall)':>16} {'µs/block (cpu)':>15} "
+             f"{'many-blocks step ms':>20} {'heavy step ms':>14} {'heavy µs/block':>15} exact"]
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"{row['name']:<26} skipped: {row['skipped']}")
+            continue
+        m, h = row["many_blocks"], row["heavy"]
+        exact = m["bitwise_equal_to_resident"] and h["bitwise_equal_to_resident"]
+        lines.append(f"{row['name']:<26} {m['per_block_overhead_us']:16.1f} "
+                     f"{m['per_block_overhead_cpu_us']:15.1f} {m['step_s'] * 1e3:20.3f} "
+                     f"{h['step_s'] * 1e3:14.2f} {h['per_block_overhead_us']:15.1f} {exact}")
+    return "\n".join(lines)
+
+
+def format_growth(growth: dict[str, Any]) -> str:
+    lines = [f"{'blocks':>7} {'tensors':>8} {'enable ms':>10} {'µs/block inline wall':>21} "
+             f"{'µs/block inline cpu':>20}"]
+    for r in [*growth["by_blocks"], *growth["by_tensors"]]:
+        lines.append(f"{r['blocks']:>7} {r['tensors']:>8} {r['enable_s'] * 1e3:10.1f} "
+                     f"{r['per_block_overhead_us']:21.1f} {r['per_block_overhead_cpu_us']:20.1f}")
+    lines.append("exponents: " + ", ".join(f"{k} {v:.2f}"
+                                           for k, v in growth["exponents"].items()))
+    return "\n".join(lines)

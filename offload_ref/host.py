@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -62,14 +63,18 @@ ALLOCATOR_ALIGNMENT = 64
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
     """Identity of the storage a tensor views (device + base pointer)."""
-    return (str(t.device), t.untyped_storage().data_ptr())
+    # ``is_cpu`` first: formatting ``t.device`` dominated enable's per-tensor cost.
+    return ("cpu" if t.is_cpu else str(t.device), t.untyped_storage().data_ptr())
 
 
 def tensor_extent(t: torch.Tensor) -> tuple[int, int]:
     """``[lo, hi)``: the elements of its storage that ``t`` can touch."""
     lo = t.storage_offset()
-    if t.numel() == 0:
+    numel = t.numel()
+    if numel == 0:
         return lo, lo
+    if t.is_contiguous():  # the sum below, without a Python loop over the dimensions
+        return lo, lo + numel
     return lo, lo + 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
@@ -206,17 +211,17 @@ class Layout:
                     name, seg_index, tuple(t.shape), tuple(t.stride()), offset + local)
         self.records: tuple[TensorRecord, ...] = tuple(r for r in records if r is not None)
 
-    @property
+    @cached_property  # segments are fixed at construction; read on every fill
     def nbytes(self) -> int:
         """Bytes of the flat buffers, alignment padding included."""
         return sum(n * _element_size(d) for d, n in self.numel.items())
 
-    @property
+    @cached_property  # segments are fixed at construction; read on every fill
     def weight_bytes(self) -> int:
         """Bytes of the segments themselves (what the tensors touch), padding excluded."""
         return sum(s.numel * _element_size(s.dtype) for s in self.segments)
 
-    @property
+    @cached_property
     def padding_bytes(self) -> int:
         return self.nbytes - self.weight_bytes
 
@@ -237,7 +242,7 @@ class Layout:
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize  # no allocation: this runs on every fill (count_fill)
 
 
 class HostMaster:

@@ -557,3 +557,27 @@ def test_get_platform_cuda_without_cuda_raises(device: object) -> None:
 def test_get_platform_rejects_unknown_devices(device: str) -> None:
     with pytest.raises(ValueError, match=r'accepted: "cpu", "cuda", "cuda:N"'):
         get_platform(device)
+
+
+def test_batched_issue_never_stalls_a_wait_inside_the_stream_block() -> None:
+    """Note [Batched issue]: work issued inside a ``platform.stream(s)`` block is queued when the
+    block exits, or earlier when anyone waits, polls or synchronizes: never a deadlock."""
+    with CpuPlatform() as platform:
+        stream = platform.Stream()
+        src = torch.arange(16.0)
+        dst = platform.empty(16, torch.float32)
+        with platform.stream(stream):
+            platform.copy_(dst, src)
+            event = platform.Event()
+            event.record(stream)
+            event.synchronize()  # a host wait inside the block: the batch is flushed first
+            assert event.query()
+            platform.copy_(dst, src * 2)
+            deadline = time.monotonic() + 5.0
+            while not stream.query():  # a poll inside the block gets the work under way
+                assert time.monotonic() < deadline, "queued work never started"
+                time.sleep(0.001)
+            platform.copy_(dst, src * 3)
+            platform.synchronize()
+        assert torch.equal(dst, src * 3)
+        platform.free(dst)

@@ -41,7 +41,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from types import FrameType
+from types import CodeType, FrameType
 
 import torch
 from torch import nn
@@ -73,14 +73,32 @@ class OffloadWeightEditError(RuntimeError):
 _CALL_CODES = {nn.Module._call_impl.__code__}
 
 
+# The caller's code -> how many frames above it torch's nn.Module call sits.  A hook is always
+# reached through the same torch frames, so after its first call one ``sys._getframe(depth)``
+# (which materializes one frame object, where walking ``f_back`` materializes every frame on the
+# way) finds the call; a frame there that is not an nn.Module call falls back to the walk.
+_CALL_DEPTH: dict[CodeType, int] = {}
+
+
 def call_frame() -> FrameType | None:
     """The frame of the ``nn.Module`` call whose hooks are running the caller (None if torch's
     call path is not recognised: such entries are then never considered stale)."""
-    frame = sys._getframe(1)
-    for _ in range(12):
+    caller = sys._getframe(1)
+    code = caller.f_code
+    depth = _CALL_DEPTH.get(code)
+    if depth is not None:
+        try:
+            frame = sys._getframe(depth + 1)
+        except ValueError:  # a shallower stack than last time
+            frame = None
+        if frame is not None and frame.f_code in _CALL_CODES:
+            return frame
+    frame = caller
+    for d in range(12):
         if frame is None:
             return None
         if frame.f_code in _CALL_CODES:
+            _CALL_DEPTH[code] = d
             return frame
         frame = frame.f_back
     return None

@@ -24,6 +24,12 @@ from .transaction import Transaction, rebind_restored
 
 __all__ = ["LayerWiseOffloadBackend", "LayerwiseOffloadHook"]
 
+# Note [Hooks leave inference mode], at the cost of the C++ guard alone: torch.inference_mode's
+# Python wrapper costs several times more, twice per block.
+_leave_inference_mode: Any = getattr(torch._C, "_InferenceMode", None)
+if _leave_inference_mode is None:  # pragma: no cover - older or newer torch
+    _leave_inference_mode = torch.inference_mode
+
 
 class LayerwiseOffloadHook(ModelHook):
     """Thin callbacks from one block into its ring, inside the backend's call guard (Note [One
@@ -58,7 +64,7 @@ class LayerwiseOffloadHook(ModelHook):
                     "Edit weights inside `with backend.edit_weights(): ...` so the backend re-reads "
                     "them (disable() keeps an edit made while the block was on the device)"
                 )
-            with torch.inference_mode(False):
+            with _leave_inference_mode(False):
                 self.ring.before(self.index, frame)
             self._span = _spans.enter("block", "ring=%s block=%d slot=%s", self.ring.label,
                                       self.index, self.ring.slot_of[self.index])
@@ -74,7 +80,7 @@ class LayerwiseOffloadHook(ModelHook):
         try:
             _spans.exit(self._span)
             self._span = None
-            with torch.inference_mode(False):
+            with _leave_inference_mode(False):
                 self.ring.after(self.index)
         finally:
             self.guard.exit(frame)
@@ -95,9 +101,10 @@ class LayerwisePartHook(ModelHook):
         self.ring = block_hook.ring
         self.index = block_hook.index
         self.path = path
-        #: frames of the calls this hook let run outside the block (post_forward closes them;
-        #: a call inside the block's own forward is never here)
-        self._outside: list[Any] = []
+        # Calls of this part that ``before_part`` let run and whose post-hook has not run yet
+        # (an interrupted one stays counted: its post-hooks then take the full path, as before).
+        # Zero in the steady state, so the in-block post-hook returns at once.
+        self._outside = 0
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.ring.is_running(self.index):  # the block's own forward (the steady state)
@@ -106,6 +113,7 @@ class LayerwisePartHook(ModelHook):
         block = self.block_hook
         if not block.guard.enter(self.path, frame):
             return None
+        self._outside += 1
         try:
             refuse_autograd(block.path, block.names, self.ring.groups[self.index].tensors)
             edited = block.edited()
@@ -114,26 +122,23 @@ class LayerwisePartHook(ModelHook):
                     f"{edited[0]} (and {len(edited) - 1} more of {block.path}) was edited in "
                     "place while its block streams; edit weights inside "
                     "`with backend.edit_weights(): ...`")
-            with torch.inference_mode(False):
+            with _leave_inference_mode(False):
                 self.ring.before_part(self.index, frame)
         except BaseException:
+            self._outside -= 1
             block.guard.exit(frame)
             raise
-        self._outside.append(frame)
         return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not self._outside:
-            return None  # inside the block's forward: the block's own hooks handle it
+        if not self._outside or not self.ring.is_running(self.index):
+            return None  # no outside call of this part is pending (the in-block steady state)
         frame = call_frame()
-        if self._outside[-1] is not frame:
-            return None
-        self._outside.pop()
-        if not self.ring.is_running(self.index):
-            self.block_hook.guard.exit(frame)
-            return None
+        if not self.block_hook.guard.holds(frame):
+            return None  # inside the block's forward: the block's own hooks handle it
+        self._outside -= 1
         try:
-            with torch.inference_mode(False):
+            with _leave_inference_mode(False):
                 self.ring.after_part(self.index)
         finally:
             self.block_hook.guard.exit(frame)

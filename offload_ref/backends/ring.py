@@ -76,7 +76,7 @@ _NUM_SLOTS = 2
 
 
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 class _Placeholders:
@@ -271,14 +271,22 @@ class BlockRing:
             ]
             for slab in self.slots
         ]
+        self._views = [[group.layout.views(flats) for group, flats in zip(self.groups, per_slot)]
+                       for per_slot in self._flats]
+        self._placeholder_cache: list[list[torch.Tensor] | None] = [None] * len(self.groups)
 
     def _slot_views(self, k: int, s: int) -> list[torch.Tensor]:
-        return self.groups[k].layout.views(self._slot_flats(k, s))
+        # Built once at enable (_build_flats), like the flats: a rebind creates no tensor.
+        return self._views[s][k]
 
     def _placeholder_views(self, k: int) -> list[torch.Tensor]:
-        layout = self.groups[k].layout
-        return [self.placeholders.like(r.shape, layout.segments[r.segment].dtype)
+        views = self._placeholder_cache[k]
+        if views is None:
+            layout = self.groups[k].layout
+            views = self._placeholder_cache[k] = [
+                self.placeholders.like(r.shape, layout.segments[r.segment].dtype)
                 for r in layout.records]
+        return views
 
     def _rebind(self, k: int, views: Sequence[torch.Tensor]) -> None:
         for t, v in zip(self.groups[k].tensors, views):
@@ -346,7 +354,7 @@ class BlockRing:
                 self.stats.sync_recoveries += 1
         self._wait_ready(s)
         self.platform.record_use(self.slots[s])
-        busy = {self.slot_of[r] for r, _ in self._running}
+        busy = {self.slot_of[r] for r, _ in self._running} if self._running else ()
         self._running.append((k, frame if frame is not None else call_frame()))
         if self.prefetch_enabled and (1 - s) not in busy:
             q = self.order.predict(k)
@@ -516,6 +524,8 @@ class BlockRing:
             self.platform.free(slot)
         self.slots = []
         self._flats = []
+        self._views = []
+        self._placeholder_cache = []
         self._running = []  # drops the frames of interrupted blocks
         for g in self.groups:
             self.transport.release(g, self.platform)

@@ -13,11 +13,13 @@ import torch
 
 from offload_ref.platform.base import Event, Platform, Stream, StreamOrderError
 from offload_ref.platform.cpu import CpuPlatform
+from offload_ref.platform.inline import InlinePlatform
 from offload_ref.platform.cuda import CudaPlatform
 
 __all__ = [
     "CpuPlatform",
     "CudaPlatform",
+    "InlinePlatform",
     "Event",
     "Platform",
     "Stream",
