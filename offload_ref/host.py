@@ -106,8 +106,15 @@ def padded_span_bytes(tensors: Iterable[torch.Tensor], alignment: int) -> int:
         if not t.numel():
             continue
         lo, hi = tensor_extent(t)
-        span = spans.setdefault(storage_key(t), [lo, hi, t.element_size()])
-        span[0], span[1] = min(span[0], lo), max(span[1], hi)
+        key = storage_key(t)
+        span = spans.get(key)
+        if span is None:
+            spans[key] = [lo, hi, t.element_size()]
+            continue
+        if lo < span[0]:
+            span[0] = lo
+        if hi > span[1]:
+            span[1] = hi
     total = 0
     for (_, ptr), (lo, hi, size) in spans.items():
         total += region_bytes(_storage_phase(ptr, lo * size, alignment), (hi - lo) * size,

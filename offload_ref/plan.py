@@ -351,10 +351,12 @@ def _predict(plan: ResolvedOffloadPlan) -> int:
     held = _tensors(*(c.module for c in placed))
     held_ids = {id(t) for t in held}
     rings = [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
-    per_block = [[_span_bytes(_streamed_tensors(s, k), a) for k in range(len(s.streamed_blocks))]
-                 for s in rings]
-    streamed = _span_bytes([t for s in rings for k in range(len(s.streamed_blocks))
-                            for t in _streamed_tensors(s, k) if id(t) in held_ids], a)
+    # One walk per block: its streamed tensors serve both its slot size and the streamed total.
+    block_tensors = [[_streamed_tensors(s, k) for k in range(len(s.streamed_blocks))]
+                     for s in rings]
+    per_block = [[_span_bytes(ts, a) for ts in blocks] for blocks in block_tensors]
+    streamed = _span_bytes([t for blocks in block_tensors for ts in blocks for t in ts
+                            if id(t) in held_ids], a)
     return (plan.other_state_bytes + _span_bytes(held, a) - streamed
             + sum(2 * _slot_bytes(max(sizes), s.transfer, plan.world_size, a)
                   for s, sizes in zip(rings, per_block)))
@@ -1191,7 +1193,11 @@ def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent],
     if not isinstance(pipeline, nn.Module):
         return 0
     mine = _tensors(*(c.module for c in components))
-    everything = _tensors(pipeline, *(c.module for c in components))
+    # The same distinct tensors as _tensors(pipeline, *modules), without walking the components
+    # twice (a span total does not depend on the order).
+    seen = {id(t) for t in mine}
+    everything = list(mine)
+    everything += [t for t in _tensors(pipeline) if id(t) not in seen]
     return _span_bytes(everything, alignment) - _span_bytes(mine, alignment)
 
 
