@@ -63,6 +63,7 @@ _PREVIOUS_THREADS = pytest.StashKey[int]()
 _ROWS = pytest.StashKey[list]()
 _CUDA = pytest.StashKey[dict]()
 _CASE_PROPERTY = "offload_ref_case"
+_CUDA_PROPERTY = "offload_ref_cuda"
 #: the session's config, for the report hooks that pytest calls without one
 _CONFIG: list[pytest.Config] = []
 
@@ -79,6 +80,11 @@ def pytest_configure(config: pytest.Config) -> None:
             strategy_names(strategies, "--offload-ref-strategy")
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
+    if (config.getoption("--offload-ref-require-cuda") and not hasattr(config, "workerinput")
+            and not _cuda_available()):
+        raise pytest.UsageError(
+            "--offload-ref-require-cuda: no CUDA device is available (torch.cuda.is_available() "
+            "is False); run on a machine with an NVIDIA GPU and a CUDA build of torch")
     if config.getoption("--offload-ref-threads") < 0:
         raise pytest.UsageError("--offload-ref-threads: expected N >= 0 (0: leave torch alone)")
 
@@ -102,10 +108,13 @@ def _cuda_available() -> bool:
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
-    """Tag kit cases for the summary matrix, and watch the tests marked ``cuda``."""
+    """Tag kit cases for the summary matrix, and tests marked ``cuda`` for the summary's note
+    (both travel in ``user_properties``, to the controller under pytest-xdist)."""
     import json
 
     for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.user_properties.append((_CUDA_PROPERTY, "1"))
         params = getattr(getattr(item, "callspec", None), "params", {})
         for value in params.values():
             fields = getattr(value, "report_fields", None)
@@ -114,15 +123,6 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
                     value.nodeid = item.nodeid
                 item.user_properties.append((_CASE_PROPERTY, json.dumps(fields())))
                 break
-    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
-    if cuda_items or config.getoption("--offload-ref-require-cuda"):
-        available = _cuda_available()
-        config.stash[_CUDA] = {"selected": len(cuda_items), "available": available, "ran": 0}
-        if config.getoption("--offload-ref-require-cuda") and not available:
-            raise pytest.UsageError(
-                f"--offload-ref-require-cuda: no CUDA device is available "
-                f"(torch.cuda.is_available() is False) and {len(cuda_items)} selected test(s) "
-                f"are marked cuda; run on a machine with an NVIDIA GPU and a CUDA build of torch")
 
 
 def _row(report: pytest.TestReport) -> dict | None:
@@ -159,10 +159,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if config is None or hasattr(config, "workerinput"):
         return
     final = report.when == "call" or (report.when == "setup" and not report.passed)
+    if report.when in ("setup", "call") and any(k == _CUDA_PROPERTY
+                                                 for k, _ in report.user_properties):
+        # counted where the reports arrive (the controller under pytest-xdist, whose workers
+        # collect the items): a test is selected at its setup, and ran when it has a call phase
+        cuda = config.stash.setdefault(_CUDA, {"selected": 0, "ran": 0})
+        cuda["selected" if report.when == "setup" else "ran"] += 1
     if final:
-        if config.stash.get(_CUDA, None) is not None and "cuda" in report.keywords and (
-                report.when == "call"):
-            config.stash[_CUDA]["ran"] += 1
         row = _row(report)
         if row is not None:
             config.stash.setdefault(_ROWS, []).append(row)
@@ -183,7 +186,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     cuda = config.stash.get(_CUDA, None)
     if cuda and cuda["selected"] and not cuda["ran"]:
         why = ("no CUDA device is available (torch.cuda.is_available() is False)"
-               if not cuda["available"] else "every one was skipped or deselected")
+               if not _cuda_available() else "every one was skipped")
         terminalreporter.write_sep("=", "offload-ref: CUDA", yellow=True, bold=True)
         terminalreporter.write_line(
             f"{cuda['selected']} test(s) marked cuda were selected and none ran: {why}. "
@@ -193,7 +196,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     cuda = session.config.stash.get(_CUDA, None)
-    if (cuda and session.config.getoption("--offload-ref-require-cuda") and not cuda["ran"]
+    if (session.config.getoption("--offload-ref-require-cuda") and not (cuda and cuda["ran"])
             and not hasattr(session.config, "workerinput")):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     _restore_threads(session)

@@ -222,11 +222,13 @@ def test_plugin_cuda_selection_without_a_gpu_says_nothing_ran(pytester) -> None:
         def test_on_cpu():
             pass
     ''')
-    result = pytester.runpytest("-p", "no:cacheprovider", "-m", "cuda")
-    result.assert_outcomes(skipped=1, deselected=1)
-    assert result.ret == 0
-    result.stdout.fnmatch_lines(["*1 test(s) marked cuda were selected and none ran: no CUDA "
-                                 "device is available*"])
+    for workers in ([], ["-n", "2"]):  # under xdist the controller sees only the reports
+        result = (pytester.runpytest_subprocess if workers else pytester.runpytest)(
+            "-p", "no:cacheprovider", "-m", "cuda", *workers)
+        result.assert_outcomes(skipped=1, deselected=None if workers else 1)
+        assert result.ret == 0
+        result.stdout.fnmatch_lines(["*1 test(s) marked cuda were selected and none ran: no "
+                                     "CUDA device is available*"])
     strict = pytester.runpytest("-p", "no:cacheprovider", "-m", "cuda",
                                 "--offload-ref-require-cuda")
     assert strict.ret == pytest.ExitCode.USAGE_ERROR
