@@ -173,8 +173,14 @@ def check(
         name = func.__name__
         if not name.startswith("check_"):
             raise ValueError(f"check ids start with 'check_': {name}")
-        if name in CATALOGUE:
-            raise ValueError(f"duplicate check id {name}")
+        known = CATALOGUE.get(name)
+        # The same function registered again is its module imported anew (pytester restores
+        # sys.modules between in-process runs, importlib.reload): it replaces the old entry.
+        # Another function under a taken id is a real clash.
+        if known is not None and (known.func.__module__, known.func.__qualname__) != (
+                func.__module__, func.__qualname__):
+            raise ValueError(f"duplicate check id {name}: {func.__module__}.{func.__qualname__} "
+                             f"and {known.func.__module__}.{known.func.__qualname__}")
         doc = (func.__doc__ or "").strip().splitlines()
         CATALOGUE[name] = CheckInfo(name, func, section, scope, tuple(strategies), applies,
                                     doc[0] if doc else "", needs)
