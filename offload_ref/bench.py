@@ -342,6 +342,17 @@ def _overhead_row(variants: dict[str, Callable[[], Any]], blocks: int, repeats: 
     return out
 
 
+def _enable_layerwise(pipes: dict[str, Any], platforms: dict[str, Any], backends: list[Any]
+                      ) -> None:
+    """Enable layerwise on ``pipes[name]`` for each platform, appending each backend to
+    ``backends`` as it is enabled (so the caller disables those that were, on any failure)."""
+    for name, platform in platforms.items():
+        backend = LayerWiseOffloadBackend(OffloadConfig(strategy=OffloadStrategy.LAYER_WISE),
+                                          platform)
+        backend.enable(pipes[name])
+        backends.append(backend)
+
+
 def per_block_overhead(*, blocks: int = 64, tensors_per_block: int = 1, repeats: int = 30,
                        ) -> dict[str, dict[str, float]]:
     """Layerwise host overhead per block on a DiT of many tiny blocks (Note [Per-block
@@ -355,13 +366,9 @@ def per_block_overhead(*, blocks: int = 64, tensors_per_block: int = 1, repeats:
     pipes = {name: _many_blocks(blocks, tensors_per_block)
              for name in ("resident", "inline", "cpu")}
     platforms = {"inline": InlinePlatform(), "cpu": CpuPlatform()}
-    backends = []
+    backends: list[Any] = []
     try:
-        for name, platform in platforms.items():
-            backend = LayerWiseOffloadBackend(
-                OffloadConfig(strategy=OffloadStrategy.LAYER_WISE), platform)
-            backend.enable(pipes[name])
-            backends.append(backend)
+        _enable_layerwise(pipes, platforms, backends)
 
         def sync() -> None:
             for platform in platforms.values():
@@ -434,13 +441,9 @@ def run_peers(*, blocks: int = 64, hidden: int = 512, heavy_blocks: int = 8, tok
         pipes = {name: build() for name in ("resident", "layerwise_inline", "layerwise_cpu",
                                             *peers)}
         platforms = {"layerwise_inline": InlinePlatform(), "layerwise_cpu": CpuPlatform()}
-        backends = []
+        backends: list[Any] = []
         try:
-            for name, platform in platforms.items():
-                backend = LayerWiseOffloadBackend(
-                    OffloadConfig(strategy=OffloadStrategy.LAYER_WISE), platform)
-                backend.enable(pipes[name])
-                backends.append(backend)
+            _enable_layerwise(pipes, platforms, backends)
             for name in list(peers):
                 try:
                     _apply_peer(name, pipes[name].transformer)

@@ -344,16 +344,7 @@ class BlockRing:
             self._recover(k, None)  # cheap when every running block is live (nested calls)
         self._dirty = True
         self.order.observe(k)  # learn the order the caller actually runs
-        s = self.slot_of[k]
-        if s is None:  # skipped, reordered, prefetch disabled, or a deferred first load
-            s = self._recovery_slot(k)
-            self._load(k, s)
-            if self._cold:
-                self._cold = False
-            else:
-                self.stats.sync_recoveries += 1
-        self._wait_ready(s)
-        self.platform.record_use(self.slots[s])
+        s = self._materialize(k)
         busy = {self.slot_of[r] for r, _ in self._running} if self._running else ()
         self._running.append((k, frame if frame is not None else call_frame()))
         if self.prefetch_enabled and (1 - s) not in busy:
@@ -387,6 +378,14 @@ class BlockRing:
         if self._dirty or self._running:
             self._recover(None, None)  # cheap when every running block is live
         self._dirty = True
+        self._materialize(k)
+        self._running.append((k, frame if frame is not None else call_frame()))
+        self._dirty = False
+
+    def _materialize(self, k: int) -> int:
+        """Block k's slot, loaded first if the block is not in one (skipped, reordered, prefetch
+        disabled, a deferred first load, or a part called outside its block), with compute
+        ordered after its copy."""
         s = self.slot_of[k]
         if s is None:
             s = self._recovery_slot(k)
@@ -397,8 +396,7 @@ class BlockRing:
                 self.stats.sync_recoveries += 1
         self._wait_ready(s)
         self.platform.record_use(self.slots[s])
-        self._running.append((k, frame if frame is not None else call_frame()))
-        self._dirty = False
+        return s
 
     def after_part(self, k: int) -> None:
         """Post-forward of a submodule of block k that ``before_part`` let run."""
