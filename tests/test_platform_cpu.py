@@ -581,3 +581,64 @@ def test_batched_issue_never_stalls_a_wait_inside_the_stream_block() -> None:
             platform.synchronize()
         assert torch.equal(dst, src * 3)
         platform.free(dst)
+
+
+def _fill_scenario(platform: CpuPlatform, fill) -> tuple[torch.Tensor, StreamOrderError | None]:
+    """Fill a slot twice through ``fill``: the second time without the free event after
+    compute's read (a race the checker must report from the fill call itself)."""
+    copy = platform.Stream()
+    slot = platform.empty(16, torch.float32)
+    free, ready = platform.Event(), platform.Event()
+    fill(copy, free, [(slot, torch.ones(16))], ready)
+    platform.current_stream().wait_event(ready)
+    platform.record_use(slot)  # compute reads the slot, records no free event after it ...
+    error = None
+    try:
+        fill(copy, free, [(slot, torch.zeros(16))], ready)  # ... and the slot is refilled
+    except StreamOrderError as exc:
+        error = exc
+    platform.synchronize()
+    out = slot.clone()
+    free.record()  # ordered now
+    fill(copy, free, [(slot, torch.full((16,), 2.0))], ready)
+    ready.synchronize()
+    return torch.stack([out, slot.clone()]), error
+
+
+@pytest.mark.parametrize("amplifier", [False, True], ids=["plain", "amplified"])
+def test_one_call_fill_is_exactly_the_generic_fill(amplifier: bool) -> None:
+    """Note [One-call fills]: ``platform.fill`` has the values, ordering and checks of the
+    stream / wait_event / copy_ / record sequence, including the race it reports."""
+    from offload_ref.platform.base import fill_on_stream
+
+    results = []
+    for use_fill in (False, True):
+        with CpuPlatform(race_amplifier=amplifier, seed=7, max_delay_s=0.001) as platform:
+            fill = platform.fill if use_fill else (
+                lambda *a, p=platform: fill_on_stream(p, *a))
+            results.append(_fill_scenario(platform, fill))
+    (generic, generic_error), (one_call, one_call_error) = results
+    assert generic_error is not None and one_call_error is not None
+    assert str(one_call_error) == str(generic_error)
+    torch.testing.assert_close(one_call, generic, rtol=0, atol=0)
+    torch.testing.assert_close(one_call[0], torch.ones(16), rtol=0, atol=0)
+    torch.testing.assert_close(one_call[1], torch.full((16,), 2.0), rtol=0, atol=0)
+
+
+def test_one_call_fill_waits_for_the_free_event_of_another_stream() -> None:
+    """The fill's copy runs after the work its ``after`` event was recorded behind."""
+    with CpuPlatform() as platform:
+        slow, copy = platform.Stream(), platform.Stream()
+        slot = platform.empty(1 << 16, torch.float32)
+        gate, ready = platform.Event(), platform.Event()
+        release = threading.Event()
+        with platform.stream(slow):
+            platform.submit(lambda: release.wait(5.0), writes=(slot,))
+            gate.record()
+        platform.fill(copy, gate, [(slot, torch.ones(1 << 16))], ready)
+        time.sleep(0.05)
+        assert not ready.query(), "the fill ran before the event it waits for"
+        release.set()
+        ready.synchronize()
+        assert torch.equal(slot, torch.ones(1 << 16))
+        platform.free(slot)

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Event", "Platform", "Stream", "StreamOrderError", "aligned_empty"]
+__all__ = ["Event", "Platform", "Stream", "StreamOrderError", "aligned_empty", "fill_on_stream"]
 
 
 class StreamOrderError(RuntimeError):
@@ -84,6 +84,11 @@ class Platform(Protocol):
     def record_use(self, tensor: torch.Tensor) -> None:
         """Declare that work on the current stream reads device ``tensor`` (order checking)."""
 
+    # Optional: ``fill(stream, after, pairs, then)``, exactly :func:`fill_on_stream` in one call
+    # (Note [One-call fills]); the ring uses :func:`fill_on_stream` for a platform without it.
+    # Optional: ``tracks_accesses = False`` says ``record_use`` and ``discard`` do nothing, so
+    # the ring's steady state may skip calling them (a platform without it is called).
+
     # -- device storage -----------------------------------------------------------------------
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A flat device tensor of exactly ``numel`` elements whose first element is
@@ -130,3 +135,23 @@ def aligned_empty(numel: int, dtype: torch.dtype, alignment: int,
     backing = torch.empty(numel + alignment // itemsize, dtype=dtype, device=device)
     start = (-backing.data_ptr()) % alignment // itemsize
     return backing.narrow(0, start, numel)
+
+
+# Note [One-call fills]
+#     A ring fill is always the same four steps on the copy stream: wait for the slot's free
+#     event, one copy per dtype, record the slot's ready event.  Issued through the generic
+#     ``stream`` / ``wait_event`` / ``copy_`` / ``record`` calls it costs a context manager and
+#     five or six calls per block; ``platform.fill`` issues the same work in one call (the CPU
+#     platform takes its ledger lock once and queues one batch, CUDA enters the stream once).
+#     Its effect, ordering and checks are exactly those of :func:`fill_on_stream`.
+
+
+def fill_on_stream(platform: Platform, stream: Stream, after: Event,
+                   pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], then: Event) -> None:
+    """The generic fill (Note [One-call fills]): ``stream`` waits for ``after``, copies every
+    ``(dst, src)`` of ``pairs`` and records ``then``."""
+    with platform.stream(stream):
+        stream.wait_event(after)
+        for dst, src in pairs:
+            platform.copy_(dst, src)
+        then.record(stream)

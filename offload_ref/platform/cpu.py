@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from offload_ref.platform.base import StreamOrderError, aligned_empty
+from offload_ref.platform.base import StreamOrderError, aligned_empty, fill_on_stream
 
 __all__ = ["CpuPlatform"]
 
@@ -226,6 +226,16 @@ class _Worker:
                 self.batch.append((kind, payload))
             else:
                 self.queue.put((kind, payload))
+
+    def put_batch(self, items: list[tuple[str, Any]]) -> None:
+        with self.cond:
+            if self.stopping:
+                raise RuntimeError(f"CPU stream '{self.name}' is stopped (its platform was closed)")
+            self.pending += len(items)
+            if self.batch is not None:
+                self.batch.extend(items)
+            else:
+                self.queue.put(("batch", items))
 
     def begin_batch(self) -> None:
         with self.cond:
@@ -458,6 +468,7 @@ class CpuPlatform:
     name = "cpu"
     pin_memory_supported = False  # tensor.pin_memory() raises without an accelerator
     alignment = 64  # MKL picks its kernel path by alignment (Note [Aligned layout], host.py)
+    tracks_accesses = True  # record_use / discard feed the stream-order checker
 
     def __init__(
         self, *, race_amplifier: bool = False, seed: int = 0, max_delay_s: float = 0.002
@@ -608,6 +619,36 @@ class CpuPlatform:
                 stream._put("work", work)
         if work is None:
             dst.copy_(src)
+
+    def fill(self, stream: _CpuStream, after: _CpuEvent,
+             pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], then: _CpuEvent) -> None:
+        """Exactly :func:`~offload_ref.platform.base.fill_on_stream`, in one lock section and
+        one queued batch (Note [One-call fills] in base.py)."""
+        self._check_own_stream(stream)
+        self._check_own_event(after)
+        self._check_own_event(then)
+        worker = stream._worker
+        if worker is None or self.race_amplifier or worker.thread.ident == threading.get_ident():
+            fill_on_stream(self, stream, after, pairs, then)
+            return
+        for dst, src in pairs:
+            _check_copy_shapes(dst, src)
+        recording = after._recording
+        items: list[tuple[str, Any]] = []
+        with self._lock:
+            try:
+                if recording is not None:
+                    self._merge_clock(stream.sid, recording.clock)
+                    items.append(("wait", recording))
+                for dst, src in pairs:
+                    self._access(stream, "copy_", reads=(src,), writes=(dst,))
+                    items.append(("work", _plain_copy(dst, src)))
+                mark = _Recording(stream.name, self._snapshot(stream.sid))
+                then._recording = mark
+                items.append(("mark", mark))
+            finally:  # what was numbered is queued, as the one-item-at-a-time issue would
+                if items:
+                    worker.put_batch(items)
 
     def submit(self, fn: Callable[[], Any], *, reads: Sequence[torch.Tensor] = (),
                writes: Sequence[torch.Tensor] = ()) -> None:

@@ -63,6 +63,7 @@ class CudaPlatform:
     name = "cuda"
     pin_memory_supported = True
     alignment = 256  # cuBLAS(Lt)'s preferred operand alignment (Note [Aligned layout], host.py)
+    tracks_accesses = False  # record_use / discard are no-ops
 
     def __init__(self, device: str | torch.device = "cuda") -> None:
         device = torch.device(device)
@@ -134,6 +135,15 @@ class CudaPlatform:
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Asynchronous with respect to the host when the host side is pinned."""
         dst.copy_(src, non_blocking=True)
+
+    def fill(self, stream: torch.cuda.Stream, after: torch.cuda.Event,
+             pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], then: torch.cuda.Event) -> None:
+        """Note [One-call fills] (platform/base.py)."""
+        with torch.cuda.stream(stream):
+            stream.wait_event(after)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            then.record(stream)
 
     def submit(self, fn: Callable[[], Any], *, reads: Sequence[torch.Tensor] = (),
                writes: Sequence[torch.Tensor] = ()) -> None:

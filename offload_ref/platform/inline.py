@@ -78,6 +78,8 @@ class InlinePlatform(CpuPlatform):
     """CPU device storage (the ledger of :class:`CpuPlatform`) with inline streams and free
     events; see the module docstring."""
 
+    tracks_accesses = False  # record_use / discard are no-ops (nothing to check)
+
     def __init__(self) -> None:
         super().__init__(race_amplifier=False)
         self._inline_compute = _InlineStream("compute")
@@ -103,6 +105,12 @@ class InlinePlatform(CpuPlatform):
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
+
+    def fill(self, stream: Any, after: Any, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             then: Any) -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
+        then.record(stream)
 
     def submit(self, fn: Callable[[], Any], *, reads: Sequence[torch.Tensor] = (),
                writes: Sequence[torch.Tensor] = ()) -> None:
