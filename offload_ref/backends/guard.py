@@ -15,6 +15,14 @@ Note [One thread at a time]
     it; an entry whose frame is no longer on its thread's stack is stale and dropped.  Frames are
     only inspected on a conflict, so the steady state costs a lock and a list append per call.
 
+Note [Guard locking]
+    The hooks take the guard's lock (the condition's own lock, a C lock) directly: a
+    Condition's ``with`` costs two Python calls, twice per block.  A ``with`` statement runs its
+    lock's ``__exit__`` on a line of its own, the ``with`` line again, and an interrupt delivered
+    there (a tracer's line event) would skip the release.  So each locked section is one line,
+    ``with lock: return self._locked_part(...)``: the body is a call, and no line starts between
+    its return and the release.
+
 Note [Autograd]
     Streamed and swapped weights are rebound after every forward (to placeholders or host
     masters), so a backward would read other values than the forward did.  A hook that sees grad
@@ -71,6 +79,7 @@ class OffloadWeightEditError(RuntimeError):
 
 
 _CALL_CODES = {nn.Module._call_impl.__code__}
+_get_ident = threading.get_ident
 
 
 # The caller's code -> how many frames above it torch's nn.Module call sits.  A hook is always
@@ -117,7 +126,11 @@ class CallGuard:
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
-        self._cond = threading.Condition(threading.Lock())
+        # The condition's own lock, taken directly on the hooks' fast path: a Condition's
+        # ``with`` costs two Python-level calls per use, twice per block (Note [Fast path] in
+        # ring.py).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._inside: dict[int, list[tuple[str, FrameType | None]]] = {}
         self._exclusive: int | None = None  # thread holding the guard exclusively
         self._closed = False  # set by exclusive(close=True): hooks leave modules alone
@@ -128,7 +141,11 @@ class CallGuard:
         """Register a forward of ``label`` in this thread.  False: the backend is being (or was)
         disabled, leave the module alone.  Raises OffloadConcurrencyError if another thread is
         inside."""
-        me = threading.get_ident()
+        me = _get_ident()
+        # Note [Guard locking]: one line, so no line event separates the body from the release.
+        with self._lock: entered = self._enter_uncontended(me, label, frame)  # noqa: E701
+        if entered:
+            return True
         with self._cond:
             while self._exclusive is not None and self._exclusive != me:
                 self._cond.wait()
@@ -149,22 +166,43 @@ class CallGuard:
             mine.append((label, frame))
             return True
 
+    def _enter_uncontended(self, me: int, label: str, frame: FrameType | None) -> bool:
+        """The steady state of ``enter`` (nobody exclusive, nobody else inside); False: take the
+        general path.  Caller holds the lock."""
+        inside = self._inside
+        if self._exclusive is not None or self._closed or (
+                inside and (len(inside) > 1 or me not in inside)):
+            return False
+        mine = inside.get(me)
+        if mine is None:
+            inside[me] = [(label, frame)]
+        else:
+            if mine:
+                self._prune_own(mine)
+            mine.append((label, frame))
+        return True
+
     def holds(self, frame: FrameType | None) -> bool:
         """Whether this thread entered the forward running in ``frame``."""
-        mine = self._inside.get(threading.get_ident())
+        mine = self._inside.get(_get_ident())
         if not mine:
             return False
-        return frame is None or any(f is frame for _, f in mine)
+        return frame is None or mine[-1][1] is frame or any(f is frame for _, f in mine)
 
     def exit(self, frame: FrameType | None) -> bool:
         """Unregister this thread's forward that runs in ``frame``; False if it was never entered
         (the hook's ``enter`` returned False)."""
-        me = threading.get_ident()
-        with self._cond:
-            mine = self._inside.get(me)
-            if not mine:
-                return False
-            for i in range(len(mine) - 1, -1, -1):
+        me = _get_ident()
+        with self._lock: return self._exit_locked(me, frame)  # noqa: E701 (Note [Guard locking])
+
+    def _exit_locked(self, me: int, frame: FrameType | None) -> bool:
+        mine = self._inside.get(me)
+        if not mine:
+            return False
+        if mine[-1][1] is frame:  # the innermost entry: the steady state
+            del mine[-1]
+        else:
+            for i in range(len(mine) - 2, -1, -1):
                 if mine[i][1] is frame:
                     del mine[i:]
                     break
@@ -172,10 +210,12 @@ class CallGuard:
                 if frame is not None:
                     return False
                 mine.pop()
-            if not mine:
-                del self._inside[me]
+        if not mine:
+            del self._inside[me]
+            # A Condition keeps its waiters in a deque; notify_all with none is only a cost.
+            if self._exclusive is not None or getattr(self._cond, "_waiters", True):
                 self._cond.notify_all()
-            return True
+        return True
 
     # -- disable, edit_weights --------------------------------------------------------------------
 
