@@ -67,21 +67,15 @@ class HookRegistry:
                 "remove it first (each backend uses distinct hook names)"
             )
         handles = []
-        hook_ref = hook  # the closures below keep the hook alive exactly as long as the handles
+        # The bound methods themselves (no wrapper frame per call): they keep the hook alive
+        # exactly as long as the handles do.
         try:
             if _overrides(hook, "pre_forward"):
-
-                def pre(mod: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-                    return hook_ref.pre_forward(mod, args, kwargs)
-
-                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                handles.append(module.register_forward_pre_hook(hook.pre_forward,
+                                                                with_kwargs=True))
             if _overrides(hook, "post_forward"):
-
-                def post(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-                    return hook_ref.post_forward(mod, args, kwargs, output)
-
-                handles.append(
-                    module.register_forward_hook(post, with_kwargs=True, always_call=True))
+                handles.append(module.register_forward_hook(hook.post_forward, with_kwargs=True,
+                                                            always_call=True))
         except BaseException:
             for h in handles:
                 h.remove()
