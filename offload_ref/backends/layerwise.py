@@ -27,6 +27,7 @@ __all__ = ["LayerWiseOffloadBackend", "LayerwiseOffloadHook"]
 # Note [Hooks leave inference mode], at the cost of the C++ guard alone: torch.inference_mode's
 # Python wrapper costs several times more, twice per block.
 _leave_inference_mode: Any = getattr(torch._C, "_InferenceMode", None)
+_grad_enabled = torch.is_grad_enabled
 if _leave_inference_mode is None:  # pragma: no cover - older or newer torch
     _leave_inference_mode = torch.inference_mode
 
@@ -43,6 +44,7 @@ class LayerwiseOffloadHook(ModelHook):
         group = ring.groups[index]
         self.path = ring.block_paths[index]
         self.names = [r.name for r in group.layout.records]
+        self.tensors = group.tensors
         self.versions = [t._version for t in group.tensors]  # our rebinds never bump them
         self._span: Any = None  # the block's compute range (Note [Spans] in _spans.py)
 
@@ -51,44 +53,59 @@ class LayerwiseOffloadHook(ModelHook):
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         frame = call_frame()
-        if not self.guard.enter(self.path, frame):
+        guard = self.guard
+        if not guard.enter(self.path, frame):
             return None  # the backend is being disabled: leave the block alone
         try:
-            tensors = self.ring.groups[self.index].tensors
-            refuse_autograd(self.path, self.names, tensors)
-            edited = self.edited()
-            if edited:
-                raise OffloadWeightEditError(
-                    f"{edited[0]} (and {len(edited) - 1} more of {self.path}) was edited in place "
-                    "while its block streams; the ring would drop the edit at the next swap.  "
-                    "Edit weights inside `with backend.edit_weights(): ...` so the backend re-reads "
-                    "them (disable() keeps an edit made while the block was on the device)"
-                )
-            with _leave_inference_mode(False):
-                self.ring.before(self.index, frame)
-            self._span = _spans.enter("block", "ring=%s block=%d slot=%s", self.ring.label,
-                                      self.index, self.ring.slot_of[self.index])
+            if _grad_enabled():
+                refuse_autograd(self.path, self.names, self.tensors)
+            for t, v in zip(self.tensors, self.versions):
+                if t._version != v:
+                    self._refuse_edit()
+            ring = self.ring
+            if ring.creates_no_tensors:  # Note [Hooks leave inference mode]
+                ring.before(self.index, frame)
+            else:
+                with _leave_inference_mode(False):
+                    ring.before(self.index, frame)
+            if _spans.enabled():
+                self._span = _spans.enter("block", "ring=%s block=%d slot=%s", ring.label,
+                                          self.index, ring.slot_of[self.index])
         except BaseException:
-            self.guard.exit(frame)
+            guard.exit(frame)
             raise
         return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         frame = call_frame()
-        if not self.guard.holds(frame):
+        guard = self.guard
+        if not guard.holds(frame):
             return None
         try:
-            _spans.exit(self._span)
-            self._span = None
-            with _leave_inference_mode(False):
-                self.ring.after(self.index)
+            if self._span is not None:
+                _spans.exit(self._span)
+                self._span = None
+            ring = self.ring
+            if ring.creates_no_tensors:
+                ring.after(self.index)
+            else:
+                with _leave_inference_mode(False):
+                    ring.after(self.index)
         finally:
-            self.guard.exit(frame)
+            guard.exit(frame)
         return None
 
+    def _refuse_edit(self) -> None:
+        edited = self.edited()
+        raise OffloadWeightEditError(
+            f"{edited[0]} (and {len(edited) - 1} more of {self.path}) was edited in place "
+            "while its block streams; the ring would drop the edit at the next swap.  "
+            "Edit weights inside `with backend.edit_weights(): ...` so the backend re-reads "
+            "them (disable() keeps an edit made while the block was on the device)"
+        )
+
     def edited(self) -> list[str]:
-        tensors = self.ring.groups[self.index].tensors
-        return [n for n, t, v in zip(self.names, tensors, self.versions) if t._version != v]
+        return [n for n, t, v in zip(self.names, self.tensors, self.versions) if t._version != v]
 
 
 class LayerwisePartHook(ModelHook):
@@ -107,8 +124,9 @@ class LayerwisePartHook(ModelHook):
         self._outside = 0
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.ring.is_running(self.index):  # the block's own forward (the steady state)
-            return None
+        running = self.ring._running
+        if running and running[-1][0] == self.index or self.ring.is_running(self.index):
+            return None  # the block's own forward (the steady state)
         frame = call_frame()
         block = self.block_hook
         if not block.guard.enter(self.path, frame):

@@ -51,6 +51,7 @@ Note [Transports]
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from types import FrameType
@@ -58,12 +59,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import profiler as _profiler
 
 from .. import _spans
 from ..discovery import get_submodule_path
 from ..host import storage_key
 from ..plan import BlockStack
 from ..platform import Platform
+from ..platform.base import fill_on_stream
 from .groups import TensorGroup, restore_group
 from .guard import call_frame
 from .stats import OffloadStats
@@ -201,6 +204,13 @@ class BlockRing:
         self._running: list[tuple[int, FrameType | None]] = []
         self._dirty = False  # hook work in progress, or interrupted (Note [Interrupted blocks])
         self._cold = False  # block 0 not loaded yet: its first load is no recovery
+        # Note [Fast path]: one platform call per fill, and no calls that do nothing.
+        fill = getattr(platform, "fill", None)
+        self._platform_fill = fill if fill is not None else functools.partial(fill_on_stream,
+                                                                             platform)
+        self._tracks_accesses = bool(getattr(platform, "tracks_accesses", True))
+        self._fills: list[list[list[tuple[torch.Tensor, torch.Tensor]] | None]] = []
+        self.creates_no_tensors = False
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -274,6 +284,11 @@ class BlockRing:
         self._views = [[group.layout.views(flats) for group, flats in zip(self.groups, per_slot)]
                        for per_slot in self._flats]
         self._placeholder_cache: list[list[torch.Tensor] | None] = [None] * len(self.groups)
+        self._fills = [[self.transport.fill_pairs(self, k, s) for k in range(len(self.groups))]
+                       for s in range(len(self.slots))]
+        # Note [Hooks leave inference mode] (layerwise.py): the hooks may stay in inference mode
+        # when every fill is plain copies (views, placeholders and fills are all built here).
+        self.creates_no_tensors = all(p is not None for per_slot in self._fills for p in per_slot)
 
     def _slot_views(self, k: int, s: int) -> list[torch.Tensor]:
         # Built once at enable (_build_flats), like the flats: a rebind creates no tensor.
@@ -297,7 +312,11 @@ class BlockRing:
     def _issue_copy(self, k: int, s: int) -> None:
         """Fill slot s with block k (the transport's copies, and collective where it has one),
         after the slot's last reader; ``ready[s]`` is recorded when the slot is filled."""
-        self.transport.fill(self, k, s)
+        pairs = self._fills[s][k]
+        if pairs is not None and not _profiler._is_profiler_enabled:  # Note [Fast path]
+            self._platform_fill(self.copy_stream, self.free[s], pairs, self.ready[s])
+        else:
+            self.transport.fill(self, k, s)
         self.slot_of[k] = s
         self.occupant[s] = k
         self.transport.count_fill(self, k)
@@ -340,18 +359,47 @@ class BlockRing:
     def before(self, k: int, frame: FrameType | None = None) -> None:
         """Pre-forward of block k; ``frame`` is the ``nn.Module`` call running it (the hook
         found it already; found here when None)."""
-        if self._dirty or self._running:
+        running = self._running
+        if self._dirty or running:
             self._recover(k, None)  # cheap when every running block is live (nested calls)
+            running = self._running
         self._dirty = True
-        self.order.observe(k)  # learn the order the caller actually runs
+        order = self.order
+        m = order._match
+        h = order.history
+        if m is not None and h[m + 1] == k and len(h) < order.cap:  # observe(k), inlined
+            order._match = m + 1
+            order._positions[k].append(len(h))
+            h.append(k)
+        else:
+            order.observe(k)  # learn the order the caller actually runs
+            h = order.history  # a trim replaces the list
         s = self._materialize(k)
-        busy = {self.slot_of[r] for r, _ in self._running} if self._running else ()
-        self._running.append((k, frame if frame is not None else call_frame()))
-        if self.prefetch_enabled and (1 - s) not in busy:
-            q = self.order.predict(k)
+        busy = {self.slot_of[r] for r, _ in running} if running else ()
+        running.append((k, frame if frame is not None else call_frame()))
+        t = 1 - s
+        if self.prefetch_enabled and t not in busy:
+            m = order._match  # order.predict(k), inlined (Note [Fast path])
+            q = h[m + 1] if m is not None else (k + 1) % order.n
             if q != k and self.slot_of[q] is None:
-                self._load(q, 1 - s)
+                if self.occupant[t] is not None:
+                    self._evict(t)
+                self._issue_copy(q, t)
+                for tensor, v in zip(self.groups[q].tensors, self._views[t][q]):
+                    tensor.data = v
         self._dirty = False
+
+    # Note [Fast path]
+    #     Per-block host overhead is Python calls, so the steady state of a block's hooks (in
+    #     order, prefetch hit) makes few: the predictor's observe and predict and the rebinds
+    #     are inlined; a prefetch is one ``platform.fill`` (Note [One-call fills] in
+    #     platform/base.py); ``record_use`` / ``discard`` are not called on platforms whose
+    #     ``tracks_accesses`` is False; spans cost one attribute read while no profiler runs;
+    #     the call guard takes its own lock directly (Note [Guard locking] in guard.py); the
+    #     hooks do not leave inference mode when the ring creates no tensor in them; torch
+    #     calls the hooks' bound methods with no wrapper between.  Every other state (recovery,
+    #     a miss, a running profiler, a collective transport) takes the general calls, which do
+    #     the same thing one step at a time.  ``offload-ref bench --peers`` measures it.
 
     # Note [Block parts]
     #     A model may call a submodule of a streamed block outside that block's forward: diffusers'
@@ -394,8 +442,12 @@ class BlockRing:
                 self._cold = False
             else:
                 self.stats.sync_recoveries += 1
-        self._wait_ready(s)
-        self.platform.record_use(self.slots[s])
+        if _profiler._is_profiler_enabled:  # Note [Spans] (_spans.py)
+            self._wait_ready(s)
+        else:
+            self.platform.current_stream().wait_event(self.ready[s])
+        if self._tracks_accesses:
+            self.platform.record_use(self.slots[s])
         return s
 
     def after_part(self, k: int) -> None:
@@ -410,7 +462,8 @@ class BlockRing:
                 break
         s = self.slot_of[k]
         if s is not None:  # the block stays bound; its slot is refilled only after these reads
-            self.platform.record_use(self.slots[s])
+            if self._tracks_accesses:
+                self.platform.record_use(self.slots[s])
             self.free[s].record(self.platform.current_stream())
         self._dirty = False
 
@@ -430,19 +483,28 @@ class BlockRing:
             self._recover(None, k)
             return
         self._dirty = True
-        for i in range(len(self._running) - 1, -1, -1):
-            if self._running[i][0] == k:
-                del self._running[i]
-                break
+        running = self._running
+        if running and running[-1][0] == k:
+            del running[-1]
+        else:
+            for i in range(len(running) - 1, -1, -1):
+                if running[i][0] == k:
+                    del running[i]
+                    break
         s = self.slot_of[k]
         if s is not None:
             platform = self.platform
-            platform.record_use(self.slots[s])
-            platform.discard(self.slots[s])
+            if self._tracks_accesses:
+                platform.record_use(self.slots[s])
+                platform.discard(self.slots[s])
             self.free[s].record(platform.current_stream())
             self.slot_of[k] = None  # unmarked before its tensors lose the slot
             self.occupant[s] = None
-            self._rebind(k, self._placeholder_views(k))
+            views = self._placeholder_cache[k]
+            if views is None:
+                views = self._placeholder_views(k)
+            for t, v in zip(self.groups[k].tensors, views):
+                t.data = v
         self._dirty = False
 
     def _recover(self, calling: int | None, finishing: int | None) -> None:
@@ -524,6 +586,7 @@ class BlockRing:
         self._flats = []
         self._views = []
         self._placeholder_cache = []
+        self._fills = []
         self._running = []  # drops the frames of interrupted blocks
         for g in self.groups:
             self.transport.release(g, self.platform)
@@ -557,6 +620,14 @@ class Transport:
         """Issue the work that fills slot ``s`` with block ``k``: ordered after ``ring.free[s]``,
         ending with ``ring.ready[s]`` recorded on the stream that finished it."""
         raise NotImplementedError
+
+    def fill_pairs(self, ring: BlockRing, k: int, s: int
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The ``(slot view, host view)`` copies that fill slot ``s`` with block ``k``, when a
+        fill is exactly those copies on the copy stream between ``free[s]`` and ``ready[s]``
+        (the ring then issues them in one ``platform.fill``, Note [Fast path]); None when a fill
+        is more (a collective).  Called once per block and slot at enable."""
+        return None
 
     def count_fill(self, ring: BlockRing, k: int) -> None:
         """Count one fill of block ``k`` in ``ring.stats``."""
@@ -595,6 +666,7 @@ class RankLocalTransport(Transport):
         self.map_files = map_files
         self._mapped: dict[int, list[torch.Tensor]] = {}  # id(group) -> one span per segment
         self._copies: dict[int, list[torch.Tensor]] = {}  # id(group) -> private host copies
+        self._counts: dict[int, tuple[int, int]] = {}  # block -> h2d (weight, padding) per fill
 
     def build_master(self, txn, ring, group, sections, image_bytes) -> None:
         # detach(): the tensors themselves are rebound at commit; these keep their storage.
@@ -625,6 +697,16 @@ class RankLocalTransport(Transport):
         ring.stats.add_host(group.weight_bytes, 0, pinned=False)
         ring.stats.file_backed_bytes += group.weight_bytes - copied
 
+    def fill_pairs(self, ring: BlockRing, k: int, s: int
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        group = ring.groups[k]
+        mapped = self._mapped.get(id(group))
+        flats = ring._slot_flats(k, s)
+        if mapped is None:
+            return [(flat, group.master.flats[dtype]) for dtype, flat in flats.items()]
+        return [(flats[seg.dtype].narrow(0, seg.offset, seg.numel), span)
+                for seg, span in zip(group.layout.segments, mapped) if seg.numel]
+
     def fill(self, ring: BlockRing, k: int, s: int) -> None:
         platform = ring.platform
         group = ring.groups[k]
@@ -645,11 +727,15 @@ class RankLocalTransport(Transport):
             ring.ready[s].record(ring.copy_stream)
 
     def count_fill(self, ring: BlockRing, k: int) -> None:
-        group = ring.groups[k]
-        if id(group) in self._mapped:  # spans only: the padding is not copied
-            ring.stats.add_h2d(group.weight_bytes, 0)
-        else:
-            super().count_fill(ring, k)
+        counts = self._counts.get(k)
+        if counts is None:
+            group = ring.groups[k]
+            if id(group) in self._mapped:  # spans only: the padding is not copied
+                counts = (group.weight_bytes, 0)
+            else:
+                counts = (group.weight_bytes, group.padding_bytes)
+            self._counts[k] = counts
+        ring.stats.add_h2d(*counts)
 
     def _mapped_views(self, group: TensorGroup) -> list[torch.Tensor] | None:
         """The original file views of a mapped group's tensors."""
@@ -687,6 +773,7 @@ class RankLocalTransport(Transport):
 
     def release(self, group: TensorGroup, platform: Platform) -> None:
         self._release_mapped(platform, id(group))
+        self._counts.clear()
         super().release(group, platform)
 
 
