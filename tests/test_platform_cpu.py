@@ -642,3 +642,47 @@ def test_one_call_fill_waits_for_the_free_event_of_another_stream() -> None:
         ready.synchronize()
         assert torch.equal(slot, torch.ones(1 << 16))
         platform.free(slot)
+
+
+def test_the_ring_uses_one_call_fills_only_where_they_stand_for_the_platforms_own_copy_() -> None:
+    """Note [One-call fills]: a proxy or a subclass that instruments ``copy_`` (or
+    ``record_use``) sees every copy (and access) the ring makes; only a platform whose class
+    defines ``fill`` with ``copy_`` gets the one-call fill."""
+    import functools
+
+    from offload_ref.platform.base import fast_calls, fill_on_stream
+    from offload_ref.platform.inline import InlinePlatform
+
+    class Proxy:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+        def copy_(self, dst, src):
+            self._inner.copy_(dst, src)
+
+    class CountingCopies(CpuPlatform):
+        def copy_(self, dst, src):
+            super().copy_(dst, src)
+
+    class CountingReads(InlinePlatform):
+        def record_use(self, tensor):
+            pass
+
+    def generic(fill) -> bool:
+        return isinstance(fill, functools.partial) and fill.func is fill_on_stream
+
+    with CpuPlatform() as cpu, InlinePlatform() as inline, CountingCopies() as counting, \
+            CountingReads() as reads:
+        fill, skip = fast_calls(cpu)
+        assert fill == cpu.fill and not skip
+        fill, skip = fast_calls(inline)
+        assert fill == inline.fill and skip
+        for wrapped in (Proxy(cpu), Proxy(inline), counting):
+            fill, skip = fast_calls(wrapped)
+            assert generic(fill) and not skip, wrapped
+        assert not fast_calls(reads)[1]
+        cpu.copy_ = cpu.copy_  # an instance override (a monkeypatched spy)
+        assert generic(fast_calls(cpu)[0])

@@ -51,7 +51,6 @@ Note [Transports]
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Sequence
 from types import FrameType
@@ -66,7 +65,7 @@ from ..discovery import get_submodule_path
 from ..host import storage_key
 from ..plan import BlockStack
 from ..platform import Platform
-from ..platform.base import fill_on_stream
+from ..platform.base import fast_calls
 from .groups import TensorGroup, restore_group
 from .guard import call_frame
 from .stats import OffloadStats
@@ -205,10 +204,8 @@ class BlockRing:
         self._dirty = False  # hook work in progress, or interrupted (Note [Interrupted blocks])
         self._cold = False  # block 0 not loaded yet: its first load is no recovery
         # Note [Fast path]: one platform call per fill, and no calls that do nothing.
-        fill = getattr(platform, "fill", None)
-        self._platform_fill = fill if fill is not None else functools.partial(fill_on_stream,
-                                                                             platform)
-        self._tracks_accesses = bool(getattr(platform, "tracks_accesses", True))
+        self._platform_fill, skip_accesses = fast_calls(platform)
+        self._tracks_accesses = not skip_accesses
         self._fills: list[list[list[tuple[torch.Tensor, torch.Tensor]] | None]] = []
         self.creates_no_tensors = False
 

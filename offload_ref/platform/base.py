@@ -15,13 +15,15 @@ Note [Stream semantics]
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Event", "Platform", "Stream", "StreamOrderError", "aligned_empty", "fill_on_stream"]
+__all__ = ["Event", "Platform", "Stream", "StreamOrderError", "aligned_empty", "fast_calls",
+           "fill_on_stream"]
 
 
 class StreamOrderError(RuntimeError):
@@ -143,7 +145,44 @@ def aligned_empty(numel: int, dtype: torch.dtype, alignment: int,
 #     ``stream`` / ``wait_event`` / ``copy_`` / ``record`` calls it costs a context manager and
 #     five or six calls per block; ``platform.fill`` issues the same work in one call (the CPU
 #     platform takes its ledger lock once and queues one batch, CUDA enters the stream once).
-#     Its effect, ordering and checks are exactly those of :func:`fill_on_stream`.
+#     Its effect, ordering and checks are exactly those of :func:`fill_on_stream`.  The ring
+#     uses it only when the class that defines ``fill`` also defines ``copy_`` and ``stream``
+#     (:func:`fast_calls`): a platform proxy that counts copies, or a subclass that overrides
+#     ``copy_``, gets every copy through its ``copy_``.  ``tracks_accesses = False`` is
+#     honoured on the same terms.
+
+
+def _owner(cls: type, name: str) -> type | None:
+    """The class of ``cls``'s MRO that defines ``name``."""
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
+def _same_definer(platform: Any, name: str, generic: Sequence[str]) -> bool:
+    """Whether ``platform``'s class defines ``name`` together with every method of ``generic``
+    (one class of its MRO defines them all, and the instance overrides none): then ``name`` is
+    consistent with them.  A proxy that forwards attributes, or a subclass or an instance that
+    overrides ``copy_`` but inherits ``fill``, is not."""
+    cls = type(platform)
+    owner = _owner(cls, name)
+    if owner is None:
+        return False
+    instance = getattr(platform, "__dict__", {})
+    return all(_owner(cls, g) is owner and g not in instance for g in generic)
+
+
+def fast_calls(platform: Any) -> tuple[Callable[..., None], bool]:
+    """The ring's one-call fill and whether ``record_use`` / ``discard`` may be skipped
+    (Note [One-call fills]): ``platform.fill`` and ``platform.tracks_accesses`` where the
+    class that defines them also defines the generic methods they stand for, otherwise
+    :func:`fill_on_stream` and False (every generic call is made, so a wrapping or instrumented
+    platform sees every copy and every access)."""
+    if _same_definer(platform, "fill", ("copy_", "stream")):
+        fill = platform.fill
+    else:
+        fill = functools.partial(fill_on_stream, platform)
+    skip = (_same_definer(platform, "tracks_accesses", ("record_use", "discard"))
+            and not platform.tracks_accesses)
+    return fill, skip
 
 
 def fill_on_stream(platform: Platform, stream: Stream, after: Event,
