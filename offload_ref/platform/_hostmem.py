@@ -42,7 +42,7 @@ Note [Huge-page host memory]
     (:meth:`CpuPlatform.empty`) stays on ``torch.empty``: on the enable path its only large
     buffers are layerwise's ring slots, which the copy worker writes first, and on the test
     machine (a VM whose memory the host maps in at first touch) huge pages faulted on the
-    worker's CPU often came from never-touched memory: block 0's 8 MiB prefetch took 13-20 ms
+    worker's CPU often came from never-touched memory: block 0's 8 MiB prefetch took 11-21 ms
     instead of the 2 ms of reused heap memory.
 """
 
