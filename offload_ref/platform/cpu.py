@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from offload_ref.platform import _hostmem
 from offload_ref.platform.base import StreamOrderError, aligned_empty, fill_on_stream
 
 __all__ = ["CpuPlatform"]
@@ -722,7 +723,7 @@ class CpuPlatform:
     def host_empty(self, numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
         """Ordinary exact-size host memory; ``pin`` is ignored (nothing to pin for on CPU).
         Counted in :meth:`host_allocated` until :meth:`host_free`."""
-        tensor = aligned_empty(numel, dtype, self.alignment)
+        tensor = _hostmem.empty(numel, dtype, self.alignment)  # Note [Huge-page host memory]
         if numel:
             with self._lock:
                 self._host[tensor.untyped_storage().data_ptr()] = numel * tensor.element_size()
