@@ -1,23 +1,10 @@
 """The backend lifecycle shared by every strategy: transactional enable (Note [Transactions] in
 transaction.py), exact-restore disable (Note [Original placement] in groups.py), ownership of a
 pipeline, and the ``state_dict`` / ``load_state_dict`` guards of an enabled pipeline.
-
-Note [No cyclic collection during enable]
-    Enable creates several long-lived container objects per tensor (layout records, views,
-    undo entries) and no cyclic garbage.  CPython's cyclic collector still counts them: it runs
-    a full collection, which traverses every tracked object of the process (the model's own
-    tensors included), each time a quarter more objects have survived than the last full
-    collection saw.  At 10^5 tensors that was 14 full collections in one enable and over a third
-    of its time (``offload-ref bench --growth`` fixture: 17.6 s, 11.4 s with the collector off).
-    So ``enable`` runs with the automatic collector off and turns it back on when it returns or
-    raises, if it was on (a caller who turned it off keeps it off).  Reference counting frees
-    everything as usual meanwhile; a cycle made during enable is collected afterwards.
 """
 
 from __future__ import annotations
 
-import functools
-import gc
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -55,23 +42,6 @@ class OffloadDisableError(RuntimeError):
     """``disable`` failed; the backend stays enabled with its masters so it can be retried."""
 
 
-def _without_cyclic_collection(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``fn`` with the automatic cyclic collector off (Note [No cyclic collection during
-    enable])."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not gc.isenabled():
-            return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
-
-    return wrapper
-
-
 class OffloadBackend:
     """One offload strategy applied to one pipeline.  See Note [Transactions]."""
 
@@ -103,7 +73,6 @@ class OffloadBackend:
     def pipeline(self) -> Any:
         return None if self._pipeline is None else self._pipeline()
 
-    @_without_cyclic_collection  # Note [No cyclic collection during enable]
     def enable(self, pipeline: Any) -> None:
         """Apply the strategy to ``pipeline``.
 
