@@ -27,6 +27,8 @@ def test_table_prints_both_ratios() -> None:
     layerwise = {"step_s": 0.01, "generation_s": 0.1, "h2d_bytes_per_generation": 0,
                  "peak_device_weight_bytes": 0, "copy_only_step_s": 0.01, "copy_gbps": 1.0,
                  "overlap_ratio": 1.0, "serial_ratio": 1.0, "exposed_stall_per_block_s": 0.0,
+                 "concurrent_bound_s": 0.01, "overlap_vs_concurrent": 1.0,
+                 "serial_vs_concurrent": 1.0,
                  "per_block_overhead_us": 1.0, "per_block_overhead_cpu_us": 1.0,
                  "per_block_overhead_cpu_platform_us": 1.0,
                  "per_block_overhead_cpu_platform_cpu_us": 1.0}

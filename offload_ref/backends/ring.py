@@ -439,10 +439,7 @@ class BlockRing:
                 self._cold = False
             else:
                 self.stats.sync_recoveries += 1
-        if _profiler._is_profiler_enabled:  # Note [Spans] (_spans.py)
-            self._wait_ready(s)
-        else:
-            self.platform.current_stream().wait_event(self.ready[s])
+        self._wait_ready(s)
         if self._tracks_accesses:
             self.platform.record_use(self.slots[s])
         return s
@@ -471,6 +468,9 @@ class BlockRing:
 
     def _wait_ready(self, s: int) -> None:
         """Order compute after the copy that filled slot s (a device-side wait)."""
+        if not _profiler._is_profiler_enabled:  # Note [Spans] (_spans.py): no range to open
+            self.platform.current_stream().wait_event(self.ready[s])
+            return
         span = _spans.enter("wait", "ring=%s block=%s slot=%d", self.label, self.occupant[s], s)
         self.platform.current_stream().wait_event(self.ready[s])
         _spans.exit(span)
