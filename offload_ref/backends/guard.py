@@ -160,10 +160,7 @@ class CallGuard:
                     "one thread at a time (its weights stream through shared device slots): "
                     "give each thread its own pipeline and backend, or serialize the calls"
                 )
-            mine = self._inside.setdefault(me, [])
-            if mine:
-                self._prune_own(mine)
-            mine.append((label, frame))
+            self._add_entry(me, label, frame)
             return True
 
     def _enter_uncontended(self, me: int, label: str, frame: FrameType | None) -> bool:
@@ -173,14 +170,18 @@ class CallGuard:
         if self._exclusive is not None or self._closed or (
                 inside and (len(inside) > 1 or me not in inside)):
             return False
-        mine = inside.get(me)
-        if mine is None:
-            inside[me] = [(label, frame)]
-        else:
-            if mine:
-                self._prune_own(mine)
-            mine.append((label, frame))
+        self._add_entry(me, label, frame)
         return True
+
+    def _add_entry(self, me: int, label: str, frame: FrameType | None) -> None:
+        """Record this thread's forward of ``label`` (caller holds the lock)."""
+        mine = self._inside.get(me)
+        if mine is None:
+            self._inside[me] = [(label, frame)]
+            return
+        if mine:
+            self._prune_own(mine)
+        mine.append((label, frame))
 
     def holds(self, frame: FrameType | None) -> bool:
         """Whether this thread entered the forward running in ``frame``."""

@@ -705,21 +705,15 @@ class RankLocalTransport(Transport):
                 for seg, span in zip(group.layout.segments, mapped) if seg.numel]
 
     def fill(self, ring: BlockRing, k: int, s: int) -> None:
+        """The general path of a fill (a profiler running): the copies of :meth:`fill_pairs`
+        inside a copy span."""
         platform = ring.platform
-        group = ring.groups[k]
-        mapped = self._mapped.get(id(group))
-        flats = ring._slot_flats(k, s)
         with platform.stream(ring.copy_stream):
             ring.copy_stream.wait_event(ring.free[s])
             copy_span = _spans.stream_enter(platform, "copy", "ring=%s block=%d slot=%d",
                                             ring.label, k, s)
-            if mapped is None:
-                for dtype, flat in flats.items():
-                    platform.copy_(flat, group.master.flats[dtype])
-            else:
-                for seg, span in zip(group.layout.segments, mapped):
-                    if seg.numel:
-                        platform.copy_(flats[seg.dtype].narrow(0, seg.offset, seg.numel), span)
+            for dst, src in ring._fills[s][k]:
+                platform.copy_(dst, src)
             _spans.stream_exit(platform, copy_span)
             ring.ready[s].record(ring.copy_stream)
 
