@@ -78,36 +78,48 @@ class OffloadWeightEditError(RuntimeError):
     """An offloaded weight was edited outside ``backend.edit_weights()`` (Note [Weight edits])."""
 
 
-_CALL_CODES = {nn.Module._call_impl.__code__}
+_CALL_CODE = nn.Module._call_impl.__code__
 _get_ident = threading.get_ident
 
 
-# The caller's code -> how many frames above it torch's nn.Module call sits.  A hook is always
-# reached through the same torch frames, so after its first call one ``sys._getframe(depth)``
-# (which materializes one frame object, where walking ``f_back`` materializes every frame on the
-# way) finds the call; a frame there that is not an nn.Module call falls back to the walk.
-_CALL_DEPTH: dict[CodeType, int] = {}
+# A hook is always reached through the same torch frames.  torch (2.x) calls hooks from the
+# nested ``inner`` of ``_call_impl``, so the caller's caller is checked for that code first; then
+# the depth this caller's code had last time (one ``sys._getframe(depth)`` materializes one frame
+# object, where walking ``f_back`` materializes every frame on the way), and then the walk.  The
+# depths are keyed by ``id(code)``: a code object does not cache its hash, which hashes its names
+# and constants on every lookup (a fifth of a block's hook work).  Each entry keeps its code
+# alive, so its id is never reused.
+_INNER_CODE = next((c for c in _CALL_CODE.co_consts
+                    if isinstance(c, CodeType) and c.co_name == "inner"), None)
+_CALL_DEPTH: dict[int, tuple[CodeType, int]] = {}
+_getframe = sys._getframe
 
 
 def call_frame() -> FrameType | None:
     """The frame of the ``nn.Module`` call whose hooks are running the caller (None if torch's
     call path is not recognised: such entries are then never considered stale)."""
-    caller = sys._getframe(1)
+    try:
+        frame = _getframe(2)
+    except ValueError:  # a shallower stack: not called from a hook
+        frame = None
+    if frame is not None and frame.f_code is _INNER_CODE:
+        return frame.f_back  # the ``_call_impl`` that runs ``inner``
+    caller = _getframe(1)
     code = caller.f_code
-    depth = _CALL_DEPTH.get(code)
-    if depth is not None:
+    known = _CALL_DEPTH.get(id(code))
+    if known is not None and known[0] is code:
         try:
-            frame = sys._getframe(depth + 1)
+            frame = _getframe(known[1] + 1)
         except ValueError:  # a shallower stack than last time
             frame = None
-        if frame is not None and frame.f_code in _CALL_CODES:
+        if frame is not None and frame.f_code is _CALL_CODE:
             return frame
     frame = caller
     for d in range(12):
         if frame is None:
             return None
-        if frame.f_code in _CALL_CODES:
-            _CALL_DEPTH[code] = d
+        if frame.f_code is _CALL_CODE:
+            _CALL_DEPTH[id(code)] = (code, d)
             return frame
         frame = frame.f_back
     return None
@@ -131,6 +143,9 @@ class CallGuard:
         # ring.py).
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
+        # The condition's waiter deque (None if this Python's Condition has none): notify_all
+        # with no waiter is only a cost.
+        self._waiters = getattr(self._cond, "_waiters", None)
         self._inside: dict[int, list[tuple[str, FrameType | None]]] = {}
         self._exclusive: int | None = None  # thread holding the guard exclusively
         self._closed = False  # set by exclusive(close=True): hooks leave modules alone
@@ -166,9 +181,13 @@ class CallGuard:
     def _enter_uncontended(self, me: int, label: str, frame: FrameType | None) -> bool:
         """The steady state of ``enter`` (nobody exclusive, nobody else inside); False: take the
         general path.  Caller holds the lock."""
+        if self._exclusive is not None or self._closed:
+            return False
         inside = self._inside
-        if self._exclusive is not None or self._closed or (
-                inside and (len(inside) > 1 or me not in inside)):
+        if not inside:  # nobody inside: the steady state of a block's pre-hook
+            inside[me] = [(label, frame)]
+            return True
+        if len(inside) > 1 or me not in inside:
             return False
         self._add_entry(me, label, frame)
         return True
@@ -213,8 +232,8 @@ class CallGuard:
                 mine.pop()
         if not mine:
             del self._inside[me]
-            # A Condition keeps its waiters in a deque; notify_all with none is only a cost.
-            if self._exclusive is not None or getattr(self._cond, "_waiters", True):
+            waiters = self._waiters
+            if waiters or waiters is None or self._exclusive is not None:
                 self._cond.notify_all()
         return True
 
