@@ -161,3 +161,84 @@ def test_a_block_submodule_called_outside_its_block_reads_its_weights(prefetch: 
         backend.disable()
     assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
     platform.close()
+
+
+def _forward_hooks(module: nn.Module) -> int:
+    return sum(len(m._forward_hooks) for m in module.modules())
+
+
+class _InterruptOutsideCall:
+    """A pre-hook that raises KeyboardInterrupt in the outside call of ``blocks[0].norm.emb``
+    (its second call of a forward) while armed."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.calls = 0
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        self.calls += 1
+        if self.armed and self.calls % 2 == 0:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+def test_an_outside_part_call_leaves_no_post_hook_behind_even_when_interrupted() -> None:
+    # Note [One-shot part post-hooks] (layerwise.py): the post-hook of an outside part call is
+    # registered for that call and gone after it, after an interrupt, and after disable().
+    x, labels = torch.randn(2, 16), torch.tensor([1, 7])
+    with torch.inference_mode():
+        reference = _submodule_pipe()(x, labels)
+    platform = CpuPlatform(race_amplifier=True)
+    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
+    pipe = _submodule_pipe()
+    backend.enable(pipe)
+    emb = pipe.transformer.blocks[0].norm.emb
+    interrupt = _InterruptOutsideCall()
+    handle = emb.register_forward_pre_hook(interrupt)  # runs after the part hook
+    enabled = _forward_hooks(pipe)
+    assert enabled == len(pipe.transformer.blocks)  # the blocks' own post-hooks, no part's
+    with torch.inference_mode():
+        for _ in range(2):
+            assert torch.equal(pipe(x, labels), reference)
+            assert _forward_hooks(pipe) == enabled
+        interrupt.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            pipe(x, labels)
+        assert _forward_hooks(emb) == 1  # the interrupted call's post-hook never ran
+        assert torch.equal(pipe(x, labels), reference)
+        assert _forward_hooks(pipe) == enabled  # found stale at the next call, and removed
+        interrupt.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            pipe(x, labels)
+    handle.remove()
+    backend.disable()
+    assert _forward_hooks(pipe) == 0
+    assert not emb._forward_pre_hooks
+    with torch.inference_mode():
+        assert torch.equal(pipe(x, labels), reference)
+    assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
+    platform.close()
+
+
+def test_parts_carry_a_permanent_post_hook_where_torch_would_not_run_a_one_shot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from offload_ref.backends import layerwise
+
+    assert layerwise._one_shot_post_hooks_run()  # the pinned torch: the cheap path is in use
+    monkeypatch.setattr(layerwise, "_one_shot_post_hooks_run", lambda: False)
+    x, labels = torch.randn(2, 16), torch.tensor([1, 7])
+    with torch.inference_mode():
+        reference = _submodule_pipe()(x, labels)
+    platform = CpuPlatform(race_amplifier=True)
+    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
+    pipe = _submodule_pipe()
+    backend.enable(pipe)
+    parts = sum(1 for m in pipe.transformer.modules() if "offload_ref.layerwise.part"
+                in m.__dict__.get("_offload_ref_hooks", {}))
+    assert _forward_hooks(pipe) == len(pipe.transformer.blocks) + parts
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(pipe(x, labels), reference)
+    backend.disable()
+    assert _forward_hooks(pipe) == 0
+    platform.close()

@@ -5,11 +5,16 @@ rest of the pipeline stays on the device.  This module holds the hooks and the b
 
 from __future__ import annotations
 
+import functools
+import sys
 import warnings
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import profiler as _profiler
+from torch.utils.hooks import RemovableHandle
 
 from .. import _spans
 from ..config import OffloadStrategy
@@ -18,7 +23,7 @@ from ..host import storage_key
 from ..plan import ResolvedOffloadPlan, pipeline_state
 from .base import OffloadBackend
 from .groups import ComponentSwapper
-from .guard import CallGuard, OffloadWeightEditError, call_frame, refuse_autograd
+from .guard import CallGuard, OffloadWeightEditError, _on_stack, call_frame, refuse_autograd
 from .ring import BlockRing, Transport, _Placeholders
 from .transaction import Transaction, rebind_restored
 
@@ -68,7 +73,7 @@ class LayerwiseOffloadHook(ModelHook):
             else:
                 with _leave_inference_mode(False):
                     ring.before(self.index, frame)
-            if _spans.enabled():
+            if _profiler._is_profiler_enabled:  # Note [Spans]: one bool read when off
                 self._span = _spans.enter("block", "ring=%s block=%d slot=%s", ring.label,
                                           self.index, ring.slot_of[self.index])
         except BaseException:
@@ -108,10 +113,43 @@ class LayerwiseOffloadHook(ModelHook):
         return [n for n, t, v in zip(self.names, self.tensors, self.versions) if t._version != v]
 
 
+# Note [One-shot part post-hooks]
+#     A part hook runs on every call of every tensor-owning submodule of a streamed block, and
+#     torch's hook dispatch is most of its cost: a pre-hook alone costs about as much as the
+#     block's own pair, and a post-hook adds a third of that again.  Only a call from outside
+#     the block (rare: Note [Block parts] in ring.py) needs a post-hook, so the part carries a
+#     pre-hook alone, and that pre-hook registers a post-hook (``always_call``) for the outside
+#     call it lets run; the post-hook removes itself when it fires for that call (it knows the
+#     call by its ``nn.Module`` frame, so a nested outside call of the same part is finished by
+#     its own post-hook).  torch reads a module's forward hooks after its forward runs, so a
+#     post-hook registered by a pre-hook runs for the same call; ``_one_shot_post_hooks_run``
+#     checks that on the running torch once, and parts carry a permanent post-hook where it does
+#     not hold.  A post-hook left behind by an interrupted call (a KeyboardInterrupt skips
+#     ``always_call`` hooks) finds its frame gone when it next fires and removes itself; the
+#     ring recovers the block as from any interrupted forward (Note [Interrupted blocks]);
+#     ``disable()`` removes any that are left.
+
+
+@functools.cache
+def _one_shot_post_hooks_run() -> bool:
+    """Whether this torch runs a forward hook that a forward pre-hook registered during the
+    same call (Note [One-shot part post-hooks])."""
+    fired: list[bool] = []
+    probe = nn.Identity()
+
+    def pre(module: nn.Module, args: tuple) -> None:
+        module.register_forward_hook(lambda m, a, out: fired.append(True), always_call=True)
+
+    probe.register_forward_pre_hook(pre)
+    probe(torch.zeros(()))
+    return bool(fired)
+
+
 class LayerwisePartHook(ModelHook):
     """On a tensor-owning submodule of a streamed block: when the model calls it outside the
     block's forward, the block is materialized and waited for around the call (Note [Block
-    parts] in ring.py).  Inside the block's forward it does nothing."""
+    parts] in ring.py).  Inside the block's forward it does nothing.  Its post-hook exists only
+    for an outside call (Note [One-shot part post-hooks])."""
 
     def __init__(self, block_hook: LayerwiseOffloadHook, path: str) -> None:
         self.block_hook = block_hook
@@ -120,8 +158,10 @@ class LayerwisePartHook(ModelHook):
         self.path = path
         # Calls of this part that ``before_part`` let run and whose post-hook has not run yet
         # (an interrupted one stays counted: its post-hooks then take the full path, as before).
-        # Zero in the steady state, so the in-block post-hook returns at once.
+        # Zero in the steady state, so an in-block post-hook returns at once.
         self._outside = 0
+        # The one-shot post-hooks of outside calls in progress: (handle, the call's frame).
+        self._pending: list[tuple[RemovableHandle, FrameType | None]] = []
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         running = self.ring._running
@@ -133,6 +173,10 @@ class LayerwisePartHook(ModelHook):
             return None
         self._outside += 1
         try:
+            if type(self).post_forward is ModelHook.post_forward:  # one-shot post-hooks
+                handle = module.register_forward_hook(self._post_outside, with_kwargs=True,
+                                                      always_call=True)
+                self._pending.append((handle, frame))
             refuse_autograd(block.path, block.names, self.ring.groups[self.index].tensors)
             edited = block.edited()
             if edited:
@@ -144,14 +188,24 @@ class LayerwisePartHook(ModelHook):
                 self.ring.before_part(self.index, frame)
         except BaseException:
             self._outside -= 1
+            self._drop_pending(frame)
             block.guard.exit(frame)
             raise
         return None
 
-    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _post_outside(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """The one-shot post-hook of an outside call (Note [One-shot part post-hooks])."""
+        frame = call_frame()
+        if not any(f is frame for _, f in self._pending):
+            self._drop_stale()
+            return None  # an inner call of the same part, or a hook left by an interrupt
+        self._drop_pending(frame)
+        self._finish_outside(frame)
+        return None
+
+    def _finish_outside(self, frame: FrameType | None) -> None:
         if not self._outside or not self.ring.is_running(self.index):
             return None  # no outside call of this part is pending (the in-block steady state)
-        frame = call_frame()
         if not self.block_hook.guard.holds(frame):
             return None  # inside the block's forward: the block's own hooks handle it
         self._outside -= 1
@@ -160,6 +214,34 @@ class LayerwisePartHook(ModelHook):
                 self.ring.after_part(self.index)
         finally:
             self.block_hook.guard.exit(frame)
+        return None
+
+    def _drop_pending(self, frame: FrameType | None) -> None:
+        for i in range(len(self._pending) - 1, -1, -1):
+            if self._pending[i][1] is frame:
+                self._pending.pop(i)[0].remove()
+                return
+
+    def _drop_stale(self) -> None:
+        top = sys._getframe(1)
+        for handle, f in [p for p in self._pending if p[1] is not None
+                          and not _on_stack(p[1], top)]:
+            self._drop_pending(f)
+
+    def remove_pending(self) -> None:
+        """Remove every one-shot post-hook still registered (``disable()``)."""
+        while self._pending:
+            self._pending.pop()[0].remove()
+
+
+class _PermanentPostPartHook(LayerwisePartHook):
+    """A part hook with a permanent post-hook, for a torch that does not run a post-hook
+    registered during the same call (Note [One-shot part post-hooks])."""
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self._outside:
+            return None
+        self._finish_outside(call_frame())
         return None
 
 
@@ -200,6 +282,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         self._resident: ComponentSwapper | None = None
         self._copy_stream: Any = None
         self._hooks: list[LayerwiseOffloadHook] = []
+        self._parts: list[LayerwisePartHook] = []
 
     def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         placeholders = _Placeholders()
@@ -237,6 +320,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         for ring in self.rings:
             ring.commit(txn)
         self._hooks = []
+        self._parts = []
         blocks = {id(b) for ring in self.rings for b in ring.blocks}
         parts: set[int] = set()
         for ring in self.rings:
@@ -249,8 +333,11 @@ class LayerWiseOffloadBackend(OffloadBackend):
                     if id(sub) in parts:  # shared by two blocks: served by its first
                         continue
                     parts.add(id(sub))
-                    txn.register_hook(sub, self.hook_name + ".part",
-                                      LayerwisePartHook(hook, f"{path}.{name}"), f"{path}.{name}")
+                    part_class = (LayerwisePartHook if _one_shot_post_hooks_run()
+                                  else _PermanentPostPartHook)
+                    part = part_class(hook, f"{path}.{name}")
+                    self._parts.append(part)
+                    txn.register_hook(sub, self.hook_name + ".part", part, f"{path}.{name}")
 
     def _transport_for(self, stack: Any) -> Transport | None:
         """The transport of ``stack``'s ring (None: rank-local host masters)."""
@@ -288,6 +375,8 @@ class LayerWiseOffloadBackend(OffloadBackend):
                 for t, v in zip(group.tensors, vs):
                     rebind_restored(t, v)
         self.registry.remove_all()
+        for part in self._parts:
+            part.remove_pending()
         self.platform.synchronize()
         for ring in self.rings:
             ring.release()
@@ -296,6 +385,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         # After a rollback the undo log has already freed the slots and masters.
         self.rings = []
         self._hooks = []
+        self._parts = []
         self._resident = None
 
     def materialized_blocks(self) -> dict[str, list[int]]:
