@@ -371,7 +371,11 @@ class BlockRing:
         else:
             order.observe(k)  # learn the order the caller actually runs
             h = order.history  # a trim replaces the list
-        s = self._materialize(k)
+        s = self.slot_of[k]
+        if s is None or self._tracks_accesses:
+            s = self._materialize(k)
+        else:  # _materialize(k), inlined: a prefetch hit (Note [Fast path])
+            self._wait_ready(s)
         busy = {self.slot_of[r] for r, _ in running} if running else ()
         running.append((k, frame if frame is not None else call_frame()))
         t = 1 - s
@@ -726,7 +730,9 @@ class RankLocalTransport(Transport):
             else:
                 counts = (group.weight_bytes, group.padding_bytes)
             self._counts[k] = counts
-        ring.stats.add_h2d(*counts)
+        stats = ring.stats  # stats.add_h2d(*counts), inlined (Note [Fast path])
+        stats.h2d_bytes += counts[0]
+        stats.h2d_padding_bytes += counts[1]
 
     def _mapped_views(self, group: TensorGroup) -> list[torch.Tensor] | None:
         """The original file views of a mapped group's tensors."""
