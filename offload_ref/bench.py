@@ -25,7 +25,10 @@ Note [Per-block overhead]
     platform (plus its copy worker and stream-order checker; race amplifier off).  Each figure
     comes in wall time and in the calling thread's CPU time: on a loaded shared machine the
     process is descheduled for a varying share of a step, which inflates wall time but not
-    thread CPU time.  ``--peers`` measures diffusers' and accelerate's CPU-offload hooks the same
+    thread CPU time.  Variants are timed round-robin; each sample times five back-to-back
+    forwards and then synchronizes the variant's own platform only (a CPU platform's
+    synchronize wakes its worker thread, whose latency would otherwise enter every variant's
+    time as noise).  ``--peers`` measures diffusers' and accelerate's CPU-offload hooks the same
     way on the same models (Note [Peers] in docs/benchmarks.md).
 """
 
@@ -332,25 +335,40 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 # -- per-block host overhead, peers, growth (issue 12) -------------------------------------------
 
 def _interleaved_cpu(fns: dict[str, Callable[[], Any]], repeats: int,
-                     sync: Callable[[], None]) -> tuple[dict[str, float], dict[str, float]]:
+                     sync: Callable[[], None] | dict[str, Callable[[], None]], *,
+                     calls: int = 1) -> tuple[dict[str, float], dict[str, float]]:
     """Like :func:`_interleaved`, returning medians of wall seconds and of this thread's CPU
     seconds per call (the CPU time of the calling thread does not count the time the machine
-    gave to other processes, so it is the steadier figure on a loaded machine)."""
+    gave to other processes, so it is the steadier figure on a loaded machine).  ``sync`` is
+    one callable for all, or each function's own (then no function's time includes another's
+    synchronize); each sample times ``calls`` back-to-back calls and one sync."""
+    syncs = sync if isinstance(sync, dict) else {name: sync for name in fns}
     wall: dict[str, list[float]] = {name: [] for name in fns}
     cpu: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
+    for name, fn in fns.items():
         fn()
         fn()
-        sync()
+        syncs[name]()
     for _ in range(repeats):
         for name, fn in fns.items():
+            done = syncs[name]
             c, start = time.thread_time(), time.perf_counter()
-            fn()
-            sync()
-            wall[name].append(time.perf_counter() - start)
-            cpu[name].append(time.thread_time() - c)
+            for _ in range(calls):
+                fn()
+            done()
+            wall[name].append((time.perf_counter() - start) / calls)
+            cpu[name].append((time.thread_time() - c) / calls)
     return ({n: statistics.median(v) for n, v in wall.items()},
             {n: statistics.median(v) for n, v in cpu.items()})
+
+
+#: Forwards per timed sample of the many-blocks DiT (a forward is about a millisecond: one
+#: sample of several keeps the clock and the synchronize small against it).
+_CALLS_PER_SAMPLE = 5
+
+
+def _no_sync() -> None:
+    return None
 
 
 def _many_blocks(blocks: int, tensors_per_block: int = 1) -> Any:
@@ -360,10 +378,14 @@ def _many_blocks(blocks: int, tensors_per_block: int = 1) -> Any:
 
 
 def _overhead_row(variants: dict[str, Callable[[], Any]], blocks: int, repeats: int,
-                  sync: Callable[[], None]) -> dict[str, dict[str, float]]:
+                  syncs: dict[str, Callable[[], None]], *, calls: int = 1,
+                  ) -> dict[str, dict[str, float]]:
     """Step time and (step - resident step) / blocks of every variant, in one interleaved run.
-    ``variants`` must contain ``"resident"``."""
-    wall, cpu = _interleaved_cpu(variants, repeats, sync)
+    ``variants`` must contain ``"resident"``; ``syncs`` holds the variants that have a platform
+    to synchronize (Note [Per-block overhead])."""
+    wall, cpu = _interleaved_cpu(variants, repeats,
+                                 {name: syncs.get(name, _no_sync) for name in variants},
+                                 calls=calls)
     out = {}
     for name in variants:
         out[name] = {
@@ -403,13 +425,10 @@ def per_block_overhead(*, blocks: int = 64, tensors_per_block: int = 1, repeats:
     try:
         _enable_layerwise(pipes, platforms, backends)
 
-        def sync() -> None:
-            for platform in platforms.values():
-                platform.synchronize()
-
+        syncs = {name: platform.synchronize for name, platform in platforms.items()}
         with torch.inference_mode():
             fns = {name: (lambda p=p: p.transformer(x)) for name, p in pipes.items()}
-            return _overhead_row(fns, blocks, repeats, sync)
+            return _overhead_row(fns, blocks, repeats, syncs, calls=_CALLS_PER_SAMPLE)
     finally:
         for backend in backends:
             backend.disable()
@@ -485,15 +504,13 @@ def run_peers(*, blocks: int = 64, hidden: int = 512, heavy_blocks: int = 8, tok
                     peers.remove(name)
                     del pipes[name]
 
-            def sync() -> None:
-                for platform in platforms.values():
-                    platform.synchronize()
-
+            syncs = {name: platform.synchronize for name, platform in platforms.items()}
             with torch.inference_mode():
                 reference = call(pipes["resident"])
                 exact = {name: bool(torch.equal(call(p), reference)) for name, p in pipes.items()}
                 fns = {name: (lambda p=p: call(p)) for name, p in pipes.items()}
-                measured = _overhead_row(fns, n, repeats, sync)
+                measured = _overhead_row(fns, n, repeats, syncs,
+                                         calls=_CALLS_PER_SAMPLE if model == "many_blocks" else 1)
         finally:
             for backend in backends:
                 backend.disable()
