@@ -242,3 +242,63 @@ def test_parts_carry_a_permanent_post_hook_where_torch_would_not_run_a_one_shot(
     backend.disable()
     assert _forward_hooks(pipe) == 0
     platform.close()
+
+
+def test_another_threads_call_of_a_block_part_is_refused_and_leaves_the_outside_call_whole(
+        ) -> None:
+    # Thread B calls blocks[0].norm.emb while the main thread is inside its outside call: B is
+    # refused (Note [One thread at a time]), and the main thread's one-shot post-hook, which
+    # torch also runs in B for B's failed call, is left for the main thread's call.
+    import threading
+
+    from offload_ref import OffloadConcurrencyError
+
+    x, labels = torch.randn(2, 16), torch.tensor([1, 7])
+    with torch.inference_mode():
+        reference = _submodule_pipe()(x, labels, steps=1)
+    platform = CpuPlatform(race_amplifier=True)
+    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
+    pipe = _submodule_pipe()
+    backend.enable(pipe)
+    emb = pipe.transformer.blocks[0].norm.emb
+    inside, other_done = threading.Event(), threading.Event()
+    main = threading.get_ident()
+    state = {"calls": 0}
+
+    def pause(module: nn.Module, args: tuple) -> None:
+        if threading.get_ident() != main:
+            return
+        state["calls"] += 1
+        if state["calls"] % 2 == 0:  # the outside call
+            inside.set()
+            assert other_done.wait(10)
+
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        assert inside.wait(10)
+        try:
+            with torch.inference_mode():
+                emb(labels)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            errors.append(exc)
+        finally:
+            other_done.set()
+
+    handle = emb.register_forward_pre_hook(pause)
+    enabled = _forward_hooks(pipe)
+    thread = threading.Thread(target=other)
+    thread.start()
+    with torch.inference_mode():
+        out = pipe(x, labels, steps=1)  # one pass: no later block call recovers a lost finish
+    thread.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], OffloadConcurrencyError), errors
+    assert torch.equal(out, reference)
+    assert backend.rings[0].running == []  # the outside call was finished by its own post-hook
+    assert _forward_hooks(pipe) == enabled
+    with torch.inference_mode():
+        assert torch.equal(pipe(x, labels, steps=1), reference)
+    handle.remove()
+    backend.disable()
+    assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
+    platform.close()

@@ -202,6 +202,11 @@ class CallGuard:
             self._prune_own(mine)
         mine.append((label, frame))
 
+    def entered_here(self) -> bool:
+        """Whether this thread is inside a forward it entered (a block's parts run in the
+        thread that runs the block; any other thread's call must enter and be refused)."""
+        return _get_ident() in self._inside
+
     def holds(self, frame: FrameType | None) -> bool:
         """Whether this thread entered the forward running in ``frame``."""
         mine = self._inside.get(_get_ident())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 import warnings
 from types import FrameType
 from typing import Any
@@ -160,14 +161,16 @@ class LayerwisePartHook(ModelHook):
         # (an interrupted one stays counted: its post-hooks then take the full path, as before).
         # Zero in the steady state, so an in-block post-hook returns at once.
         self._outside = 0
-        # The one-shot post-hooks of outside calls in progress: (handle, the call's frame).
-        self._pending: list[tuple[RemovableHandle, FrameType | None]] = []
+        # The one-shot post-hooks of outside calls in progress: (handle, the call's frame, its
+        # thread).  Torch runs a module's hooks in whichever thread calls it.
+        self._pending: list[tuple[RemovableHandle, FrameType | None, int]] = []
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         running = self.ring._running
-        if running and running[-1][0] == self.index or self.ring.is_running(self.index):
+        if (running and running[-1][0] == self.index or self.ring.is_running(self.index)) \
+                and self.block_hook.guard.entered_here():
             return None  # the block's own forward (the steady state)
-        frame = call_frame()
+        frame = call_frame()  # an outside call, or another thread's (the guard refuses it)
         block = self.block_hook
         if not block.guard.enter(self.path, frame):
             return None
@@ -176,7 +179,7 @@ class LayerwisePartHook(ModelHook):
             if type(self).post_forward is ModelHook.post_forward:  # one-shot post-hooks
                 handle = module.register_forward_hook(self._post_outside, with_kwargs=True,
                                                       always_call=True)
-                self._pending.append((handle, frame))
+                self._pending.append((handle, frame, threading.get_ident()))
             refuse_autograd(block.path, block.names, self.ring.groups[self.index].tensors)
             edited = block.edited()
             if edited:
@@ -196,9 +199,9 @@ class LayerwisePartHook(ModelHook):
     def _post_outside(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """The one-shot post-hook of an outside call (Note [One-shot part post-hooks])."""
         frame = call_frame()
-        if not any(f is frame for _, f in self._pending):
+        if not any(f is frame for _, f, _ in self._pending):
             self._drop_stale()
-            return None  # an inner call of the same part, or a hook left by an interrupt
+            return None  # another call of the same part (nested, or another thread's)
         self._drop_pending(frame)
         self._finish_outside(frame)
         return None
@@ -223,10 +226,12 @@ class LayerwisePartHook(ModelHook):
                 return
 
     def _drop_stale(self) -> None:
-        top = sys._getframe(1)
-        for handle, f in [p for p in self._pending if p[1] is not None
-                          and not _on_stack(p[1], top)]:
-            self._drop_pending(f)
+        """Remove the post-hooks of outside calls that ended without them (an interrupt): their
+        frame is no longer on their thread's stack, or their thread is gone."""
+        stacks = sys._current_frames()
+        for _, f, thread in list(self._pending):
+            if f is not None and not _on_stack(f, stacks.get(thread)):
+                self._drop_pending(f)
 
     def remove_pending(self) -> None:
         """Remove every one-shot post-hook still registered (``disable()``)."""
