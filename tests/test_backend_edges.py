@@ -167,6 +167,19 @@ def _forward_hooks(module: nn.Module) -> int:
     return sum(len(m._forward_hooks) for m in module.modules())
 
 
+def _enabled_submodule_pipe(**call: int) -> tuple:
+    """Inputs, the resident output for them, and a layerwise-enabled pipeline (its platform and
+    backend) for the part-hook tests."""
+    x, labels = torch.randn(2, 16), torch.tensor([1, 7])
+    with torch.inference_mode():
+        reference = _submodule_pipe()(x, labels, **call)
+    platform = CpuPlatform(race_amplifier=True)
+    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
+    pipe = _submodule_pipe()
+    backend.enable(pipe)
+    return (x, labels), reference, platform, backend, pipe
+
+
 class _InterruptOutsideCall:
     """A pre-hook that raises KeyboardInterrupt in the outside call of ``blocks[0].norm.emb``
     (its second call of a forward) while armed."""
@@ -185,13 +198,7 @@ class _InterruptOutsideCall:
 def test_an_outside_part_call_leaves_no_post_hook_behind_even_when_interrupted() -> None:
     # Note [One-shot part post-hooks] (layerwise.py): the post-hook of an outside part call is
     # registered for that call and gone after it, after an interrupt, and after disable().
-    x, labels = torch.randn(2, 16), torch.tensor([1, 7])
-    with torch.inference_mode():
-        reference = _submodule_pipe()(x, labels)
-    platform = CpuPlatform(race_amplifier=True)
-    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
-    pipe = _submodule_pipe()
-    backend.enable(pipe)
+    (x, labels), reference, platform, backend, pipe = _enabled_submodule_pipe()
     emb = pipe.transformer.blocks[0].norm.emb
     interrupt = _InterruptOutsideCall()
     handle = emb.register_forward_pre_hook(interrupt)  # runs after the part hook
@@ -226,13 +233,7 @@ def test_parts_carry_a_permanent_post_hook_where_torch_would_not_run_a_one_shot(
 
     assert layerwise._one_shot_post_hooks_run()  # the pinned torch: the cheap path is in use
     monkeypatch.setattr(layerwise, "_one_shot_post_hooks_run", lambda: False)
-    x, labels = torch.randn(2, 16), torch.tensor([1, 7])
-    with torch.inference_mode():
-        reference = _submodule_pipe()(x, labels)
-    platform = CpuPlatform(race_amplifier=True)
-    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
-    pipe = _submodule_pipe()
-    backend.enable(pipe)
+    (x, labels), reference, platform, backend, pipe = _enabled_submodule_pipe()
     parts = sum(1 for m in pipe.transformer.modules() if "offload_ref.layerwise.part"
                 in m.__dict__.get("_offload_ref_hooks", {}))
     assert _forward_hooks(pipe) == len(pipe.transformer.blocks) + parts
@@ -253,13 +254,7 @@ def test_another_threads_call_of_a_block_part_is_refused_and_leaves_the_outside_
 
     from offload_ref import OffloadConcurrencyError
 
-    x, labels = torch.randn(2, 16), torch.tensor([1, 7])
-    with torch.inference_mode():
-        reference = _submodule_pipe()(x, labels, steps=1)
-    platform = CpuPlatform(race_amplifier=True)
-    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
-    pipe = _submodule_pipe()
-    backend.enable(pipe)
+    (x, labels), reference, platform, backend, pipe = _enabled_submodule_pipe(steps=1)
     emb = pipe.transformer.blocks[0].norm.emb
     inside, other_done = threading.Event(), threading.Event()
     main = threading.get_ident()
