@@ -1,0 +1,103 @@
+"""Instructions per block of layerwise host overhead, counted by valgrind's callgrind.
+
+Wall-clock figures of a few microseconds per block move by 2x on a shared machine from one run
+to the next; instruction counts do not (they vary by well under 1 % between runs).  This script
+runs the many-blocks DiT (``offload_ref.fixtures.many_blocks``: 64 x ``nn.Linear(8, 8)``) under
+callgrind with instrumentation switched on only around ``--forwards`` warm forwards, once per
+variant, and prints the instructions per block above the resident model:
+
+* ``hooks``: no-op forward pre- and post-hooks on every block and a no-op pre-hook on its
+  ``nn.Linear`` (what torch's hook dispatch alone costs for the hooks layerwise installs);
+* ``layerwise``: offload-ref layerwise on the inline-stream platform (Note [Per-block overhead]
+  in ``offload_ref/bench.py``).
+
+Usage: ``python ci/per_block_instructions.py [--forwards N]`` (needs ``valgrind`` on PATH; about
+a minute per variant).  Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+BLOCKS = 64
+VARIANTS = ("resident", "hooks", "layerwise")
+
+
+def _child(variant: str, forwards: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from offload_ref.backends.layerwise import LayerWiseOffloadBackend
+    from offload_ref.config import OffloadConfig, OffloadStrategy
+    from offload_ref.fixtures.many_blocks import build_pipeline, make_input
+    from offload_ref.platform.inline import InlinePlatform
+
+    pipe = build_pipeline(0, BLOCKS)
+    x = make_input(0)
+    backend = None
+    if variant == "hooks":
+        def pre(module, args, kwargs):
+            return None
+
+        def post(module, args, kwargs, output):
+            return None
+
+        for block in pipe.transformer.blocks:
+            block.register_forward_pre_hook(pre, with_kwargs=True)
+            block.register_forward_hook(post, with_kwargs=True, always_call=True)
+            block.fc.register_forward_pre_hook(pre, with_kwargs=True)
+    elif variant == "layerwise":
+        backend = LayerWiseOffloadBackend(OffloadConfig(strategy=OffloadStrategy.LAYER_WISE),
+                                          InlinePlatform())
+        backend.enable(pipe)
+    control = ["callgrind_control", "-i"]
+    with torch.inference_mode():
+        for _ in range(5):
+            pipe.transformer(x)
+        subprocess.run([*control, "on", str(os.getpid())], check=True, capture_output=True)
+        for _ in range(forwards):
+            pipe.transformer(x)
+        subprocess.run([*control, "off", str(os.getpid())], check=True, capture_output=True)
+    if backend is not None:
+        backend.disable()
+
+
+def _count(variant: str, forwards: int) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+               f"--callgrind-out-file={os.path.join(tmp, 'out')}",
+               sys.executable, __file__, "--child", variant, "--forwards", str(forwards)]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise SystemExit(f"{variant}: valgrind failed:\n{run.stderr[-2000:]}")
+        found = re.search(r"Collected : (\d+)", run.stderr)
+        if found is None:
+            raise SystemExit(f"{variant}: no instruction count in valgrind's output")
+        return int(found.group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--forwards", type=int, default=30)
+    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child, args.forwards)
+        return
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("valgrind (with callgrind_control) is not on PATH")
+    per_forward = {v: _count(v, args.forwards) / args.forwards for v in VARIANTS}
+    base = per_forward["resident"]
+    print(f"{'variant':<10} {'instructions / forward':>24} {'over resident / block':>22}")
+    for v in VARIANTS:
+        print(f"{v:<10} {per_forward[v]:>24,.0f} {(per_forward[v] - base) / BLOCKS:>22,.0f}")
+
+
+if __name__ == "__main__":
+    main()
