@@ -136,14 +136,21 @@ def _one_shot_post_hooks_run() -> bool:
     """Whether this torch runs a forward hook that a forward pre-hook registered during the
     same call (Note [One-shot part post-hooks])."""
     fired: list[bool] = []
-    probe = nn.Identity()
+    probe = _Probe()
 
     def pre(module: nn.Module, args: tuple) -> None:
         module.register_forward_hook(lambda m, a, out: fired.append(True), always_call=True)
 
     probe.register_forward_pre_hook(pre)
-    probe(torch.zeros(()))
+    probe()
     return bool(fired)
+
+
+class _Probe(nn.Module):
+    """A module whose call touches no tensor (the probe may run under a user's torch mode)."""
+
+    def forward(self) -> None:
+        return None
 
 
 class LayerwisePartHook(ModelHook):
