@@ -169,6 +169,34 @@ class _LineInterrupter:
         sys.settrace(None)
 
 
+def _interrupt_everywhere(generate, reference: torch.Tensor, positions: int,
+                          check=lambda where: None) -> None:
+    """Interrupt ``generate()`` at ``positions`` line events spread over the offloader's work
+    of one generation; after each, a generation must be exact and ``check(where)`` pass."""
+    with _LineInterrupter(None) as counter:
+        assert torch.equal(generate(), reference)
+    total = counter.count
+    assert total > positions
+    interrupted = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about silenced always_call hook errors
+        for i in range(positions):
+            at = 1 + i * (total - 1) // (positions - 1)
+            try:
+                with _LineInterrupter(at):
+                    generate()
+            except KeyboardInterrupt:
+                interrupted += 1
+            where = f"interrupt at line event {at} of {total}"
+            try:
+                out = generate()
+            except StreamOrderError as exc:
+                pytest.fail(f"{where}: {exc}")
+            assert torch.equal(out, reference), where
+            check(where)
+    assert interrupted >= positions * 9 // 10
+
+
 @pytest.mark.parametrize("name,strategy,positions", [("flux2", "layer_wise", 100),
                                                      ("wan22_t2v", "model_level", 80)])
 def test_an_interrupt_at_any_line_of_the_hook_work_is_recovered(name: str, strategy: str,
@@ -179,26 +207,7 @@ def test_an_interrupt_at_any_line_of_the_hook_work_is_recovered(name: str, strat
     backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
     pipeline = spec.build()
     backend.enable(pipeline)
-    with _LineInterrupter(None) as counter:
-        assert torch.equal(_generate(spec, pipeline), reference)
-    total = counter.count
-    assert total > positions
-    interrupted = 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch warns about silenced always_call hook errors
-        for i in range(positions):
-            at = 1 + i * (total - 1) // (positions - 1)
-            try:
-                with _LineInterrupter(at):
-                    _generate(spec, pipeline)
-            except KeyboardInterrupt:
-                interrupted += 1
-            try:
-                out = _generate(spec, pipeline)
-            except StreamOrderError as exc:
-                pytest.fail(f"interrupt at line event {at} of {total}: {exc}")
-            assert torch.equal(out, reference), f"interrupt at line event {at} of {total}"
-    assert interrupted >= positions * 9 // 10
+    _interrupt_everywhere(lambda: _generate(spec, pipeline), reference, positions)
     assert not platform.hazards, platform.hazards[:1]
     backend.disable()
     assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
@@ -325,3 +334,4 @@ def test_a_copy_stream_fault_surfaces_and_a_re_enable_starts_clean(monkeypatch) 
         assert torch.equal(_generate(spec, pipeline), reference)
     backend.disable()
     platform.close()
+
