@@ -142,10 +142,12 @@ _RUNTIME = os.path.join(_PACKAGE, "platform") + os.sep
 
 
 class _LineInterrupter:
-    """Counts line events in the offloader's frames; raises KeyboardInterrupt at the ``at``-th."""
+    """Counts line events in the offloader's frames; raises KeyboardInterrupt at the ``at``-th,
+    or with ``line=(filename, lineno)`` at the first line event of that line."""
 
-    def __init__(self, at: int | None) -> None:
+    def __init__(self, at: int | None, *, line: tuple[str, int] | None = None) -> None:
         self.at = at
+        self.line = line
         self.count = 0
 
     def _global(self, frame, event, arg):
@@ -159,6 +161,10 @@ class _LineInterrupter:
             self.count += 1
             if self.count == self.at:
                 raise KeyboardInterrupt(f"line event {self.at}")
+            if self.line is not None and (frame.f_code.co_filename, frame.f_lineno) == self.line:
+                self.line = None
+                self.at = self.count  # fired: ``at`` says where
+                raise KeyboardInterrupt(f"line {frame.f_lineno}")
         return self._local
 
     def __enter__(self) -> _LineInterrupter:
@@ -335,3 +341,57 @@ def test_a_copy_stream_fault_surfaces_and_a_re_enable_starts_clean(monkeypatch) 
     backend.disable()
     platform.close()
 
+
+def test_an_interrupt_at_any_line_of_an_outside_part_call_is_recovered() -> None:
+    # The model calls a part of block 0 after its block loop (Note [Block parts] in ring.py);
+    # a KeyboardInterrupt at any line of the offloader's work, the one-shot post-hook of that
+    # call included (Note [One-shot part post-hooks] in layerwise.py), leaves the next
+    # generation exact and no post-hook behind.
+    from test_backend_edges import _forward_hooks, _submodule_pipe
+
+    x, labels = torch.randn(2, 16), torch.tensor([1, 7])
+    with torch.inference_mode():
+        reference = _submodule_pipe()(x, labels)
+    platform = CpuPlatform(race_amplifier=True, max_delay_s=0.0005)
+    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
+    pipeline = _submodule_pipe()
+    backend.enable(pipeline)
+    enabled = _forward_hooks(pipeline)
+
+    def generate() -> torch.Tensor:
+        with torch.inference_mode():
+            return pipeline(x, labels)
+
+    def no_hook_left(where: str) -> None:
+        assert _forward_hooks(pipeline) == enabled, where
+
+    _interrupt_everywhere(generate, reference, 60, no_hook_left)
+    assert not platform.hazards, platform.hazards[:1]
+    backend.disable()
+    assert _forward_hooks(pipeline) == 0
+    assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
+    platform.close()
+
+
+def test_an_interrupt_between_registering_and_recording_a_one_shot_leaks_no_hook() -> None:
+    # The line event that records a just-registered one-shot post-hook as pending: the hook
+    # exists and nothing knows of it yet, so the pre-hook's own handler must remove it.
+    import inspect
+
+    from offload_ref.backends import layerwise
+    from test_backend_edges import _enabled_submodule_pipe, _forward_hooks
+
+    lines, first = inspect.getsourcelines(layerwise.LayerwisePartHook.pre_forward)
+    lineno = first + next(i for i, line in enumerate(lines) if "self._pending.append(" in line)
+    (x, labels), reference, platform, backend, pipeline = _enabled_submodule_pipe()
+    enabled = _forward_hooks(pipeline)
+    interrupter = _LineInterrupter(None, line=(inspect.getsourcefile(layerwise), lineno))
+    with pytest.raises(KeyboardInterrupt), interrupter, torch.inference_mode():
+        pipeline(x, labels)
+    assert interrupter.at is not None  # it fired on that line
+    with torch.inference_mode():
+        assert torch.equal(pipeline(x, labels), reference)
+    assert _forward_hooks(pipeline) == enabled
+    backend.disable()
+    assert _forward_hooks(pipeline) == 0
+    platform.close()

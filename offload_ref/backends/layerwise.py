@@ -182,6 +182,7 @@ class LayerwisePartHook(ModelHook):
         if not block.guard.enter(self.path, frame):
             return None
         self._outside += 1
+        handle = None
         try:
             if type(self).post_forward is ModelHook.post_forward:  # one-shot post-hooks
                 handle = module.register_forward_hook(self._post_outside, with_kwargs=True,
@@ -198,7 +199,9 @@ class LayerwisePartHook(ModelHook):
                 self.ring.before_part(self.index, frame)
         except BaseException:
             self._outside -= 1
-            self._drop_pending(frame)
+            if handle is not None:  # registered, and perhaps not yet recorded as pending
+                self._pending = [p for p in self._pending if p[0] is not handle]
+                handle.remove()
             block.guard.exit(frame)
             raise
         return None
