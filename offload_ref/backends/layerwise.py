@@ -200,8 +200,8 @@ class LayerwisePartHook(ModelHook):
         except BaseException:
             self._outside -= 1
             if handle is not None:  # registered, and perhaps not yet recorded as pending
-                self._pending = [p for p in self._pending if p[0] is not handle]
                 handle.remove()
+                self._pending = [p for p in self._pending if p[0] is not handle]
             block.guard.exit(frame)
             raise
         return None
@@ -230,9 +230,12 @@ class LayerwisePartHook(ModelHook):
         return None
 
     def _drop_pending(self, frame: FrameType | None) -> None:
+        # Each handle is removed before it is forgotten: an interrupt in between leaves a removed
+        # handle recorded (removing it again does nothing), never a live one unrecorded.
         for i in range(len(self._pending) - 1, -1, -1):
             if self._pending[i][1] is frame:
-                self._pending.pop(i)[0].remove()
+                self._pending[i][0].remove()
+                del self._pending[i]
                 return
 
     def _drop_stale(self) -> None:
@@ -246,7 +249,8 @@ class LayerwisePartHook(ModelHook):
     def remove_pending(self) -> None:
         """Remove every one-shot post-hook still registered (``disable()``)."""
         while self._pending:
-            self._pending.pop()[0].remove()
+            self._pending[-1][0].remove()
+            del self._pending[-1]
 
 
 class _PermanentPostPartHook(LayerwisePartHook):
