@@ -297,3 +297,31 @@ def test_another_threads_call_of_a_block_part_is_refused_and_leaves_the_outside_
     backend.disable()
     assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
     platform.close()
+
+
+def test_an_outside_part_call_that_raises_surfaces_its_own_error() -> None:
+    # torch runs always_call hooks of a failed forward while iterating the module's hook dict
+    # itself: a one-shot post-hook that removed itself there would replace the model's error
+    # with "dictionary changed size during iteration" (Note [One-shot part post-hooks]).
+    (x, labels), reference, platform, backend, pipe = _enabled_submodule_pipe()
+    emb = pipe.transformer.blocks[0].norm.emb
+    enabled = _forward_hooks(pipe)
+    calls = {"n": 0}
+
+    def fail_outside(module: nn.Module, args: tuple) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first outside call: a hook registered after the one-shot
+            module.register_forward_hook(lambda m, a, out: None, always_call=True)
+            raise ValueError("the model's own error")
+
+    handle = emb.register_forward_pre_hook(fail_outside)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="the model's own error"):
+            pipe(x, labels)
+        for _ in range(2):
+            assert torch.equal(pipe(x, labels), reference)
+    assert _forward_hooks(pipe) == enabled + 1  # the hook fail_outside added
+    handle.remove()
+    backend.disable()
+    assert _forward_hooks(pipe) == 1
+    platform.close()

@@ -24,7 +24,14 @@ from ..host import storage_key
 from ..plan import ResolvedOffloadPlan, pipeline_state
 from .base import OffloadBackend
 from .groups import ComponentSwapper
-from .guard import CallGuard, OffloadWeightEditError, _on_stack, call_frame, refuse_autograd
+from .guard import (
+    _INNER_CODE,
+    CallGuard,
+    OffloadWeightEditError,
+    _on_stack,
+    call_frame,
+    refuse_autograd,
+)
 from .ring import BlockRing, Transport, _Placeholders
 from .transaction import Transaction, rebind_restored
 
@@ -128,7 +135,9 @@ class LayerwiseOffloadHook(ModelHook):
 #     not hold.  A post-hook left behind by an interrupted call (a KeyboardInterrupt skips
 #     ``always_call`` hooks) finds its frame gone when it next fires and removes itself; the
 #     ring recovers the block as from any interrupted forward (Note [Interrupted blocks]);
-#     ``disable()`` removes any that are left.
+#     ``disable()`` removes any that are left.  A post-hook that fires for a forward that raised
+#     does not remove itself (torch is iterating the hook dict then): it is retired, and the
+#     next firing of the part's post-hooks removes it.
 
 
 @functools.cache
@@ -141,6 +150,8 @@ def _one_shot_post_hooks_run() -> bool:
     def pre(module: nn.Module, args: tuple) -> None:
         module.register_forward_hook(lambda m, a, out: fired.append(True), always_call=True)
 
+    if _INNER_CODE is None:  # not torch's known call path: a handle could not tell when to go
+        return False
     probe.register_forward_pre_hook(pre)
     probe()
     return bool(fired)
@@ -171,6 +182,7 @@ class LayerwisePartHook(ModelHook):
         # The one-shot post-hooks of outside calls in progress: (handle, the call's frame, its
         # thread).  Torch runs a module's hooks in whichever thread calls it.
         self._pending: list[tuple[RemovableHandle, FrameType | None, int]] = []
+        self._retired: list[RemovableHandle] = []  # spent, to remove at a safe point
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         running = self.ring._running
@@ -209,10 +221,17 @@ class LayerwisePartHook(ModelHook):
     def _post_outside(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """The one-shot post-hook of an outside call (Note [One-shot part post-hooks])."""
         frame = call_frame()
+        # After a forward that returned, torch runs forward hooks from ``inner`` over a copy of
+        # the module's hook dict; after one that raised, from ``_call_impl`` over the dict
+        # itself, where removing a hook would replace the model's error with "OrderedDict
+        # mutated during iteration".  There a handle is retired, and removed by the next firing.
+        now = sys._getframe(1).f_code is _INNER_CODE
+        if now and self._retired:
+            self._remove_retired()
         if not any(f is frame for _, f, _ in self._pending):
-            self._drop_stale()
+            self._drop_stale(now)
             return None  # another call of the same part (nested, or another thread's)
-        self._drop_pending(frame)
+        self._drop_pending(frame, now)
         self._finish_outside(frame)
         return None
 
@@ -229,25 +248,34 @@ class LayerwisePartHook(ModelHook):
             self.block_hook.guard.exit(frame)
         return None
 
-    def _drop_pending(self, frame: FrameType | None) -> None:
-        # Each handle is removed before it is forgotten: an interrupt in between leaves a removed
-        # handle recorded (removing it again does nothing), never a live one unrecorded.
+    def _drop_pending(self, frame: FrameType | None, now: bool = True) -> None:
+        # Each handle is removed (or retired) before it is forgotten: an interrupt in between
+        # leaves it recorded twice (removing it again does nothing), never live and unrecorded.
         for i in range(len(self._pending) - 1, -1, -1):
             if self._pending[i][1] is frame:
-                self._pending[i][0].remove()
+                if now:
+                    self._pending[i][0].remove()
+                else:
+                    self._retired.append(self._pending[i][0])
                 del self._pending[i]
                 return
 
-    def _drop_stale(self) -> None:
+    def _drop_stale(self, now: bool = True) -> None:
         """Remove the post-hooks of outside calls that ended without them (an interrupt): their
         frame is no longer on their thread's stack, or their thread is gone."""
         stacks = sys._current_frames()
         for _, f, thread in list(self._pending):
             if f is not None and not _on_stack(f, stacks.get(thread)):
-                self._drop_pending(f)
+                self._drop_pending(f, now)
+
+    def _remove_retired(self) -> None:
+        while self._retired:
+            self._retired[-1].remove()
+            del self._retired[-1]
 
     def remove_pending(self) -> None:
         """Remove every one-shot post-hook still registered (``disable()``)."""
+        self._remove_retired()
         while self._pending:
             self._pending[-1][0].remove()
             del self._pending[-1]
