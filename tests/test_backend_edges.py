@@ -325,3 +325,82 @@ def test_an_outside_part_call_that_raises_surfaces_its_own_error() -> None:
     backend.disable()
     assert _forward_hooks(pipe) == 1
     platform.close()
+
+
+class _HeadBlock(nn.Module):
+    """A block whose ``head`` only the model calls, after the block loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class _HeadDit(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_HeadBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.blocks[0].head(x)
+
+
+class _HeadPipe(nn.Module, SupportsComponentDiscovery):
+    _dit_modules = ["transformer"]
+    _vae_modules: list[str] = []
+    _offload_plan = OffloadPlan(block_attrs={"transformer": ("blocks",)})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = _HeadDit()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer(x)
+
+
+def _head_pipe() -> _HeadPipe:
+    torch.manual_seed(0)
+    return _HeadPipe().eval().requires_grad_(False)
+
+
+def test_an_interrupted_call_of_a_part_used_only_outside_its_block_recovers() -> None:
+    # Ctrl-C inside the outside call of a part its block never calls: the call's post-hook is
+    # left behind, and the next outside call registers its own.  Each post-hook removes only
+    # itself, so the next call is exact (a hook that removed the other's, still in torch's list
+    # for that call, got called with the wrong arguments).
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        reference = _head_pipe()(x)
+    platform = CpuPlatform(race_amplifier=True)
+    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
+    pipe = _head_pipe()
+    backend.enable(pipe)
+    head = pipe.transformer.blocks[0].head
+    armed = {"on": False}
+
+    def interrupt(module: nn.Module, args: tuple) -> None:
+        if armed["on"]:
+            armed["on"] = False
+            raise KeyboardInterrupt
+
+    handle = head.register_forward_pre_hook(interrupt)  # runs after the part hook
+    enabled = _forward_hooks(pipe)
+    with torch.inference_mode():
+        assert torch.equal(pipe(x), reference)
+        armed["on"] = True
+        with pytest.raises(KeyboardInterrupt):
+            pipe(x)
+        assert _forward_hooks(head) == 1  # the interrupted call's post-hook stayed
+        for _ in range(3):
+            assert torch.equal(pipe(x), reference)
+            assert _forward_hooks(pipe) == enabled
+    handle.remove()
+    backend.disable()
+    assert _forward_hooks(pipe) == 0
+    assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
+    platform.close()

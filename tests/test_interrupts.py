@@ -373,16 +373,16 @@ def test_an_interrupt_at_any_line_of_an_outside_part_call_is_recovered() -> None
     platform.close()
 
 
-def test_an_interrupt_between_registering_and_recording_a_one_shot_leaks_no_hook() -> None:
-    # The line event that records a just-registered one-shot post-hook as pending: the hook
-    # exists and nothing knows of it yet, so the pre-hook's own handler must remove it.
+def test_an_interrupt_right_after_registering_a_one_shot_leaks_no_hook() -> None:
+    # The first line event after a one-shot post-hook is registered: the call will not run, so
+    # the pre-hook's own handler must remove the hook.
     import inspect
 
     from offload_ref.backends import layerwise
     from test_backend_edges import _enabled_submodule_pipe, _forward_hooks
 
     lines, first = inspect.getsourcelines(layerwise.LayerwisePartHook.pre_forward)
-    lineno = first + next(i for i, line in enumerate(lines) if "self._pending.append(" in line)
+    lineno = first + next(i for i, line in enumerate(lines) if "refuse_autograd(" in line)
     (x, labels), reference, platform, backend, pipeline = _enabled_submodule_pipe()
     enabled = _forward_hooks(pipeline)
     interrupter = _LineInterrupter(None, line=(inspect.getsourcefile(layerwise), lineno))

@@ -9,6 +9,7 @@ import functools
 import sys
 import threading
 import warnings
+import weakref
 from types import FrameType
 from typing import Any
 
@@ -127,17 +128,24 @@ class LayerwiseOffloadHook(ModelHook):
 #     block's own pair, and a post-hook adds a third of that again.  Only a call from outside
 #     the block (rare: Note [Block parts] in ring.py) needs a post-hook, so the part carries a
 #     pre-hook alone, and that pre-hook registers a post-hook (``always_call``) for the outside
-#     call it lets run; the post-hook removes itself when it fires for that call (it knows the
-#     call by its ``nn.Module`` frame, so a nested outside call of the same part is finished by
-#     its own post-hook).  torch reads a module's forward hooks after its forward runs, so a
+#     call it lets run.  torch reads a module's forward hooks after its forward runs, so a
 #     post-hook registered by a pre-hook runs for the same call; ``_one_shot_post_hooks_run``
-#     checks that on the running torch once, and parts carry a permanent post-hook where it does
-#     not hold.  A post-hook left behind by an interrupted call (a KeyboardInterrupt skips
-#     ``always_call`` hooks) finds its frame gone when it next fires and removes itself; the
-#     ring recovers the block as from any interrupted forward (Note [Interrupted blocks]);
-#     ``disable()`` removes any that are left.  A post-hook that fires for a forward that raised
-#     does not remove itself (torch is iterating the hook dict then): it is retired, and the
-#     next firing of the part's post-hooks removes it.
+#     checks that on the running torch once, and parts carry a permanent post-hook where it
+#     does not hold.
+#
+#     Each such post-hook carries its own :class:`_OneShot` (the call's ``nn.Module`` frame and
+#     thread) and only ever removes itself: torch calls every hook of its list for the call
+#     (a hook removed by another one before its turn would be called with the wrong
+#     arguments).  When it fires for its own call it finishes the call and removes itself;
+#     for a call that is over without it (a KeyboardInterrupt skips ``always_call`` hooks; the
+#     ring recovers the block as from any interrupted forward, Note [Interrupted blocks]) it
+#     removes itself; for another live call of the part (nested, or another thread's refused
+#     call) it does nothing.  After a forward that raised, torch runs the hooks over the
+#     module's hook dict itself, not a copy, and a hook removing itself there would replace
+#     the model's error with "OrderedDict mutated during iteration"; so there it only marks
+#     itself done, and its next firing removes it.  A second thread's refused call can still
+#     see that error (with OffloadConcurrencyError as its context) if the first thread's hook
+#     removes itself meanwhile.  ``disable()`` removes every one still registered.
 
 
 @functools.cache
@@ -150,10 +158,13 @@ def _one_shot_post_hooks_run() -> bool:
     def pre(module: nn.Module, args: tuple) -> None:
         module.register_forward_hook(lambda m, a, out: fired.append(True), always_call=True)
 
-    if _INNER_CODE is None:  # not torch's known call path: a handle could not tell when to go
+    if _INNER_CODE is None:  # not torch's known call path: a hook could not tell when to go
         return False
     probe.register_forward_pre_hook(pre)
-    probe()
+    try:
+        probe()
+    except Exception:  # noqa: BLE001 - e.g. a user's global module hook: keep permanent hooks
+        return False
     return bool(fired)
 
 
@@ -162,6 +173,39 @@ class _Probe(nn.Module):
 
     def forward(self) -> None:
         return None
+
+
+class _OneShot:
+    """The post-hook of one outside call of a part (Note [One-shot part post-hooks])."""
+
+    __slots__ = ("done", "frame", "handle", "module", "thread")
+
+    def __init__(self, module: nn.Module, frame: FrameType | None) -> None:
+        self.module = weakref.ref(module)
+        self.frame = frame
+        self.thread = threading.get_ident()
+        self.handle: RemovableHandle | None = None
+        self.done = False  # the call is finished (or over); the hook is only left to remove
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            return
+        # Interrupted inside torch's register_forward_hook, after it stored the hook and before
+        # it returned the handle: find the hook by its own _OneShot.
+        module = self.module()
+        hooks = getattr(module, "_forward_hooks", None) or {}
+        for key, hook in list(hooks.items()):
+            if isinstance(hook, functools.partial) and hook.args[:1] == (self,):
+                del hooks[key]
+                for flags in (getattr(module, "_forward_hooks_with_kwargs", {}),
+                              getattr(module, "_forward_hooks_always_called", {})):
+                    flags.pop(key, None)
+
+    def over(self) -> bool:
+        """Whether its call has ended (its frame is no longer on its thread's stack)."""
+        return self.frame is not None and not _on_stack(
+            self.frame, sys._current_frames().get(self.thread))
 
 
 class LayerwisePartHook(ModelHook):
@@ -179,10 +223,8 @@ class LayerwisePartHook(ModelHook):
         # (an interrupted one stays counted: its post-hooks then take the full path, as before).
         # Zero in the steady state, so an in-block post-hook returns at once.
         self._outside = 0
-        # The one-shot post-hooks of outside calls in progress: (handle, the call's frame, its
-        # thread).  Torch runs a module's hooks in whichever thread calls it.
-        self._pending: list[tuple[RemovableHandle, FrameType | None, int]] = []
-        self._retired: list[RemovableHandle] = []  # spent, to remove at a safe point
+        # The one-shot post-hooks registered and not yet removed (``disable()`` removes them).
+        self._one_shots: list[_OneShot] = []
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         running = self.ring._running
@@ -194,12 +236,14 @@ class LayerwisePartHook(ModelHook):
         if not block.guard.enter(self.path, frame):
             return None
         self._outside += 1
-        handle = None
+        one_shot = None
         try:
             if type(self).post_forward is ModelHook.post_forward:  # one-shot post-hooks
-                handle = module.register_forward_hook(self._post_outside, with_kwargs=True,
-                                                      always_call=True)
-                self._pending.append((handle, frame, threading.get_ident()))
+                one_shot = _OneShot(module, frame)
+                self._one_shots.append(one_shot)
+                one_shot.handle = module.register_forward_hook(
+                    functools.partial(self._post_outside, one_shot), with_kwargs=True,
+                    always_call=True)
             refuse_autograd(block.path, block.names, self.ring.groups[self.index].tensors)
             edited = block.edited()
             if edited:
@@ -211,29 +255,38 @@ class LayerwisePartHook(ModelHook):
                 self.ring.before_part(self.index, frame)
         except BaseException:
             self._outside -= 1
-            if handle is not None:  # registered, and perhaps not yet recorded as pending
-                handle.remove()
-                self._pending = [p for p in self._pending if p[0] is not handle]
+            if one_shot is not None:  # inside a pre-hook torch holds a copy of the hooks
+                self._remove(one_shot)
             block.guard.exit(frame)
             raise
         return None
 
-    def _post_outside(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """The one-shot post-hook of an outside call (Note [One-shot part post-hooks])."""
-        frame = call_frame()
-        # After a forward that returned, torch runs forward hooks from ``inner`` over a copy of
-        # the module's hook dict; after one that raised, from ``_call_impl`` over the dict
-        # itself, where removing a hook would replace the model's error with "OrderedDict
-        # mutated during iteration".  There a handle is retired, and removed by the next firing.
-        now = sys._getframe(1).f_code is _INNER_CODE
-        if now and self._retired:
-            self._remove_retired()
-        if not any(f is frame for _, f, _ in self._pending):
-            self._drop_stale(now)
-            return None  # another call of the same part (nested, or another thread's)
-        self._drop_pending(frame, now)
-        self._finish_outside(frame)
+    def _post_outside(self, one_shot: _OneShot, module: nn.Module, args: tuple,
+                      *rest: Any) -> None:
+        """The post-hook of one outside call (Note [One-shot part post-hooks]); ``rest`` is
+        ``(kwargs, output)``."""
+        # After a forward that returned, torch runs the hooks from ``inner`` over a copy of the
+        # module's hook dict, where a hook may remove itself (functools.partial adds no frame).
+        safe = sys._getframe(1).f_code is _INNER_CODE
+        if not one_shot.done:
+            frame = call_frame()
+            if frame is one_shot.frame:
+                one_shot.done = True
+                self._finish_outside(frame)
+            elif one_shot.over():
+                one_shot.done = True
+            else:
+                return None  # another live call of this part (nested, or another thread's)
+        if safe:
+            self._remove(one_shot)
         return None
+
+    def _remove(self, one_shot: _OneShot) -> None:
+        # Removed before it is forgotten: an interrupt in between leaves a removed hook listed
+        # (removing it again does nothing), never a registered one unlisted.
+        one_shot.remove()
+        if one_shot in self._one_shots:
+            self._one_shots.remove(one_shot)
 
     def _finish_outside(self, frame: FrameType | None) -> None:
         if not self._outside or not self.ring.is_running(self.index):
@@ -248,37 +301,10 @@ class LayerwisePartHook(ModelHook):
             self.block_hook.guard.exit(frame)
         return None
 
-    def _drop_pending(self, frame: FrameType | None, now: bool = True) -> None:
-        # Each handle is removed (or retired) before it is forgotten: an interrupt in between
-        # leaves it recorded twice (removing it again does nothing), never live and unrecorded.
-        for i in range(len(self._pending) - 1, -1, -1):
-            if self._pending[i][1] is frame:
-                if now:
-                    self._pending[i][0].remove()
-                else:
-                    self._retired.append(self._pending[i][0])
-                del self._pending[i]
-                return
-
-    def _drop_stale(self, now: bool = True) -> None:
-        """Remove the post-hooks of outside calls that ended without them (an interrupt): their
-        frame is no longer on their thread's stack, or their thread is gone."""
-        stacks = sys._current_frames()
-        for _, f, thread in list(self._pending):
-            if f is not None and not _on_stack(f, stacks.get(thread)):
-                self._drop_pending(f, now)
-
-    def _remove_retired(self) -> None:
-        while self._retired:
-            self._retired[-1].remove()
-            del self._retired[-1]
-
     def remove_pending(self) -> None:
         """Remove every one-shot post-hook still registered (``disable()``)."""
-        self._remove_retired()
-        while self._pending:
-            self._pending[-1][0].remove()
-            del self._pending[-1]
+        while self._one_shots:
+            self._remove(self._one_shots[-1])
 
 
 class _PermanentPostPartHook(LayerwisePartHook):
