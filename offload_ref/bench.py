@@ -335,14 +335,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 # -- per-block host overhead, peers, growth (issue 12) -------------------------------------------
 
 def _interleaved_cpu(fns: dict[str, Callable[[], Any]], repeats: int,
-                     sync: Callable[[], None] | dict[str, Callable[[], None]], *,
+                     syncs: dict[str, Callable[[], None]], *,
                      calls: int = 1) -> tuple[dict[str, float], dict[str, float]]:
     """Like :func:`_interleaved`, returning medians of wall seconds and of this thread's CPU
     seconds per call (the CPU time of the calling thread does not count the time the machine
-    gave to other processes, so it is the steadier figure on a loaded machine).  ``sync`` is
-    one callable for all, or each function's own (then no function's time includes another's
-    synchronize); each sample times ``calls`` back-to-back calls and one sync."""
-    syncs = sync if isinstance(sync, dict) else {name: sync for name in fns}
+    gave to other processes, so it is the steadier figure on a loaded machine).  ``syncs``
+    holds each function's own synchronize (so no function's time includes another's); each
+    sample times ``calls`` back-to-back calls and one synchronize."""
     wall: dict[str, list[float]] = {name: [] for name in fns}
     cpu: dict[str, list[float]] = {name: [] for name in fns}
     for name, fn in fns.items():

@@ -410,11 +410,12 @@ class BlockRing:
     #     ready event), or placeholders.  Every tensor-owning submodule of a block carries a part
     #     pre-hook (layerwise.py) that does nothing while the block runs in the calling thread
     #     and otherwise calls ``before_part``, and registers a post-hook for that call alone that
-    #     calls ``after_part`` (Note [One-shot part post-hooks] in layerwise.py): the block is loaded if it is not materialized, compute
-    #     waits for its ready event and the part runs as a running block (so no prefetch refills
-    #     its slot meanwhile); afterwards the slot's free event is recorded after the part's reads
-    #     and the block stays bound (it is usually the block predicted next).  The call order is
-    #     not observed: a part call is no block call.
+    #     calls ``after_part`` (Note [One-shot part post-hooks] in layerwise.py): the block is
+    #     loaded if it is not materialized, compute waits for its ready event and the part runs
+    #     as a running block (so no prefetch refills its slot meanwhile); afterwards the slot's
+    #     free event is recorded after the part's reads and the block stays bound (it is usually
+    #     the block predicted next).  The call order is not observed: a part call is no block
+    #     call.
 
     def is_running(self, k: int) -> bool:
         for r, _ in self._running:
