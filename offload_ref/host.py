@@ -165,7 +165,7 @@ class Layout:
         self.alignment = alignment
         by_storage: dict[tuple[str, int], list[int]] = {}
         for i, (name, t) in enumerate(tensors):
-            if t.device.type == "meta":
+            if t.is_meta:  # a property read: formatting ``t.device`` costs ~1 µs per tensor
                 raise ValueError(
                     f"cannot offload {name!r}: it is a meta tensor (never materialized); load its "
                     "weights before enabling offload"

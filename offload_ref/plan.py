@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .config import ENCODER_KINDS, OffloadConfig, OffloadStrategy, WeightTransfer
-from .host import ALLOCATOR_ALIGNMENT, padded_span_bytes
+from .host import ALLOCATOR_ALIGNMENT, padded_span_bytes, storage_key
 from .discovery import (
     _MISSING,
     ModuleCycleError,
@@ -1044,7 +1044,7 @@ def _tensors_of(module: nn.Module, prefix: str) -> Iterable[tuple[str, torch.Ten
 
 
 def _has_readable_storage(t: torch.Tensor) -> bool:
-    if t.device.type == "meta":
+    if t.is_meta:
         return True  # rejected later, with its own message (it was never materialized)
     try:
         t.untyped_storage().data_ptr()
@@ -1054,9 +1054,9 @@ def _has_readable_storage(t: torch.Tensor) -> bool:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    if t.device.type == "meta":
+    if t.is_meta:
         return ("meta", id(t))
-    return (str(t.device), t.untyped_storage().data_ptr())
+    return storage_key(t)
 
 
 def _ring_aliases(owner_path, owner, blocks, block_paths) -> tuple[RingAlias, ...]:
