@@ -440,13 +440,37 @@ def _module_attributes(pipeline: Any) -> list[tuple[str, nn.Module]]:
 
 
 def _tensors(*modules: nn.Module) -> list[torch.Tensor]:
+    """The distinct parameters and buffers of ``modules``, in the order of ``parameters()``
+    then ``buffers()`` per module.  The walk reads the modules' registries directly, as
+    ``named_modules`` does: torch's generators cost several times more per module, and the
+    resolver walks each component more than once."""
     seen: set[int] = set()
-    out = []
+    out: list[torch.Tensor] = []
     for module in modules:
-        for t in list(module.parameters()) + [b for b in module.buffers() if b is not None]:
-            if id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
+        subtree = _subtree(module)
+        for registry in ("_parameters", "_buffers"):
+            for m in subtree:
+                for t in m.__dict__.get(registry, {}).values():
+                    if t is not None and id(t) not in seen:
+                        seen.add(id(t))
+                        out.append(t)
+    return out
+
+
+def _subtree(module: nn.Module) -> list[nn.Module]:
+    """``module.modules()``: each module of the subtree once, in pre-order."""
+    out = [module]
+    seen = {id(module)}
+    stack = [iter(module._modules.values())]
+    while stack:
+        for child in stack[-1]:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                out.append(child)
+                stack.append(iter(child._modules.values()))
+                break
+        else:
+            stack.pop()
     return out
 
 
@@ -1035,12 +1059,44 @@ def encoder_kind(plan: OffloadPlan | None, path: str) -> str:
     return "text_encoder"
 
 
-def _tensors_of(module: nn.Module, prefix: str) -> Iterable[tuple[str, torch.Tensor]]:
-    for name, p in module.named_parameters(prefix=prefix, remove_duplicate=False):
-        yield name, p
-    for name, b in module.named_buffers(prefix=prefix, remove_duplicate=False):
-        if b is not None:
-            yield name, b
+def _tensors_of(module: nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """``named_parameters`` then ``named_buffers`` of ``module`` under ``prefix``, every path
+    to a tensor included (``remove_duplicate=False``), None entries skipped; read from the
+    registries directly (see :func:`_tensors`)."""
+    paths = _named_subtree(module, prefix)
+    if paths is None:  # a cycle: torch's own walk reports it (RecursionError), as it did
+        paths = list(module.named_modules(prefix=prefix, remove_duplicate=False))
+    out = []
+    for registry in ("_parameters", "_buffers"):
+        for path, m in paths:
+            for name, t in m.__dict__.get(registry, {}).items():
+                if t is not None:
+                    out.append((f"{path}.{name}" if path else name, t))
+    return out
+
+
+def _named_subtree(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]] | None:
+    """``named_modules(prefix=prefix, remove_duplicate=False)`` as a list (a module reached by
+    two paths is listed under each), or None if a module contains itself."""
+    out = [(prefix, module)]
+    ancestors = [id(module)]
+    stack = [(prefix, iter(module._modules.items()))]
+    while stack:
+        path, children = stack[-1]
+        for name, child in children:
+            if child is None:
+                continue
+            if id(child) in ancestors:
+                return None
+            child_path = f"{path}.{name}" if path else name
+            out.append((child_path, child))
+            ancestors.append(id(child))
+            stack.append((child_path, iter(child._modules.items())))
+            break
+        else:
+            stack.pop()
+            ancestors.pop()
+    return out
 
 
 def _has_readable_storage(t: torch.Tensor) -> bool:
