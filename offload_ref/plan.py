@@ -52,6 +52,7 @@ __all__ = [
     "RingAlias",
     "auto_candidates",
     "encoder_kind",
+    "named_tensors",
     "owned_tensors",
     "pipeline_state",
     "resolve_offload_plan",
@@ -387,7 +388,7 @@ def owned_tensors(plan: ResolvedOffloadPlan,
     inner: set[int] = set()
     for path in comp.nested:
         inner.update(id(t) for t in _tensors(plan.component(path).module))
-    return [(name, t) for name, t in _tensors_of(comp.module, comp.path) if id(t) not in inner]
+    return [(name, t) for name, t in named_tensors(comp.module, comp.path) if id(t) not in inner]
 
 
 def pipeline_state(pipeline: Any, exclude: Iterable[nn.Module]) -> list[tuple[str, torch.Tensor]]:
@@ -478,7 +479,7 @@ def _streamed_tensors(stack: BlockStack, k: int) -> list[torch.Tensor]:
     """Block k's tensors that its ring streams (its shared ones stay resident)."""
     shared = set(stack.shared)
     path = stack.block_paths[stack.resident_head + k]
-    return [t for name, t in _tensors_of(stack.streamed_blocks[k], path) if name not in shared]
+    return [t for name, t in named_tensors(stack.streamed_blocks[k], path) if name not in shared]
 
 
 def _span_bytes(tensors: Iterable[torch.Tensor], alignment: int) -> int:
@@ -584,7 +585,7 @@ class _Resolver:
                                                         found.residents)
                      for path, module in group]
         for prefix, root in roots:
-            for name, t in _tensors_of(root, ""):
+            for name, t in named_tensors(root, ""):
                 if t.layout is not torch.strided:
                     layout = str(t.layout)
                     kind = "sparse" if t.is_sparse or "sparse" in layout else "non-strided"
@@ -1059,7 +1060,7 @@ def encoder_kind(plan: OffloadPlan | None, path: str) -> str:
     return "text_encoder"
 
 
-def _tensors_of(module: nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:
+def named_tensors(module: nn.Module, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """``named_parameters`` then ``named_buffers`` of ``module`` under ``prefix``, every path
     to a tensor included (``remove_duplicate=False``), None entries skipped; read from the
     registries directly (see :func:`_tensors`)."""
@@ -1120,7 +1121,7 @@ def _ring_aliases(owner_path, owner, blocks, block_paths) -> tuple[RingAlias, ..
     in_block: dict[tuple, tuple[str, str]] = {}
     block_tensor_ids: set[int] = set()
     for block, bpath in zip(blocks, block_paths):
-        for name, t in _tensors_of(block, bpath):
+        for name, t in named_tensors(block, bpath):
             block_tensor_ids.add(id(t))
             if t.numel():
                 in_block.setdefault(_storage_key(t), (bpath, name))
@@ -1166,7 +1167,7 @@ def _shared_storages(pipeline: Any,
             for block, bpath in zip(stack.blocks, stack.block_paths):
                 mine.add(id(block))
                 block_ids.add(id(block))
-                for name, t in _tensors_of(block, bpath):
+                for name, t in named_tensors(block, bpath):
                     if t.numel():
                         key = _storage_key(t)
                         block_of.setdefault(key, set()).add(id(block))
@@ -1226,7 +1227,7 @@ def _with_shared(pipeline: Any,
         for stack in comp.stacks:
             mine = set()
             for block, bpath in zip(stack.blocks, stack.block_paths):
-                for name, t in _tensors_of(block, bpath):
+                for name, t in named_tensors(block, bpath):
                     if t.numel() and _storage_key(t) in shared:
                         mine.add(name)
             if not mine:
@@ -1338,7 +1339,7 @@ def resident_state(pipeline: Any,
         for path, module in group:
             if id(module) in excluded:
                 continue
-            for name, t in _tensors_of(module, path):
+            for name, t in named_tensors(module, path):
                 if id(t) not in seen:
                     seen.add(id(t))
                     named.append((name, t))

@@ -68,10 +68,11 @@ class ComponentGroups:
         every change back (the same transaction as the model-level backend).
         """
         from .backends.base import OffloadEnableError
-        from .backends.groups import ComponentSwapper, _named_tensors
+        from .backends.groups import ComponentSwapper
         from .backends.stats import OffloadStats
         from .backends.transaction import Transaction
         from .hooks import HookRegistry
+        from .plan import named_tensors
         from .platform import get_platform
 
         if self._swapper is not None:
@@ -80,9 +81,9 @@ class ComponentGroups:
         stats = OffloadStats()
         swapper = ComponentSwapper(platform, stats)
         txn = Transaction(platform, HookRegistry())
-        residents = [("resident", _named_tensors(m)) for m in (*self._resident, *resident)]
+        residents = [("resident", named_tensors(m)) for m in (*self._resident, *resident)]
         swappable = [
-            (name, _named_tensors(_Group(mods))) for name, mods in self._groups.items()
+            (name, named_tensors(_Group(mods))) for name, mods in self._groups.items()
         ]
         try:
             swapper.prepare(txn, swappable, residents, pin=pin_memory)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from offload_ref.plan import _tensors, _tensors_of
+from offload_ref.plan import _tensors, named_tensors
 
 
 def _torch_named(module: nn.Module, prefix: str) -> list[tuple[str, int]]:
@@ -81,7 +81,7 @@ def _contains(root: nn.Module, target: nn.Module) -> bool:
 @settings(max_examples=150, deadline=None)
 @given(_trees(), st.sampled_from(["", "transformer", "a.b"]))
 def test_tensors_of_lists_every_path_in_torchs_order(tree: nn.Module, prefix: str) -> None:
-    assert [(n, id(t)) for n, t in _tensors_of(tree, prefix)] == _torch_named(tree, prefix)
+    assert [(n, id(t)) for n, t in named_tensors(tree, prefix)] == _torch_named(tree, prefix)
 
 
 @settings(max_examples=150, deadline=None)
@@ -96,7 +96,7 @@ def test_a_module_that_contains_itself_still_fails_as_torchs_walk_does() -> None
     outer = nn.Sequential(nn.Linear(1, 1))
     outer[0].loop = outer
     try:
-        _tensors_of(outer, "")
+        named_tensors(outer, "")
     except RecursionError:
         return
     raise AssertionError("a cyclic tree was walked without an error")

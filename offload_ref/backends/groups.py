@@ -16,7 +16,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from .. import _spans
 from ..host import HostMaster, Layout, aligned_empty, storage_key, unique_tensors
@@ -316,9 +315,3 @@ class ComponentSwapper:
         self.resident = []
         self._unsettled = None
         self._held = set()
-
-
-def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    named = list(module.named_parameters(remove_duplicate=False))
-    named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
-    return named

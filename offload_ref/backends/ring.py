@@ -63,7 +63,7 @@ from torch.autograd import profiler as _profiler
 from .. import _spans
 from ..discovery import get_submodule_path
 from ..host import storage_key
-from ..plan import BlockStack
+from ..plan import BlockStack, named_tensors
 from ..platform import Platform
 from ..platform.base import fast_calls
 from .groups import TensorGroup, restore_group
@@ -218,11 +218,11 @@ class BlockRing:
             if isinstance(t, torch.Tensor):
                 aliases.setdefault(alias.block_path, []).append((alias.path, t))
         shared_names = set(self.stack.shared)
-        shared = {storage_key(t) for block, path in zip(self.blocks, self.block_paths)
-                  for n, t in _block_tensors(block) if f"{path}.{n}" in shared_names}
-        for block, path in zip(self.blocks, self.block_paths):
-            named = [(f"{path}.{n}", t) for n, t in _block_tensors(block)
-                     if not t.numel() or storage_key(t) not in shared]
+        per_block = [named_tensors(block, path) for block, path in zip(self.blocks,
+                                                                          self.block_paths)]
+        shared = {storage_key(t) for named in per_block for n, t in named if n in shared_names}
+        for block, path, named in zip(self.blocks, self.block_paths, per_block):
+            named = [(n, t) for n, t in named if not t.numel() or storage_key(t) not in shared]
             named += aliases.get(path, [])
             group = TensorGroup.of(path, named, self.platform)
             sections, image_bytes = {}, 0
@@ -790,9 +790,3 @@ def _stack_frame_ids() -> set[int]:
         ids.add(id(f))
         f = f.f_back
     return ids
-
-
-def _block_tensors(block: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    named = list(block.named_parameters(remove_duplicate=False))
-    named += [(n, b) for n, b in block.named_buffers(remove_duplicate=False) if b is not None]
-    return named
