@@ -37,6 +37,7 @@ class ComponentGroups:
         self._groups = {str(name): tuple(mods) for name, mods in groups.items()}
         self._resident = tuple(resident)
         self._swapper: Any = None  # set while enabled
+        self._guarded: list[torch.Tensor] = []  # Note [Rebind guard] (backends/guard.py)
         self.stats: Any = None  # OffloadStats of the current (or last) enable
 
     @property
@@ -69,6 +70,7 @@ class ComponentGroups:
         """
         from .backends.base import OffloadEnableError
         from .backends.groups import ComponentSwapper
+        from .backends.guard import guard_rebinds
         from .backends.stats import OffloadStats
         from .backends.transaction import Transaction
         from .hooks import HookRegistry
@@ -85,8 +87,11 @@ class ComponentGroups:
         swappable = [
             (name, named_tensors(_Group(mods))) for name, mods in self._groups.items()
         ]
+        guarded: list[torch.Tensor] = []
         try:
             swapper.prepare(txn, swappable, residents, pin=pin_memory)
+            # Note [Rebind guard] (backends/guard.py): an edit through .data is seen or refused.
+            guarded = txn.guard_rebinds(swapper.named_tensors(), type(self).__name__)
             platform.synchronize()
         except BaseException as exc:  # KeyboardInterrupt too: nothing may stay half-applied
             try:
@@ -102,6 +107,7 @@ class ComponentGroups:
                 f"ComponentGroups.enable failed: {exc}; every change was rolled back (enable "
                 "can be retried)") from exc
         txn.commit()
+        self._guarded = guarded
         self._swapper = _Active(swapper, tuple(self._groups))
         self.stats = stats
         # A model collected while enabled must not strand its device and host buffers.
@@ -109,12 +115,17 @@ class ComponentGroups:
 
     def disable(self) -> None:
         """Rebuild every tensor at its original placement.  Idempotent."""
+        from .backends.guard import guard_rebinds, unguard_rebinds
+
         active, self._swapper = self._swapper, None
         if active is not None:
             self._finalizer.detach()
+            guarded, self._guarded = self._guarded, []
+            unguard_rebinds(guarded)
             try:
                 active.swapper.restore()
             except Exception:
+                guard_rebinds(active.swapper.named_tensors(), type(self).__name__, self._guarded)
                 self._swapper = active  # still enabled: the caller can retry
                 self._finalizer = weakref.finalize(self, active.swapper.release)
                 raise

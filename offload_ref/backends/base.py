@@ -18,7 +18,7 @@ from ..config import OffloadConfig, OffloadStrategy
 from ..hooks import HookRegistry
 from ..plan import ResolvedOffloadPlan, resolve_offload_plan
 from ..platform import Platform
-from .guard import CallGuard, OffloadWeightEditError
+from .guard import CallGuard, OffloadWeightEditError, guard_rebinds, unguard_rebinds
 from .stats import OffloadStats
 from .transaction import FaultInjector, Transaction
 
@@ -62,6 +62,9 @@ class OffloadBackend:
         self._stats = OffloadStats()
         self._guard = CallGuard(type(self).__name__)
         self._handles: list[Any] = []  # state-dict hooks of the current enable
+        # Note [Rebind guard] (guard.py): the tensors guarded by the current enable.
+        self._guarded: list[torch.Tensor] = []
+        self._guarded_named: list[tuple[str, torch.Tensor]] = []
         self._finalizer: weakref.finalize | None = None
 
     # -- public lifecycle -----------------------------------------------------------------------
@@ -110,6 +113,8 @@ class OffloadBackend:
             try:
                 self._enable(pipeline, plan, txn)
                 self._install_state_hooks(pipeline, plan, txn)
+                self._guarded_named = self._rebound_tensors()
+                self._guarded = txn.guard_rebinds(self._guarded_named, type(self).__name__)
                 txn.set_attr(pipeline, PIPELINE_ATTR, _Owner(self), type(pipeline).__name__)
                 self.platform.synchronize()
                 self._before_commit(txn)  # the last thing that may fail (Note [Collective safety])
@@ -152,9 +157,12 @@ class OffloadBackend:
         # Note [One thread at a time]: wait until no other thread is inside an offloaded
         # forward; hooks that fire from now on leave their modules alone.
         with self._guard.exclusive(close=True), torch.inference_mode(False), torch.no_grad():
+            guarded, self._guarded = self._guarded, []
+            unguard_rebinds(guarded)  # Note [Rebind guard]: plain tensors again
             try:
                 self._disable(pipeline)
             except Exception as exc:
+                guard_rebinds(self._guarded_named, type(self).__name__, self._guarded)
                 raise OffloadDisableError(
                     f"Failed to fully disable {type(self).__name__}: {exc}; the backend stays "
                     "enabled with its host masters, call disable() again"
@@ -232,6 +240,11 @@ class OffloadBackend:
         # would cost a full enable per module for nothing.
         self._handles = txn.add_handles("state_dict / load_state_dict", installs)
 
+    def _rebound_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``(qualified name, tensor)`` of every tensor the backend rebinds while enabled
+        (Note [Rebind guard] in guard.py guards them)."""
+        return []
+
     def _offloaded_tensors(self) -> dict[int, Callable[[], torch.Tensor | None] | None]:
         """``id(tensor) -> value`` for every tensor the backend streams or swaps: ``value()``
         returns its true weight when the tensor is not bound to it (a placeholder), else None;
@@ -240,6 +253,7 @@ class OffloadBackend:
 
     def _forget(self) -> None:
         self._reset()
+        self._guarded, self._guarded_named = [], []  # a rollback has unguarded them
         self._stats = OffloadStats()  # stats describe the current enable only
 
     def stats(self) -> OffloadStats:

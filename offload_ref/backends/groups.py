@@ -20,7 +20,7 @@ import torch
 from .. import _spans
 from ..host import HostMaster, Layout, aligned_empty, storage_key, unique_tensors
 from ..platform import Platform
-from .guard import OffloadWeightEditError
+from .guard import OffloadWeightEditError, set_data
 from .stats import OffloadStats
 from .transaction import Transaction, rebind_restored
 
@@ -184,6 +184,11 @@ class ComponentSwapper:
         self.versions = {label: [t._version for t in g.tensors]
                          for label, g in self.swappable.items()}
 
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``(qualified name, tensor)`` of every tensor of every group (the tensors it rebinds)."""
+        return [(r.name, t) for g in [*self.swappable.values(), *self.resident]
+                for r, t in zip(g.layout.records, g.tensors)]
+
     def edited(self, label: str) -> list[str]:
         """Names of ``label``'s tensors edited in place since enable (Note [Weight edits])."""
         group = self.swappable[label]
@@ -228,7 +233,7 @@ class ComponentSwapper:
         group = self.swappable.get(label)
         if group is not None:
             for t, v in zip(group.tensors, group.master.host_views()):
-                t.data = v
+                set_data(t, v)
             for dtype in list(group.device_flats):
                 self.platform.free(group.device_flats.pop(dtype))
             if label in self._held:
@@ -251,7 +256,7 @@ class ComponentSwapper:
                 self.platform.copy_(flat, group.master.flats[dtype])
             _spans.stream_exit(self.platform, span)
             for t, v in zip(group.tensors, group.layout.views(flats)):
-                t.data = v
+                set_data(t, v)
         except BaseException:
             # A failed (or interrupted) load leaves the component on its master and gives back
             # every buffer it allocated, whatever was raised (Note [Transactions]).
@@ -271,7 +276,7 @@ class ComponentSwapper:
             return
         self._unsettled = label
         for t, v in zip(group.tensors, group.master.host_views()):
-            t.data = v  # back to the immutable master: no device -> host copy
+            set_data(t, v)  # back to the immutable master: no device -> host copy
         for dtype in list(group.device_flats):
             self.platform.discard(group.device_flats[dtype])
         self.settle()  # frees the buffers and releases their bytes in stats

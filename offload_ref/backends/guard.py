@@ -41,6 +41,22 @@ Note [Weight edits]
     component (its device copy or host master); an edit of a streamed block cannot be kept (the
     block's slot may have been filling while it ran), so ``disable()`` restores the block from its
     master with a RuntimeWarning naming the tensors: never silently.
+
+Note [Rebind guard]
+    ``.data`` bypasses the version counter: ``w.data += delta`` (peft's LoRA merge, diffusers'
+    ``fuse_lora``) writes the storage without bumping ``w._version``, and ``w.data = new``
+    (``module.to(dtype)``, ``enable_layerwise_casting``, peft's safe merge) rebinds it.  The
+    next swap or block load rebinds the tensor again and drops either edit, silently.  So while
+    a backend is enabled, every tensor it rebinds (exactly ``torch.Tensor`` and
+    ``nn.Parameter``; other subclasses keep their class) has its class changed to a subclass
+    whose only difference is ``.data``: reading it returns ``detach()`` (the same storage,
+    sharing the version counter, so an edit through it is refused like any in-place edit,
+    Note [Weight edits]), and assigning anything but the same view raises
+    :class:`OffloadWeightEditError` before anything changes.  ``__torch_function__`` is the
+    disabled implementation, as for ``nn.Parameter``: ops return plain tensors and pay
+    nothing.  Pickling and ``copy.deepcopy`` give the original class.  The backend's own
+    rebinds call the ``TensorBase.data`` setter directly (:data:`set_data`).  ``disable()``
+    (and a rollback) give every tensor its class back.
 """
 
 from __future__ import annotations
@@ -50,6 +66,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import CodeType, FrameType
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,7 +77,11 @@ __all__ = [
     "OffloadConcurrencyError",
     "OffloadWeightEditError",
     "call_frame",
+    "get_data",
+    "guard_rebinds",
     "refuse_autograd",
+    "set_data",
+    "unguard_rebinds",
 ]
 
 
@@ -304,3 +325,109 @@ def refuse_autograd(label: str, names: Sequence[str], tensors: Sequence[torch.Te
                 "torch.inference_mode(), or freeze the weights (module.requires_grad_(False)); "
                 "training through an offloaded module is not supported"
             )
+
+
+# -- Note [Rebind guard] ----------------------------------------------------------------------
+
+#: The ``TensorBase.data`` setter itself: the backends' own rebinds (a guarded tensor's
+#: ``.data = v`` refuses anything but the same view).
+set_data = torch._C.TensorBase.data.__set__
+#: The ``TensorBase.data`` getter itself (a fresh version counter, as plain ``.data``).
+get_data = torch._C.TensorBase.data.__get__
+
+# id(tensor) -> (qualified name, owner) of every guarded tensor, for the error message.
+_GUARDED: dict[int, tuple[str, str]] = {}
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.device == b.device and a.data_ptr() == b.data_ptr()
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
+def _guarded_data(self: torch.Tensor) -> torch.Tensor:
+    return self.detach()  # shares storage and version counter: an edit through it is seen
+
+
+def _guarded_set_data(self: torch.Tensor, value: Any) -> None:
+    if value is self or (isinstance(value, torch.Tensor) and _same_view(value, self)):
+        return  # ``w.data += d`` assigns the edited view back; ``.to()`` a no-op conversion
+    name, owner = _GUARDED.get(id(self), ("an offloaded tensor", "an offload backend"))
+    raise OffloadWeightEditError(
+        f"{name}.data was assigned a new tensor while {owner} offloads it (`.data = ...`, "
+        "`module.to(dtype)`, a layerwise cast or a LoRA merge): the backend would rebind it "
+        "at the next swap and drop the change.  Make the change inside "
+        "`with backend.edit_weights(): ...` (offload_ref.backend_of(pipeline) finds the "
+        "backend), which re-reads every weight on exit"
+    )
+
+
+_GUARDED_DATA = property(_guarded_data, _guarded_set_data,
+                         doc="Note [Rebind guard]: detach() on read; only the same view on write.")
+
+
+def _plain_deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
+    if id(self) in memo:
+        return memo[id(self)]
+    out = self.as_subclass(_ORIGINAL[type(self)]).__deepcopy__(memo)
+    memo[id(self)] = out
+    return out
+
+
+def _plain_reduce_ex(self: torch.Tensor, proto: int) -> Any:
+    return self.as_subclass(_ORIGINAL[type(self)]).__reduce_ex__(proto)
+
+
+class _GuardedTensor(torch.Tensor):
+    """A buffer while its backend is enabled (Note [Rebind guard])."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    data = _GUARDED_DATA  # type: ignore[assignment]
+    __deepcopy__ = _plain_deepcopy
+    __reduce_ex__ = _plain_reduce_ex
+
+
+def _parameter_deepcopy(self: nn.Parameter, memo: dict) -> nn.Parameter:
+    # nn.Parameter.__deepcopy__ with a plain Parameter (it builds ``type(self)``).
+    if id(self) in memo:
+        return memo[id(self)]
+    out = nn.Parameter(self.detach().clone(memory_format=torch.preserve_format),
+                       self.requires_grad)
+    memo[id(self)] = out
+    return out
+
+
+class _GuardedParameter(nn.Parameter):
+    """A parameter while its backend is enabled (Note [Rebind guard]); ``nn.Parameter``'s own
+    ``__reduce_ex__`` reads ``.data`` and rebuilds a plain ``Parameter``."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    data = _GUARDED_DATA  # type: ignore[assignment]
+    __deepcopy__ = _parameter_deepcopy
+
+
+_GUARDED_CLASS: dict[type, type] = {torch.Tensor: _GuardedTensor,
+                                     nn.Parameter: _GuardedParameter}
+_ORIGINAL: dict[type, type] = {v: k for k, v in _GUARDED_CLASS.items()}
+
+
+def guard_rebinds(named: Sequence[tuple[str, torch.Tensor]], owner: str,
+                  into: list[torch.Tensor]) -> None:
+    """Guard ``.data`` of each tensor (Note [Rebind guard]), appending each to ``into`` (for
+    :func:`unguard_rebinds`) before its class changes, so an interrupt leaves nothing guarded
+    that the caller cannot unguard."""
+    for name, t in named:
+        guarded = _GUARDED_CLASS.get(type(t))
+        if guarded is None:
+            continue
+        _GUARDED[id(t)] = (name, owner)
+        into.append(t)
+        t.__class__ = guarded
+
+
+def unguard_rebinds(tensors: Sequence[torch.Tensor]) -> None:
+    """Give each tensor guarded by :func:`guard_rebinds` its class back (idempotent)."""
+    for t in tensors:
+        original = _ORIGINAL.get(type(t))
+        if original is not None:
+            t.__class__ = original
+        _GUARDED.pop(id(t), None)

@@ -416,6 +416,13 @@ class LayerWiseOffloadBackend(OffloadBackend):
         """The transport of ``stack``'s ring (None: rank-local host masters)."""
         return None
 
+    def _rebound_tensors(self) -> list[tuple[str, Any]]:
+        named = [(r.name, t) for ring in self.rings for g in ring.groups
+                 for r, t in zip(g.layout.records, g.tensors)]
+        if self._resident is not None:
+            named += self._resident.named_tensors()
+        return named
+
     def _offloaded_tensors(self) -> dict[int, Any]:
         """A streamed tensor reads as a copy of its host master (Note [Weight edits]): a copy,
         so editing a state_dict value never writes a master; from the master even while the

@@ -181,6 +181,11 @@ class ModelLevelOffloadBackend(OffloadBackend):
         known = [c.path for c in self._components]
         raise ValueError(f"unknown component {path!r}; the plan's components are {known}")
 
+    def _rebound_tensors(self) -> list[tuple[str, Any]]:
+        if self._swapper is None:
+            return []
+        return self._swapper.named_tensors()
+
     def _offloaded_tensors(self) -> dict[int, Any]:
         # Swapped tensors always view real storage (a host master or a device copy): state_dict
         # reads them as they are; load_state_dict must go through edit_weights.

@@ -67,7 +67,7 @@ from ..plan import BlockStack, named_tensors
 from ..platform import Platform
 from ..platform.base import fast_calls
 from .groups import TensorGroup, restore_group
-from .guard import call_frame
+from .guard import call_frame, set_data
 from .stats import OffloadStats
 from .transaction import Transaction
 
@@ -302,7 +302,7 @@ class BlockRing:
 
     def _rebind(self, k: int, views: Sequence[torch.Tensor]) -> None:
         for t, v in zip(self.groups[k].tensors, views):
-            t.data = v
+            set_data(t, v)  # Note [Rebind guard] (guard.py)
 
     # -- transfers ------------------------------------------------------------------------------
 
@@ -387,7 +387,7 @@ class BlockRing:
                     self._evict(t)
                 self._issue_copy(q, t)
                 for tensor, v in zip(self.groups[q].tensors, self._views[t][q]):
-                    tensor.data = v
+                    set_data(tensor, v)
         self._dirty = False
 
     # Note [Fast path]
@@ -507,7 +507,7 @@ class BlockRing:
             if views is None:
                 views = self._placeholder_views(k)
             for t, v in zip(self.groups[k].tensors, views):
-                t.data = v
+                set_data(t, v)
         self._dirty = False
 
     def _recover(self, calling: int | None, finishing: int | None) -> None:

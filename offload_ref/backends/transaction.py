@@ -32,6 +32,7 @@ from torch import nn
 from ..hooks import HookRegistry, ModelHook
 from ..host import HostMaster, Layout
 from ..platform import Platform
+from .guard import get_data, guard_rebinds, set_data, unguard_rebinds
 
 __all__ = ["FaultInjector", "Transaction", "rebind_restored"]
 
@@ -83,9 +84,9 @@ class Transaction:
                 original = _swap_to_normal(label, t, n)
                 self.on_rollback(lambda t=t, o=original: torch.utils.swap_tensors(t, o))
                 continue
-            old = t.data
-            t.data = n
-            self.on_rollback(lambda t=t, old=old: setattr(t, "data", old))
+            old = get_data(t)
+            set_data(t, n)
+            self.on_rollback(lambda t=t, old=old: set_data(t, old))
 
     def register_hook(self, module: nn.Module, name: str, hook: ModelHook, label: str) -> None:
         self.step(f"hook {name} on {label}")
@@ -100,6 +101,15 @@ class Transaction:
             handles.append(install())
             self.on_rollback(handles[-1].remove)
         return handles
+
+    def guard_rebinds(self, named: Sequence[tuple[str, torch.Tensor]], owner: str
+                      ) -> list[torch.Tensor]:
+        """Note [Rebind guard] (guard.py) on every tensor the backend rebinds, as one step."""
+        self.step(f"guard .data of {len(named)} rebound tensors")
+        guarded: list[torch.Tensor] = []
+        self.on_rollback(lambda: unguard_rebinds(guarded))
+        guard_rebinds(named, owner, guarded)
+        return guarded
 
     def set_attr(self, obj: Any, name: str, value: Any, label: str) -> None:
         self.step(f"set {label}.{name}")
@@ -151,7 +161,7 @@ def rebind_restored(t: torch.Tensor, v: torch.Tensor) -> None:
     held inference tensors) makes ``t`` a genuine inference tensor again (Note [Inference
     tensors])."""
     if not v.is_inference():
-        t.data = v
+        set_data(t, v)
         return
     with torch.inference_mode():
         fresh = v.detach()
