@@ -568,6 +568,11 @@ class _PlaceholderStateDict(LayerWiseOffloadBackend):
         return {key: None for key in super()._offloaded_tensors()}
 
 
+def _unguarded(base: type) -> type:
+    """Edits through ``.data`` pass unseen (no Note [Rebind guard]): the next swap drops them."""
+    return type(f"Unguarded{base.__name__}", (base,), {"_rebound_tensors": lambda self: []})
+
+
 def _backward_not_refused() -> Any:
     from offload_ref.backends import layerwise
 
@@ -980,6 +985,12 @@ KILLS: dict[str, set[str]] = {
     "backward_not_refused": {
         "check_backward_is_exact_or_refused_at_forward",
     },
+    "data_edits_unguarded_layerwise": {
+        "check_edits_through_data_are_exact_or_refused",
+    },
+    "data_edits_unguarded_model_level": {
+        "check_edits_through_data_are_exact_or_refused",
+    },
     "concurrent_calls_unguarded": {
         "check_second_thread_gets_a_clear_error_or_exact_output",
     },
@@ -1091,6 +1102,12 @@ MUTANTS: tuple[Mutant, ...] = (
     _layer_scoped("state_dict_returns_placeholders",
                   "state_dict() while enabled returns the NaN placeholders of streamed blocks",
                   _PlaceholderStateDict, _MISUSE_LAYER),
+    _layer_scoped("data_edits_unguarded_layerwise",
+                  "an edit through .data outside edit_weights() is dropped by the next block load",
+                  _unguarded(LayerWiseOffloadBackend), _MISUSE_LAYER),
+    _model_level("data_edits_unguarded_model_level",
+                 "an edit through .data outside edit_weights() is dropped by the next swap",
+                 _unguarded(ModelLevelOffloadBackend), _MISUSE_MODEL),
     _m("backward_not_refused", "a grad-mode forward through streamed blocks is not refused",
        _MISUSE_LAYER, patch=_backward_not_refused),
     _m("concurrent_calls_unguarded", "a second thread runs the ring while the first is inside",

@@ -4,6 +4,7 @@ record autograd, call from a second thread -- is served exactly or refused loudl
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -78,6 +79,74 @@ def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
     case.compare("after edit_weights", case.run(pipeline), want)
     backend.disable()
     _same_state("after disable", pipeline.state_dict(), want_state)
+
+
+def _edit_through_data(pipeline: nn.Module, how: str) -> tuple[int, int, int]:
+    """Scale every floating parameter through ``.data``: in place (``w.data.mul_``, what peft's
+    LoRA merge and diffusers' ``fuse_lora`` do) or by assigning a new tensor (``w.data = ...``,
+    what ``module.to(dtype)`` and layerwise casting do); neither bumps ``w._version``.  Each
+    tensor is tried on its own; returns (edited, refused with OffloadWeightEditError, refused
+    by torch)."""
+    from offload_ref import OffloadWeightEditError
+
+    counts = [0, 0, 0]
+    with torch.no_grad():
+        for p in pipeline.parameters():
+            if not (p.is_floating_point() and p.numel()):
+                continue
+            try:
+                if how == "in place":
+                    p.data.mul_(_EDIT_SCALE)
+                else:
+                    p.data = p.data * _EDIT_SCALE
+                counts[0] += 1
+            except OffloadWeightEditError:
+                counts[1] += 1
+            except RuntimeError:  # e.g. an in-place write to a placeholder's one element
+                counts[2] += 1
+    return counts[0], counts[1], counts[2]
+
+
+@check("J.3", strategies=BACKENDS, applies=_is_module,
+       needs="a pipeline that is an nn.Module")
+def check_edits_through_data_are_exact_or_refused(case) -> None:
+    """Outside ``edit_weights()``, an edit through ``.data`` (in place, or assigning a new
+    tensor) is refused loudly with ``OffloadWeightEditError``, at the edit or at the next
+    generation, or honoured exactly: the next generation equals an un-offloaded pipeline with
+    the same edit (or, if the edit itself was refused, the unedited reference).  Never dropped
+    by the next swap or block load."""
+    from offload_ref import OffloadWeightEditError
+
+    original = case.reference()
+    for how in ("in place", "assigned"):
+        edited_reference = case.build()
+        _edit_through_data(edited_reference, how)
+        want = case.run(edited_reference)
+        pipeline = case.build()
+        backend = case.backend()
+        backend.enable(pipeline)
+        try:
+            case.run(pipeline)  # edit a pipeline that has run (prefetched blocks, a loaded one)
+            edited, refused, torch_refused = _edit_through_data(pipeline, how)
+            if not refused and not torch_refused:
+                expected, what = want, "the edited reference"
+            elif not edited and not torch_refused:
+                expected, what = original, "the unedited reference (the edit was refused)"
+            else:  # applied in part: only a refusal is right
+                expected, what = None, ""
+            try:
+                got = case.run(pipeline)
+            except OffloadWeightEditError:
+                continue  # refused loudly
+            if expected is None:
+                fail(f"an edit through .data ({how}) was applied to {edited} weights and refused "
+                     f"for {refused + torch_refused}, and the next generation ran without "
+                     "OffloadWeightEditError: a half-applied edit must be refused")
+            case.compare(f"after an edit through .data ({how}), against {what}", got, expected)
+        finally:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # disable() warns about restored edits
+                backend.disable()
 
 
 @check("J.4", strategies=BACKENDS, applies=_is_module,
