@@ -35,6 +35,9 @@ class ModelHook:
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         return None
 
+    #: The id of the torch forward hook that runs ``post_forward`` (set when it is installed).
+    post_hook_id: int | None = None
+
 
 @dataclass
 class _Entry:
@@ -68,14 +71,16 @@ class HookRegistry:
             )
         handles = []
         # The bound methods themselves (no wrapper frame per call): they keep the hook alive
-        # exactly as long as the handles do.
+        # exactly as long as the handles do.  The pre-hook goes first (``prepend``): a hook the
+        # module already has may read the weights the offloader is about to place.
         try:
             if _overrides(hook, "pre_forward"):
                 handles.append(module.register_forward_pre_hook(hook.pre_forward,
-                                                                with_kwargs=True))
+                                                                with_kwargs=True, prepend=True))
             if _overrides(hook, "post_forward"):
                 handles.append(module.register_forward_hook(hook.post_forward, with_kwargs=True,
                                                             always_call=True))
+                hook.post_hook_id = handles[-1].id
         except BaseException:
             for h in handles:
                 h.remove()

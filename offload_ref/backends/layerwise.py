@@ -70,6 +70,9 @@ class LayerwiseOffloadHook(ModelHook):
         guard = self.guard
         if not guard.enter(self.path, frame):
             return None  # the backend is being disabled: leave the block alone
+        hooks = module._forward_hooks
+        if len(hooks) > 1:  # Note [Outermost hooks]
+            self._run_post_hook_last(hooks)
         try:
             if _grad_enabled():
                 refuse_autograd(self.path, self.names, self.tensors)
@@ -108,6 +111,21 @@ class LayerwiseOffloadHook(ModelHook):
         finally:
             guard.exit(frame)
         return None
+
+    # Note [Outermost hooks]
+    #     A block's own torch hooks must see its weights: they run inside the offloader's pair.
+    #     The offload pre-hook is registered first (``prepend``, hooks.py), so a pre-hook the block
+    #     had before ``enable`` runs after the weights are placed.  A forward hook registered after
+    #     ``enable`` would run after the post-hook has rebound the block to placeholders, so the
+    #     pre-hook moves the post-hook to the end of the block's forward hooks (torch reads them
+    #     after the forward runs; the order of the steady state, one hook, is checked by a length
+    #     alone).  Global module hooks (``register_module_forward_pre_hook``) and a pre-hook
+    #     registered later with ``prepend=True`` still run before the offloader's.
+
+    def _run_post_hook_last(self, hooks: Any) -> None:
+        key = self.post_hook_id
+        if key in hooks and next(reversed(hooks)) != key:
+            hooks.move_to_end(key)
 
     def _refuse_edit(self) -> None:
         edited = self.edited()

@@ -1,0 +1,78 @@
+"""A block's own torch hooks run inside the offloader's (Note [Outermost hooks] in layerwise.py).
+
+A forward hook registered after ``enable`` and a pre-hook registered before it both read the
+block's weights; without the ordering they read the NaN placeholders of layerwise offload.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from offload_ref import OffloadConfig, get_offload_backend
+from offload_ref.backends.layerwise import LayerWiseOffloadBackend
+from offload_ref.fixtures import get_spec
+from offload_ref.platform import CpuPlatform
+
+
+def _blocks(pipeline: nn.Module) -> list[nn.Module]:
+    return list(pipeline.transformer.transformer_blocks)
+
+
+def _first_weight(module: nn.Module) -> torch.Tensor:
+    return next(p for p in module.parameters() if p.is_floating_point())
+
+
+def _post(module: nn.Module, args: tuple, output: torch.Tensor):
+    if isinstance(output, tuple):
+        return (output[0] + _first_weight(module).mean(), *output[1:])
+    return output + _first_weight(module).mean()
+
+
+def _pre(module: nn.Module, args: tuple):
+    return (args[0] * (1 + _first_weight(module).mean()), *args[1:])
+
+
+def _register(pipeline: nn.Module, kind: str) -> None:
+    for block in _blocks(pipeline):
+        if kind == "forward hook":
+            block.register_forward_hook(_post)
+        else:
+            block.register_forward_pre_hook(_pre)
+
+
+def _backend(strategy: str):
+    platform = CpuPlatform(race_amplifier=True)
+    if strategy == "layer_wise, prefetch off":  # every block is on placeholders until its load
+        return LayerWiseOffloadBackend(OffloadConfig(strategy="layer_wise"), platform,
+                                       prefetch=False)
+    return get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+
+
+@pytest.mark.parametrize("strategy", ["layer_wise", "layer_wise, prefetch off", "model_level"])
+@pytest.mark.parametrize("kind,when", [("forward hook", "after"), ("forward hook", "before"),
+                                       ("pre-hook", "before"), ("pre-hook", "after")])
+def test_a_blocks_own_hooks_read_its_true_weights(strategy: str, kind: str, when: str) -> None:
+    spec = get_spec("flux2")
+    reference = spec.build()
+    _register(reference, kind)
+    with torch.inference_mode():
+        want = reference(**spec.make_inputs())
+    pipeline = spec.build()
+    backend = _backend(strategy)
+    if when == "before":
+        _register(pipeline, kind)
+    backend.enable(pipeline)
+    try:
+        if when == "after":
+            _register(pipeline, kind)
+        for _ in range(2):
+            with torch.inference_mode():
+                got = pipeline(**spec.make_inputs())
+            assert torch.equal(got, want), f"a block's {kind} registered {when} enable " \
+                "read other weights than the block's"
+    finally:
+        backend.disable()
+    with torch.inference_mode():
+        assert torch.equal(pipeline(**spec.make_inputs()), want)
