@@ -35,7 +35,8 @@ class ModelHook:
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         return None
 
-    #: The id of the torch forward hook that runs ``post_forward`` (set when it is installed).
+    #: The id of the torch forward hook that runs ``post_forward`` on the module this hook was
+    #: last installed on (set by :meth:`HookRegistry.register_hook`).
     post_hook_id: int | None = None
 
 
@@ -44,6 +45,7 @@ class _Entry:
     hook: ModelHook
     handles: tuple[RemovableHandle, ...]
     owner: object  # the installing registry's token (an id() could be reused after GC)
+    pre_id: int | None = None  # the torch pre-hook's id in ``module._forward_pre_hooks``
 
 
 def _overrides(hook: ModelHook, name: str) -> bool:
@@ -70,13 +72,20 @@ class HookRegistry:
                 "remove it first (each backend uses distinct hook names)"
             )
         handles = []
+        pre_id = None
         # The bound methods themselves (no wrapper frame per call): they keep the hook alive
-        # exactly as long as the handles do.  The pre-hook goes first (``prepend``): a hook the
-        # module already has may read the weights the offloader is about to place.
+        # exactly as long as the handles do.  The pre-hook goes before every hook that is not an
+        # offload hook (a hook the module already has may read the weights the offloader is
+        # about to place), after the offload hooks already installed (registration order).
         try:
             if _overrides(hook, "pre_forward"):
                 handles.append(module.register_forward_pre_hook(hook.pre_forward,
                                                                 with_kwargs=True, prepend=True))
+                pre_id = handles[-1].id
+                pre_hooks = module._forward_pre_hooks
+                for entry in reversed(list(table.values())):
+                    if entry.pre_id in pre_hooks:
+                        pre_hooks.move_to_end(entry.pre_id, last=False)
             if _overrides(hook, "post_forward"):
                 handles.append(module.register_forward_hook(hook.post_forward, with_kwargs=True,
                                                             always_call=True))
@@ -87,7 +96,7 @@ class HookRegistry:
             raise
         if not table:
             module.__dict__[HOOKS_ATTR] = table
-        table[name] = _Entry(hook, tuple(handles), self._token)
+        table[name] = _Entry(hook, tuple(handles), self._token, pre_id)
         self._installed.append((weakref.ref(module), name))
 
     def get_hook(self, module: nn.Module, name: str) -> ModelHook | None:

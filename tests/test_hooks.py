@@ -297,3 +297,22 @@ def test_remove_all_keeps_going_after_a_failed_removal_and_raises_at_the_end() -
     registry.remove_all()
     assert _module_state(modules[1]) == pristine[1]
     assert registry.installed() == []
+
+
+def test_offload_pre_hooks_run_before_the_modules_own_in_registration_order() -> None:
+    """Note [Outermost hooks] (backends/layerwise.py): a pre-hook the module already had runs
+    after every offload pre-hook, which keep the order they were installed in."""
+    log: list[str] = []
+    module = nn.Linear(2, 2)
+    module.register_forward_pre_hook(lambda m, args: log.append("pre:user"))
+    first, second = HookRegistry(), HookRegistry()
+    first.register_hook(module, "a", _Recorder(log, "a"))
+    second.register_hook(module, "b", _Recorder(log, "b"))
+    module.register_forward_pre_hook(lambda m, args: log.append("pre:later"))
+    module(torch.ones(2))
+    assert log == ["pre:a", "pre:b", "pre:user", "pre:later", "post:a", "post:b"], log
+    first.remove_all()
+    second.remove_all()
+    log.clear()
+    module(torch.ones(2))
+    assert log == ["pre:user", "pre:later"], log
