@@ -168,7 +168,9 @@ class Layout:
             if t.is_meta:  # a property read: formatting ``t.device`` costs ~1 µs per tensor
                 raise ValueError(
                     f"cannot offload {name!r}: it is a meta tensor (never materialized); load its "
-                    "weights before enabling offload"
+                    "weights before enabling offload (a model built under init_empty_weights, or "
+                    "one that accelerate's cpu_offload / device_map hooks moved to the meta "
+                    "device, must be loaded, or those hooks removed, first)"
                 )
             if t.is_sparse or t.layout is not torch.strided:
                 raise ValueError(f"cannot offload {name!r}: only strided dense tensors are supported")

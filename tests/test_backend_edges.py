@@ -404,3 +404,18 @@ def test_an_interrupted_call_of_a_part_used_only_outside_its_block_recovers() ->
     assert _forward_hooks(pipe) == 0
     assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
     platform.close()
+
+
+@pytest.mark.parametrize("strategy", ["model_level", "layer_wise"])
+def test_meta_weights_in_every_component_are_named_as_never_materialized(strategy: str) -> None:
+    """All meta tensors report storage 0; two meta components must not read as shared storage."""
+    from offload_ref.backends.base import OffloadEnableError
+
+    spec = get_spec("flux2")
+    pipeline = spec.build()
+    pipeline.to("meta")
+    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=CpuPlatform())
+    with pytest.raises(OffloadEnableError, match="meta tensor \\(never materialized\\)") as info:
+        backend.enable(pipeline)
+    assert "shares storage" not in str(info.value)
+    assert not backend.is_enabled()

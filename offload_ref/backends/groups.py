@@ -141,7 +141,10 @@ class ComponentSwapper:
             for name, t in named:
                 if t is None or t.numel() == 0:
                     continue
-                other = claimed.setdefault(storage_key(t), label)
+                # Meta tensors all report storage 0: each is its own (Layout rejects it, naming
+                # it as never materialized).
+                key = ("meta", id(t)) if t.is_meta else storage_key(t)
+                other = claimed.setdefault(key, label)
                 if other != label:  # the resolver rejects this for plans; split models' own
                     # groups (offload_ref.split.ComponentGroups) meet it here
                     raise ValueError(
