@@ -17,9 +17,23 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HOOKS_ATTR", "HookRegistry", "ModelHook", "hook_names"]
+__all__ = ["HOOKS_ATTR", "HookRegistry", "ModelHook", "after_offload", "hook_names"]
 
 HOOKS_ATTR = "_offload_ref_hooks"
+_AFTER_ATTR = "_offload_ref_after_offload"
+
+
+def after_offload(hook: Any) -> Any:
+    """Mark a torch forward hook to run after the offloader's post-hook (an observer of what the
+    offloader leaves, such as the kit's residency checks); unmarked hooks run before it, with
+    the weights still in place (Note [Outermost hooks] in backends/layerwise.py).  Returns
+    ``hook``."""
+    setattr(hook, _AFTER_ATTR, True)
+    return hook
+
+
+def runs_after_offload(hook: Any) -> bool:
+    return getattr(hook, _AFTER_ATTR, False) is True
 
 
 class ModelHook:

@@ -76,3 +76,33 @@ def test_a_blocks_own_hooks_read_its_true_weights(strategy: str, kind: str, when
         backend.disable()
     with torch.inference_mode():
         assert torch.equal(pipeline(**spec.make_inputs()), want)
+
+
+def test_a_hook_marked_after_offload_sees_what_the_offloader_leaves() -> None:
+    """``offload_ref.hooks.after_offload``: an observer registered after enable runs after the
+    layerwise post-hook, so it sees the block released (no slot storage left)."""
+    from offload_ref.hooks import after_offload
+
+    spec = get_spec("flux2")
+    pipeline = spec.build()
+    platform = CpuPlatform()
+    backend = LayerWiseOffloadBackend(OffloadConfig(strategy="layer_wise"), platform)
+    backend.enable(pipeline)
+    seen: dict[str, list[bool]] = {"inside": [], "after": []}
+
+    def inside(module: nn.Module, args: tuple, output: object) -> None:
+        seen["inside"].append(platform.is_resident(_first_weight(module)))
+
+    def after(module: nn.Module, args: tuple, output: object) -> None:
+        seen["after"].append(platform.is_resident(_first_weight(module)))
+
+    try:
+        for block in _blocks(pipeline):
+            block.register_forward_hook(after_offload(after))
+            block.register_forward_hook(inside)
+        with torch.inference_mode():
+            pipeline(**spec.make_inputs())
+    finally:
+        backend.disable()
+    assert seen["inside"] and all(seen["inside"]), "an unmarked hook runs with the weights placed"
+    assert seen["after"] and not any(seen["after"]), "a marked hook runs after the release"

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from offload_ref.hooks import after_offload
+
 from ..diagnosis import leaf_difference
 from ..outputs import leaves
 from ..registry import fail
@@ -107,9 +109,9 @@ def observe(
             try:
                 handles.append(module.register_forward_pre_hook(
                     lambda mod, args, path=path: pre(mod, args, path)))
-                if after is not None:
-                    handles.append(module.register_forward_hook(
-                        lambda mod, args, out, path=path: after(path, mod)))
+                if after is not None:  # after the offloader's post-hook, whenever registered
+                    handles.append(module.register_forward_hook(after_offload(
+                        lambda mod, args, out, path=path: after(path, mod))))
             except Exception:  # noqa: BLE001 - a module that refuses hooks (compiled, scripted)
                 refused[id(module)] = path
         if refused:

@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import _spans
 from ..config import OffloadStrategy
-from ..hooks import ModelHook
+from ..hooks import ModelHook, runs_after_offload
 from ..host import storage_key
 from ..plan import ResolvedOffloadPlan, pipeline_state
 from .base import OffloadBackend
@@ -119,13 +119,18 @@ class LayerwiseOffloadHook(ModelHook):
     #     ``enable`` would run after the post-hook has rebound the block to placeholders, so the
     #     pre-hook moves the post-hook to the end of the block's forward hooks (torch reads them
     #     after the forward runs; the order of the steady state, one hook, is checked by a length
-    #     alone).  Global module hooks (``register_module_forward_pre_hook``) and a pre-hook
-    #     registered later with ``prepend=True`` still run before the offloader's.
+    #     alone), ahead of hooks marked ``offload_ref.hooks.after_offload`` (observers of what the
+    #     offloader leaves).  Global module hooks (``register_module_forward_pre_hook``) and a
+    #     pre-hook registered later with ``prepend=True`` still run before the offloader's.
 
     def _run_post_hook_last(self, hooks: Any) -> None:
         key = self.post_hook_id
-        if key in hooks and next(reversed(hooks)) != key:
-            hooks.move_to_end(key)
+        if key not in hooks:
+            return
+        after = [k for k, h in hooks.items() if runs_after_offload(h)]
+        hooks.move_to_end(key)
+        for k in after:
+            hooks.move_to_end(k)
 
     def _refuse_edit(self) -> None:
         edited = self.edited()
