@@ -30,7 +30,9 @@ Note [Aligned layout]
     layouts (:func:`padded_span_bytes`).  Padding is held and copied but never counted as weight
     bytes: ``Layout.weight_bytes`` excludes it, ``Layout.padding_bytes`` is the rest.
 
-``nn.Parameter`` objects are never replaced; only their ``.data`` is rebound.
+``nn.Parameter`` objects are never replaced; only their ``.data`` is rebound (and, while a backend
+is enabled, their class is a subclass guarding ``.data``: Note [Rebind guard] in
+backends/guard.py).
 """
 
 from __future__ import annotations
