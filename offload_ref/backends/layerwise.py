@@ -60,6 +60,12 @@ class LayerwiseOffloadHook(ModelHook):
         self.names = [r.name for r in group.layout.records]
         self.tensors = group.tensors
         self.versions = [t._version for t in group.tensors]  # our rebinds never bump them
+        # Plain aliases sharing each tensor's version counter (detach() keeps it, across our
+        # rebinds too): a guarded tensor's own ``_version`` getter looks up
+        # ``__torch_function__`` first (Note [Rebind guard] in guard.py), twice per tensor per
+        # block.  Made after the ring's commit, they view placeholders or a slot, never the
+        # original storage.
+        self.counters = [t.detach() for t in group.tensors]
         self._span: Any = None  # the block's compute range (Note [Spans] in _spans.py)
 
     # Note [Hooks leave inference mode]: tensors the offloader creates or views inside a hook
@@ -76,7 +82,7 @@ class LayerwiseOffloadHook(ModelHook):
         try:
             if _grad_enabled():
                 refuse_autograd(self.path, self.names, self.tensors)
-            for t, v in zip(self.tensors, self.versions):
+            for t, v in zip(self.counters, self.versions):
                 if t._version != v:
                     self._refuse_edit()
             ring = self.ring
@@ -142,7 +148,8 @@ class LayerwiseOffloadHook(ModelHook):
         )
 
     def edited(self) -> list[str]:
-        return [n for n, t, v in zip(self.names, self.tensors, self.versions) if t._version != v]
+        return [n for n, t, v in zip(self.names, self.counters, self.versions)
+                if t._version != v]
 
 
 # Note [One-shot part post-hooks]
