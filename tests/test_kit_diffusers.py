@@ -47,3 +47,31 @@ def test_model_level_on_a_pipeline_without_encoder_names_the_fix() -> None:
                                   platform=CpuPlatform(race_amplifier=False))
     with pytest.raises(ValueError, match="_encoder_modules"):
         backend.enable(pipe)
+
+
+_MISUSE_CHECKS = {
+    "data_edits_unguarded_layerwise": "check_edits_through_data_are_exact_or_refused",
+    "state_dict_returns_placeholders": "check_state_dict_while_enabled_returns_true_weights",
+    "edit_weights_in_place_layerwise": "check_edit_weights_round_trip_takes_effect_exactly",
+}
+
+
+def test_the_misuse_checks_run_on_a_plain_object_pipeline_and_catch_their_mutants() -> None:
+    """§J.3 / §J.4 see a diffusers pipeline through its nn.Module attributes: they run (not
+    "not applicable") and each fails against the mutant it is meant to catch."""
+    import warnings
+
+    from offload_ref.contracts.mutants import MUTANTS
+
+    checks = list(_MISUSE_CHECKS.values())
+    clean = run_checks([DIT_SPEC], include_global=False, checks=checks, strategies=["layer_wise"])
+    assert sorted((str(r.id).split("-")[0], r.outcome) for r in clean) == sorted(
+        (c, "passed") for c in checks)
+    for name, check in _MISUSE_CHECKS.items():
+        mutant = next(m for m in MUTANTS if m.name == name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = run_checks([DIT_SPEC], include_global=False, checks=checks,
+                                 strategies=["layer_wise"], impl=mutant.impl)
+        failed = {str(r.id).split("-")[0] for r in results if not r.ok}
+        assert failed == {check}, (name, failed)

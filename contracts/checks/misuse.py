@@ -12,6 +12,7 @@ from torch import nn
 
 from ..registry import check, fail
 from ._observe import observe
+from ._util import module_view
 from .lifecycle import BACKENDS
 
 _EDIT_SCALE = 1.25  # a power-of-two-free factor: every edited weight changes
@@ -44,10 +45,6 @@ def _same_state(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.T
              "placeholders")
 
 
-def _is_module(spec: Any, strategy: str) -> bool:
-    return isinstance(spec.build(), nn.Module)
-
-
 def _guarded(spec: Any, strategy: str) -> bool:
     """Split models delegate model level to their own ComponentGroups (one thread per model)."""
     pipeline = spec.build()
@@ -56,16 +53,15 @@ def _guarded(spec: Any, strategy: str) -> bool:
                                                        None)))
 
 
-@check("J.3", strategies=BACKENDS, applies=_is_module,
-       needs="a pipeline that is an nn.Module")
+@check("J.3", strategies=BACKENDS)
 def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
     """Weights edited inside ``backend.edit_weights()`` (``load_state_dict`` of scaled weights and
     an in-place ``mul_``) take effect exactly: the next generation equals an un-offloaded
     pipeline with the same edit, bit for bit, and ``disable()`` leaves the edited weights."""
     edited_reference = case.build()
-    _edit(edited_reference)
+    _edit(module_view(edited_reference))
     want = case.run(edited_reference)
-    want_state = edited_reference.state_dict()
+    want_state = module_view(edited_reference).state_dict()
     pipeline = case.build()
     backend = case.backend()
     backend.enable(pipeline)
@@ -73,12 +69,12 @@ def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
     with backend.edit_weights() as pipe:
         if pipe is not pipeline:
             fail("edit_weights() must yield the pipeline it edits")
-        _edit(pipe)
+        _edit(module_view(pipe))
     if not backend.is_enabled():
         fail("the backend is not enabled again after edit_weights()")
     case.compare("after edit_weights", case.run(pipeline), want)
     backend.disable()
-    _same_state("after disable", pipeline.state_dict(), want_state)
+    _same_state("after disable", module_view(pipeline).state_dict(), want_state)
 
 
 def _edit_through_data(pipeline: nn.Module, how: str) -> tuple[int, int, int]:
@@ -107,8 +103,7 @@ def _edit_through_data(pipeline: nn.Module, how: str) -> tuple[int, int, int]:
     return counts[0], counts[1], counts[2]
 
 
-@check("J.3", strategies=BACKENDS, applies=_is_module,
-       needs="a pipeline that is an nn.Module")
+@check("J.3", strategies=BACKENDS)
 def check_edits_through_data_are_exact_or_refused(case) -> None:
     """Outside ``edit_weights()``, an edit through ``.data`` (in place, or assigning a new
     tensor) is refused loudly with ``OffloadWeightEditError``, at the edit or at the next
@@ -120,14 +115,14 @@ def check_edits_through_data_are_exact_or_refused(case) -> None:
     original = case.reference()
     for how in ("in place", "assigned"):
         edited_reference = case.build()
-        _edit_through_data(edited_reference, how)
+        _edit_through_data(module_view(edited_reference), how)
         want = case.run(edited_reference)
         pipeline = case.build()
         backend = case.backend()
         backend.enable(pipeline)
         try:
             case.run(pipeline)  # edit a pipeline that has run (prefetched blocks, a loaded one)
-            edited, refused, torch_refused = _edit_through_data(pipeline, how)
+            edited, refused, torch_refused = _edit_through_data(module_view(pipeline), how)
             if not refused and not torch_refused:
                 expected, what = want, "the edited reference"
             elif not edited and not torch_refused:
@@ -149,21 +144,20 @@ def check_edits_through_data_are_exact_or_refused(case) -> None:
                 backend.disable()
 
 
-@check("J.4", strategies=BACKENDS, applies=_is_module,
-       needs="a pipeline that is an nn.Module")
+@check("J.4", strategies=BACKENDS)
 def check_state_dict_while_enabled_returns_true_weights(case) -> None:
     """While enabled -- before and after a generation, for the pipeline and for each of its
     children -- ``state_dict()`` returns the true weights bit for bit (a checkpoint saved then
     is the model, not placeholders)."""
     reference = case.build()
-    want = reference.state_dict()
+    want = module_view(reference).state_dict()
     pipeline = case.build()
     backend = case.backend()
     backend.enable(pipeline)
-    _same_state("after enable", pipeline.state_dict(), want)
+    _same_state("after enable", module_view(pipeline).state_dict(), want)
     case.run(pipeline)
-    _same_state("after a generation", pipeline.state_dict(), want)
-    for name, child in pipeline.named_children():
+    _same_state("after a generation", module_view(pipeline).state_dict(), want)
+    for name, child in module_view(pipeline).named_children():
         prefix = f"{name}."
         _same_state(f"{name}.state_dict()", child.state_dict(),
                     {k[len(prefix):]: v for k, v in want.items() if k.startswith(prefix)})
