@@ -49,6 +49,10 @@ class TensorGroup:
         return cls(label, [t for _, t in named], layout, was_resident,
                    was_inference=was_inference)
 
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """``(qualified name, tensor)`` of the group's tensors."""
+        return [(r.name, t) for r, t in zip(self.layout.records, self.tensors)]
+
     def drop_sources(self) -> None:
         """Forget the original tensors' storage once it is copied (commit releases it)."""
         self.layout.drop_sources()
@@ -189,8 +193,8 @@ class ComponentSwapper:
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """``(qualified name, tensor)`` of every tensor of every group (the tensors it rebinds)."""
-        return [(r.name, t) for g in [*self.swappable.values(), *self.resident]
-                for r, t in zip(g.layout.records, g.tensors)]
+        return [named for g in [*self.swappable.values(), *self.resident]
+                for named in g.named_tensors()]
 
     def edited(self, label: str) -> list[str]:
         """Names of ``label``'s tensors edited in place since enable (Note [Weight edits])."""

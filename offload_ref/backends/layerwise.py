@@ -447,8 +447,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         return None
 
     def _rebound_tensors(self) -> list[tuple[str, Any]]:
-        named = [(r.name, t) for ring in self.rings for g in ring.groups
-                 for r, t in zip(g.layout.records, g.tensors)]
+        named = [n for ring in self.rings for g in ring.groups for n in g.named_tensors()]
         if self._resident is not None:
             named += self._resident.named_tensors()
         return named
