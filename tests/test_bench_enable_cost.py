@@ -1,5 +1,6 @@
-"""``offload-ref bench``'s enable cost: both baselines (a warm memcpy, the issue's figure, and a
-copy into fresh memory) per strategy, in the JSON fields and in the table."""
+"""``offload-ref bench``'s enable cost: its baselines (a warm memcpy, the issue's figure, a copy
+into fresh memory, and the floor of Note [Enable floor]) per strategy, in the JSON fields and in
+the table."""
 
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ def test_enable_cost_reports_both_baselines() -> None:
     assert set(cost) == {"model_level", "layer_wise"}
     for entry in cost.values():
         assert entry["host_bytes"] > 0
-        for key in ("enable_s", "memcpy_s", "fresh_copy_s"):
+        for key in ("enable_s", "memcpy_s", "fresh_copy_s", "floor_s"):
             assert entry[key] > 0
         assert entry["ratio"] == entry["enable_s"] / entry["memcpy_s"]
         assert entry["fresh_copy_ratio"] == entry["enable_s"] / entry["fresh_copy_s"]
+        assert entry["floor_ratio"] == entry["floor_s"] / entry["memcpy_s"]
+        assert entry["over_floor"] == entry["enable_s"] / entry["floor_s"]
 
 
 def test_table_prints_both_ratios() -> None:
     enable = {"model_level": {"enable_s": 0.03, "host_bytes": 64 << 20, "memcpy_s": 0.01,
-                              "ratio": 3.0, "fresh_copy_s": 0.06, "fresh_copy_ratio": 0.5}}
+                              "ratio": 3.0, "fresh_copy_s": 0.06, "fresh_copy_ratio": 0.5,
+                              "floor_s": 0.02, "floor_ratio": 2.0, "over_floor": 1.5}}
     layerwise = {"step_s": 0.01, "generation_s": 0.1, "h2d_bytes_per_generation": 0,
                  "peak_device_weight_bytes": 0, "copy_only_step_s": 0.01, "copy_gbps": 1.0,
                  "overlap_ratio": 1.0, "serial_ratio": 1.0, "exposed_stall_per_block_s": 0.0,
@@ -45,4 +49,5 @@ def test_table_prints_both_ratios() -> None:
     }
     table = format_table(results)
     assert ("enable model_level: 30.0 ms for 64.0 MiB of host masters = 3.0 x one memcpy of "
-            "those bytes (10.0 ms), 0.50 x one copy into fresh memory (60.0 ms)") in table
+            "those bytes (10.0 ms), 0.50 x one copy into fresh memory (60.0 ms); the floor (Note "
+            "[Enable floor]) is 20.0 ms = 2.00 x one memcpy, and enable is 1.50 x the floor") in table
