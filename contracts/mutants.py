@@ -586,6 +586,15 @@ def _unguarded_calls() -> Any:
                         holds=lambda self, frame: True, exit=lambda self, frame: True)
 
 
+def _copies_not_refused() -> Any:
+    """Note [No copies while enabled] undone: a deep copy or pickle of an enabled module
+    copies its hooks, and fails deep inside with torch's "cannot pickle '_thread.lock'"."""
+    from offload_ref.backends.guard import RefusesCopies
+
+    return _patched_all(RefusesCopies, __deepcopy__=None, __copy__=None,
+                        __reduce_ex__=object.__reduce_ex__)
+
+
 class _DelegationDropsComponents(ModelLevelOffloadBackend):
     def _enable_delegated(self, pipeline, txn):
         txn.step("delegate")
@@ -626,7 +635,7 @@ _SPLIT = dict(pipelines=("cosmos3",), sections=("E",), strategies=("model_level"
 # mutants run the alignment check alone, which fails on every machine.
 _ALIGNMENT = dict(pipelines=("flux2", "cosmos3"), sections=("F.6",),
                   strategies=("model_level", "layer_wise"))
-_MISUSE = ("J.3", "J.4", "J.5", "J.6")
+_MISUSE = ("J.3", "J.4", "J.5", "J.6", "J.8")
 _MISUSE_LAYER = dict(pipelines=("flux2",), sections=_MISUSE, strategies=("layer_wise",))
 _MISUSE_MODEL = dict(pipelines=("wan22_t2v",), sections=_MISUSE, strategies=("model_level",))
 _J7 = dict(pipelines=("flux2",), sections=("J.7",), strategies=("model_level", "layer_wise"))
@@ -994,6 +1003,9 @@ KILLS: dict[str, set[str]] = {
     "concurrent_calls_unguarded": {
         "check_second_thread_gets_a_clear_error_or_exact_output",
     },
+    "copies_not_refused": {
+        "check_copies_of_an_enabled_pipeline_are_refused_or_exact",
+    },
     "interrupted_block_stays_running": {
         "check_interrupt_inside_a_block_leaves_a_recoverable_ring",
     },
@@ -1112,6 +1124,9 @@ MUTANTS: tuple[Mutant, ...] = (
        _MISUSE_LAYER, patch=_backward_not_refused),
     _m("concurrent_calls_unguarded", "a second thread runs the ring while the first is inside",
        _MISUSE_LAYER, patch=_unguarded_calls),
+    _m("copies_not_refused", "copy.deepcopy of an enabled module copies its offload hooks",
+       dict(pipelines=("flux2",), sections=("J.8",), strategies=("model_level", "layer_wise")),
+       patch=_copies_not_refused),
     # §D, §F.2, §F.4 (layerwise)
     _layer("missing_ready_wait", "compute reads a slot without waiting for its copy",
            _layerwise(_NoReadyWait)),

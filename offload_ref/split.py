@@ -44,6 +44,15 @@ class ComponentGroups:
     def names(self) -> tuple[str, ...]:
         return tuple(self._groups)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles of a disabled model are ordinary; an enabled one refuses (Note [No
+        copies while enabled] in backends/guard.py)."""
+        if self.enabled:
+            from .backends.guard import refuse_copy
+
+            refuse_copy(f"a model whose offload components {list(self._groups)} are enabled")
+        return self.__dict__
+
     @property
     def enabled(self) -> bool:
         return self._swapper is not None

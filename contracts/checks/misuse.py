@@ -379,3 +379,50 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
     case.compare("first thread", result["out"], threaded_reference)
     case.compare("afterwards, one thread", case.run(pipeline), reference)
     backend.disable()
+
+
+@check("J.8", strategies=BACKENDS)
+def check_copies_of_an_enabled_pipeline_are_refused_or_exact(case) -> None:
+    """While enabled, ``copy.deepcopy`` and pickling of the pipeline and of each of its children
+    either raise a ``TypeError`` that names a way out (``disable()``) or give an exact copy (its
+    ``state_dict`` equals the true weights): never a copy holding placeholders, and never
+    torch's "cannot pickle '_thread.lock' object" from deep inside.  The pipeline stays exact."""
+    import copy
+    import io
+    import pickle
+
+    reference = module_view(case.build())
+    want = reference.state_dict()
+    pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    try:
+        case.run(pipeline)  # copy a pipeline that has run (a loaded component, bound blocks)
+        view = module_view(pipeline)
+        targets = [("the pipeline", "", view), *((name, f"{name}.", child)
+                                                 for name, child in view.named_children())]
+        for what, prefix, module in targets:
+            expected = {k[len(prefix):]: v for k, v in want.items() if k.startswith(prefix)}
+            for how, make in (("copy.deepcopy", lambda m=module: copy.deepcopy(m)),
+                              ("pickle", lambda m=module: pickle.loads(pickle.dumps(m))),
+                              ("torch.save", lambda m=module: _torch_round_trip(m, io))):
+                try:
+                    copied = make()
+                except TypeError as exc:
+                    if "disable()" not in str(exc):
+                        fail(f"{how} of {what} while enabled raised a TypeError that names no "
+                             f"way out: {str(exc)[:200]!r}; refuse with a message that says "
+                             "to disable() first (or to copy inside edit_weights())")
+                    continue
+                _same_state(f"{how} of {what} while enabled", copied.state_dict(), expected)
+        case.compare("after copies of the enabled pipeline", case.run(pipeline),
+                     case.reference())
+    finally:
+        backend.disable()
+
+
+def _torch_round_trip(module: nn.Module, io: Any) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)

@@ -18,7 +18,13 @@ from ..config import OffloadConfig, OffloadStrategy
 from ..hooks import HookRegistry
 from ..plan import ResolvedOffloadPlan, resolve_offload_plan
 from ..platform import Platform
-from .guard import CallGuard, OffloadWeightEditError, guard_rebinds, unguard_rebinds
+from .guard import (
+    CallGuard,
+    OffloadWeightEditError,
+    RefusesCopies,
+    guard_rebinds,
+    unguard_rebinds,
+)
 from .stats import OffloadStats
 from .transaction import FaultInjector, Transaction
 
@@ -231,10 +237,10 @@ class OffloadBackend:
         installs = []
         for path, module, entries in owners:
             if any(value is not None for _, value in entries):
-                hook = _true_weights_hook(entries)
+                hook = _TrueWeightsHook(entries, path or type(pipeline).__name__)
                 installs.append(lambda m=module, h=hook: m.register_state_dict_post_hook(h))
         for path, module in guarded.values():
-            hook = _refuse_load_hook(path or type(pipeline).__name__, name)
+            hook = _RefuseLoadHook(path or type(pipeline).__name__, name)
             installs.append(lambda m=module, h=hook: m.register_load_state_dict_pre_hook(h))
         # One step: the rollback suite injects a fault at every step, so per-module steps
         # would cost a full enable per module for nothing.
@@ -300,12 +306,17 @@ def _require_ownable(pipeline: Any) -> None:
         )
 
 
-class _Owner:
+class _Owner(RefusesCopies):
     """What PIPELINE_ATTR holds: the owning backend (a strong reference: an enabled pipeline
     keeps its backend alive, so dropping the backend never strands the pipeline)."""
 
+    __slots__ = ("_backend",)
+
     def __init__(self, backend: OffloadBackend) -> None:
         self._backend = backend
+
+    def _copy_subject(self) -> str:  # Note [No copies while enabled]
+        return f"a pipeline that {type(self._backend).__name__} is enabled on"
 
     def __call__(self) -> OffloadBackend:
         return self._backend
@@ -361,9 +372,22 @@ def _roots(pipeline: Any, plan: ResolvedOffloadPlan) -> list[tuple[str, nn.Modul
     return [(c.path, c.module) for c in plan.components]
 
 
-def _true_weights_hook(entries: list[tuple[str, Callable[[], Any] | None]]) -> Callable:
-    def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        for name, value in entries:
+class _TrueWeightsHook(RefusesCopies):
+    """``state_dict`` post-hook of a module holding offloaded tensors: each value is the true
+    weight, not the placeholder or slot the tensor is bound to (Note [Weight edits])."""
+
+    # no __slots__: torch marks a public state_dict hook with an attribute
+
+    def __init__(self, entries: list[tuple[str, Callable[[], Any] | None]], path: str) -> None:
+        self.entries = entries
+        self.path = path
+
+    def _copy_subject(self) -> str:  # Note [No copies while enabled]
+        return f"module {self.path!r}"
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str,
+                 local_metadata: Any) -> None:
+        for name, value in self.entries:
             key = prefix + name
             if value is None or key not in state_dict:
                 continue
@@ -373,15 +397,23 @@ def _true_weights_hook(entries: list[tuple[str, Callable[[], Any] | None]]) -> C
             true = value()
             if true is not None:
                 state_dict[key] = true
-    return hook
 
 
-def _refuse_load_hook(path: str, backend: str) -> Callable:
-    def hook(module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
+class _RefuseLoadHook(RefusesCopies):
+    """``load_state_dict`` pre-hook on a module holding offloaded tensors and on its ancestors."""
+
+    def __init__(self, path: str, backend: str) -> None:
+        self.path = path
+        self.backend = backend
+
+    def _copy_subject(self) -> str:  # Note [No copies while enabled]
+        return f"module {self.path!r}"
+
+    def __call__(self, module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
         raise OffloadWeightEditError(
-            f"load_state_dict on {path} while {backend} offloads its weights: offloaded weights "
-            "live in host masters and device slots, and an in-place load would be lost or half "
-            "applied; load them inside `with backend.edit_weights(): ...` (offload_ref."
-            "backend_of(pipeline) finds the backend), which re-reads every weight on exit"
+            f"load_state_dict on {self.path} while {self.backend} offloads its weights: "
+            "offloaded weights live in host masters and device slots, and an in-place load would "
+            "be lost or half applied; load them inside `with backend.edit_weights(): ...` "
+            "(offload_ref.backend_of(pipeline) finds the backend), which re-reads every weight "
+            "on exit"
         )
-    return hook

@@ -57,6 +57,21 @@ Note [Rebind guard]
     nothing.  Pickling and ``copy.deepcopy`` give the original class.  The backend's own
     rebinds call the ``TensorBase.data`` setter directly (:data:`set_data`).  ``disable()``
     (and a rollback) give every tensor its class back.
+
+Note [No copies while enabled]
+    An enabled module is not a self-contained object: its tensors are placeholders, slot views
+    or host masters, and the hooks that rebind them belong to the running backend (its rings,
+    platform threads and locks).  ``copy.deepcopy`` of it would copy placeholders (NaN) for the
+    blocks that are not loaded and hooks that drive the original backend's rings; pickling it
+    (``torch.save(module)``) would store the same.  torch would fail somewhere inside with
+    "cannot pickle '_thread.lock' object" or "Can't pickle local object", or worse, succeed.
+    So every object an enabled backend attaches to a module (its forward hooks, its
+    ``state_dict`` hooks, the pipeline's owner mark) refuses to be copied or pickled with a
+    ``TypeError`` that names the module and the ways out: ``disable()`` first, copy inside
+    ``with backend.edit_weights(): ...`` (the pipeline is plain there), or save
+    ``module.state_dict()``, which holds the true weights while enabled.  The guarded tensors
+    themselves still copy and pickle (as their original class): a ``state_dict(keep_vars=True)``
+    holds them.
 """
 
 from __future__ import annotations
@@ -76,13 +91,47 @@ __all__ = [
     "OffloadAutogradError",
     "OffloadConcurrencyError",
     "OffloadWeightEditError",
+    "RefusesCopies",
     "call_frame",
     "get_data",
     "guard_rebinds",
     "refuse_autograd",
+    "refuse_copy",
     "set_data",
     "unguard_rebinds",
 ]
+
+
+def refuse_copy(subject: str) -> None:
+    """Raise the TypeError of Note [No copies while enabled] for ``subject``."""
+    raise TypeError(
+        f"cannot copy or pickle {subject} while offload-ref offloads it: its tensors are "
+        "placeholders, device slots or host masters, and its hooks drive the running backend, "
+        "so a copy would be silently wrong or could not run.  Call backend.disable() first, "
+        "copy inside `with backend.edit_weights(): ...` (the pipeline holds ordinary tensors "
+        "there; offload_ref.backend_of(pipeline) finds the backend), or save "
+        "module.state_dict(), which holds the true weights while enabled"
+    )
+
+
+class RefusesCopies:
+    """Mixin for what an enabled backend attaches to a module: ``copy.deepcopy``, ``copy.copy``
+    and pickling raise a ``TypeError`` naming :meth:`_copy_subject` (Note [No copies while
+    enabled])."""
+
+    __slots__ = ()
+
+    def _copy_subject(self) -> str:
+        return "a module"
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        refuse_copy(self._copy_subject())
+
+    def __copy__(self) -> Any:
+        refuse_copy(self._copy_subject())
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        refuse_copy(self._copy_subject())
 
 
 class OffloadConcurrencyError(RuntimeError):

@@ -29,6 +29,7 @@ from .guard import (
     _INNER_CODE,
     CallGuard,
     OffloadWeightEditError,
+    RefusesCopies,
     _on_stack,
     call_frame,
     refuse_autograd,
@@ -46,7 +47,7 @@ if _leave_inference_mode is None:  # pragma: no cover - older or newer torch
     _leave_inference_mode = torch.inference_mode
 
 
-class LayerwiseOffloadHook(ModelHook):
+class LayerwiseOffloadHook(RefusesCopies, ModelHook):
     """Thin callbacks from one block into its ring, inside the backend's call guard (Note [One
     thread at a time] in guard.py), refusing autograd and weight edits it cannot honour (Notes
     [Autograd], [Weight edits])."""
@@ -67,6 +68,9 @@ class LayerwiseOffloadHook(ModelHook):
         # original storage.
         self.counters = [t.detach() for t in group.tensors]
         self._span: Any = None  # the block's compute range (Note [Spans] in _spans.py)
+
+    def _copy_subject(self) -> str:  # Note [No copies while enabled]
+        return f"block {self.path!r}"
 
     # Note [Hooks leave inference mode]: tensors the offloader creates or views inside a hook
     # must be ordinary tensors, or disable (run outside inference mode) could not reuse them.
@@ -238,7 +242,7 @@ class _OneShot:
             self.frame, sys._current_frames().get(self.thread))
 
 
-class LayerwisePartHook(ModelHook):
+class LayerwisePartHook(RefusesCopies, ModelHook):
     """On a tensor-owning submodule of a streamed block: when the model calls it outside the
     block's forward, the block is materialized and waited for around the call (Note [Block
     parts] in ring.py).  Inside the block's forward it does nothing.  Its post-hook exists only
@@ -255,6 +259,9 @@ class LayerwisePartHook(ModelHook):
         self._outside = 0
         # The one-shot post-hooks registered and not yet removed (``disable()`` removes them).
         self._one_shots: list[_OneShot] = []
+
+    def _copy_subject(self) -> str:  # Note [No copies while enabled]
+        return f"{self.path!r} (a part of a streamed block)"
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         running = self.ring._running

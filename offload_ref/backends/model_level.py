@@ -34,13 +34,13 @@ from ..plan import ResolvedComponent, ResolvedOffloadPlan, owned_tensors, pipeli
 from .base import OffloadBackend
 from .groups import ComponentSwapper
 from .stats import OffloadStats
-from .guard import CallGuard, call_frame, refuse_autograd
+from .guard import CallGuard, RefusesCopies, call_frame, refuse_autograd
 from .transaction import Transaction
 
 __all__ = ["ComponentSwapper", "ModelLevelOffloadBackend", "SequentialOffloadHook"]
 
 
-class SequentialOffloadHook(ModelHook):
+class SequentialOffloadHook(RefusesCopies, ModelHook):
     """Hooks of one component: make it the resident swap group before its forward; enter and
     leave the backend's call guard (Note [One thread at a time] in guard.py)."""
 
@@ -49,6 +49,9 @@ class SequentialOffloadHook(ModelHook):
         self.backend = backend
         self.component = component
         self.guard = guard
+
+    def _copy_subject(self) -> str:  # Note [No copies while enabled]
+        return f"component {self.component.path!r}"
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         frame = call_frame()
