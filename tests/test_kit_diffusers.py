@@ -53,12 +53,16 @@ _MISUSE_CHECKS = {
     "data_edits_unguarded_layerwise": "check_edits_through_data_are_exact_or_refused",
     "state_dict_returns_placeholders": "check_state_dict_while_enabled_returns_true_weights",
     "edit_weights_in_place_layerwise": "check_edit_weights_round_trip_takes_effect_exactly",
+    "backward_not_refused": "check_backward_is_exact_or_refused_at_forward",
+    "concurrent_calls_unguarded": "check_second_thread_gets_a_clear_error_or_exact_output",
+    "copies_not_refused": "check_copies_of_an_enabled_pipeline_are_refused_or_exact",
 }
 
 
 def test_the_misuse_checks_run_on_a_plain_object_pipeline_and_catch_their_mutants() -> None:
-    """§J.3 / §J.4 see a diffusers pipeline through its nn.Module attributes: they run (not
-    "not applicable") and each fails against the mutant it is meant to catch."""
+    """§J.3-§J.6 and §J.8 see a diffusers pipeline through its nn.Module attributes: they run
+    (not "not applicable") and each fails against the mutant it is meant to catch."""
+    import contextlib
     import warnings
 
     from offload_ref.contracts.mutants import MUTANTS
@@ -69,7 +73,8 @@ def test_the_misuse_checks_run_on_a_plain_object_pipeline_and_catch_their_mutant
         (c, "passed") for c in checks)
     for name, check in _MISUSE_CHECKS.items():
         mutant = next(m for m in MUTANTS if m.name == name)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), (
+                mutant.patch() if mutant.patch else contextlib.nullcontext()):
             warnings.simplefilter("ignore")
             results = run_checks([DIT_SPEC], include_global=False, checks=checks,
                                  strategies=["layer_wise"], impl=mutant.impl)

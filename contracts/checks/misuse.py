@@ -48,9 +48,8 @@ def _same_state(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.T
 def _guarded(spec: Any, strategy: str) -> bool:
     """Split models delegate model level to their own ComponentGroups (one thread per model)."""
     pipeline = spec.build()
-    return isinstance(pipeline, nn.Module) and not (
-        strategy == "model_level" and callable(getattr(pipeline, "enable_omni_model_cpu_offload",
-                                                       None)))
+    return not (strategy == "model_level" and callable(
+        getattr(pipeline, "enable_omni_model_cpu_offload", None)))
 
 
 @check("J.3", strategies=BACKENDS)
@@ -226,7 +225,7 @@ def _backward(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 @check("J.5", strategies=BACKENDS, applies=_guarded,
-       needs="an nn.Module pipeline that does not delegate model level to its own component groups")
+       needs="a pipeline that does not delegate model level to its own component groups")
 def check_backward_is_exact_or_refused_at_forward(case) -> None:
     """Calling an offloaded component (each DiT and encoder, with the arguments the pipeline
     gives it) with autograd recording, while its weights require grad, is refused before it runs
@@ -238,7 +237,8 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
     paths = [c.path for c in case.resolve(reference).components
              if c.role in ("dit", "encoder") and c.selected and not c.on_demand]
     calls = _first_calls(case, reference, paths)
-    reference.requires_grad_(True)  # fixtures are frozen; a fine-tuning user unfreezes them
+    module_view(reference).requires_grad_(True)  # fixtures are frozen; a fine-tuning user
+    # unfreezes them
     want: dict[str, dict] = {}
     for path, (args, kwargs) in calls.items():
         module = get_submodule_path(reference, path)
@@ -249,7 +249,7 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
     backend = case.backend()
     backend.enable(pipeline)
     case.run(pipeline)  # steady state: prefetched blocks, a loaded component
-    pipeline.requires_grad_(True)
+    module_view(pipeline).requires_grad_(True)
     for path, (args, kwargs) in calls.items():
         module = get_submodule_path(pipeline, path)
         try:
@@ -324,7 +324,7 @@ def _in_thread(fn: Any) -> Any:
 
 
 @check("J.6", strategies=BACKENDS, applies=_guarded,
-       needs="an nn.Module pipeline that does not delegate model level to its own component groups")
+       needs="a pipeline that does not delegate model level to its own component groups")
 def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
     """A second thread calling a pipeline while another thread is inside one of its offloaded
     modules gets a clear error (or an exact output), and the first thread's generation stays
