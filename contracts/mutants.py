@@ -579,6 +579,17 @@ def _backward_not_refused() -> Any:
     return _patched(layerwise, "refuse_autograd", lambda label, names, tensors: None)
 
 
+def _frozen_backward_not_refused() -> Any:
+    """Note [Autograd] checking only whether the offloaded weights require grad: a frozen
+    weight is still saved for the gradient of an input, and read back as a placeholder."""
+    from offload_ref.backends import guard, layerwise
+
+    def weights_only(label, names, tensors, args=(), kwargs=None, module=None):
+        guard.refuse_autograd(label, names, tensors)
+
+    return _patched(layerwise, "refuse_autograd", weights_only)
+
+
 def _unguarded_calls() -> Any:
     from offload_ref.backends.guard import CallGuard
 
@@ -1000,6 +1011,9 @@ KILLS: dict[str, set[str]] = {
     "data_edits_unguarded_model_level": {
         "check_edits_through_data_are_exact_or_refused",
     },
+    "frozen_backward_not_refused": {
+        "check_backward_is_exact_or_refused_at_forward",
+    },
     "concurrent_calls_unguarded": {
         "check_second_thread_gets_a_clear_error_or_exact_output",
     },
@@ -1122,6 +1136,9 @@ MUTANTS: tuple[Mutant, ...] = (
                  _unguarded(ModelLevelOffloadBackend), _MISUSE_MODEL),
     _m("backward_not_refused", "a grad-mode forward through streamed blocks is not refused",
        _MISUSE_LAYER, patch=_backward_not_refused),
+    _m("frozen_backward_not_refused", "a grad-mode forward through frozen streamed weights "
+       "with an input that requires grad is not refused (autograd saves the placeholders)",
+       _MISUSE_LAYER, patch=_frozen_backward_not_refused),
     _m("concurrent_calls_unguarded", "a second thread runs the ring while the first is inside",
        _MISUSE_LAYER, patch=_unguarded_calls),
     _m("copies_not_refused", "copy.deepcopy of an enabled module copies its offload hooks",

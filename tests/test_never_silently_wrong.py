@@ -176,6 +176,34 @@ def test_grad_mode_forward_through_offloaded_weights_is_refused(strategy, platfo
     backend.disable()
 
 
+def test_frozen_streamed_weights_are_refused_when_a_gradient_would_flow_through_them(
+        platform) -> None:
+    """Before: with every weight frozen, the gradient of an input (guidance by gradient) or of a
+    LoRA parameter added after enable read the placeholders autograd had saved: NaN gradients
+    with no error (an outside review, round 2)."""
+    pipeline, backend = _enabled("layer_wise", platform)
+    _run(pipeline)
+    context = torch.randn(1, 6, 32)
+    latents = torch.randn(1, 16, 4, requires_grad=True)
+    with pytest.raises(OffloadAutogradError, match="input .* requires grad.*no_grad"):
+        with torch.enable_grad():
+            pipeline.transformer(latents, context, torch.tensor([500.0]),
+                                 guidance=torch.tensor([4000.0]))
+    assert latents.grad is None
+    block = next(m for m in pipeline.transformer.modules() if hasattr(m, "attn"))
+    adapter = nn.Parameter(torch.zeros(1))  # added after enable, trainable
+    block.register_parameter("adapter", adapter)
+    try:
+        with pytest.raises(OffloadAutogradError, match="adapter requires grad .*not offloaded"):
+            with torch.enable_grad():
+                pipeline.transformer(latents.detach(), context, torch.tensor([500.0]),
+                                     guidance=torch.tensor([4000.0]))
+    finally:
+        del block._parameters["adapter"]
+    assert torch.equal(_run(pipeline), _run(SPEC.build()))
+    backend.disable()
+
+
 # -- threads (J.6) ---------------------------------------------------------------------------
 
 

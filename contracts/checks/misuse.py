@@ -224,13 +224,29 @@ def _backward(module: nn.Module, args: tuple, kwargs: dict) -> None:
             loss.backward()
 
 
+def _input_grads(module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor | None]:
+    """Frozen weights, floating inputs requiring grad: the gradients of those inputs (autograd
+    saves the weights for them, frozen or not)."""
+    args, kwargs = _fresh(args), _fresh(kwargs)
+    inputs = [t for t in _leaves((args, kwargs)) if t.is_floating_point()]
+    for t in inputs:
+        t.requires_grad_(True)
+    with torch.enable_grad():
+        out = module(*args, **kwargs)
+        loss = sum(t.float().sum() for t in _leaves(out) if t.requires_grad)
+        if isinstance(loss, torch.Tensor):
+            loss.backward()
+    return [None if t.grad is None else t.grad.detach().clone() for t in inputs]
+
+
 @check("J.5", strategies=BACKENDS, applies=_guarded,
        needs="a pipeline that does not delegate model level to its own component groups")
 def check_backward_is_exact_or_refused_at_forward(case) -> None:
     """Calling an offloaded component (each DiT and encoder, with the arguments the pipeline
-    gives it) with autograd recording, while its weights require grad, is refused before it runs
-    with a RuntimeError that says what to do -- or, if served, gives the un-offloaded gradients
-    bit for bit: never a NaN or wrong gradient.  The next generation is exact."""
+    gives it) with autograd recording -- while its weights require grad, and again with frozen
+    weights and inputs that require grad -- is refused before it runs with a RuntimeError that
+    says what to do, or, if served, gives the un-offloaded gradients bit for bit: never a NaN or
+    wrong gradient.  The next generation is exact."""
     from offload_ref.discovery import get_submodule_path
 
     reference = case.build()
@@ -270,6 +286,26 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
         if bad:
             fail(f"backward through offloaded {path} gave {len(bad)} wrong or NaN gradients "
                  f"(e.g. {bad[:3]}); refuse grad-mode forwards at forward time instead")
+    # Frozen weights are saved for the backward too: the gradient of an input that requires
+    # grad flows through them (guidance by gradient, or a LoRA upstream).
+    module_view(reference).requires_grad_(False)
+    module_view(pipeline).requires_grad_(False)
+    for path, (args, kwargs) in calls.items():
+        want_inputs = _input_grads(get_submodule_path(reference, path), args, kwargs)
+        try:
+            got_inputs = _input_grads(get_submodule_path(pipeline, path), args, kwargs)
+        except RuntimeError as exc:
+            if "grad" not in str(exc) or "no_grad" not in str(exc):
+                fail(f"calling {path} with an input requiring grad was refused without saying "
+                     f"what to do (run under torch.no_grad() / inference_mode, or detach the "
+                     f"inputs): {exc}")
+            continue
+        bad = [i for i, (g, w) in enumerate(zip(got_inputs, want_inputs))
+               if (g is None) != (w is None) or (w is not None and not torch.equal(g, w))]
+        if bad:
+            fail(f"with frozen weights, backward through offloaded {path} gave wrong or NaN "
+                 f"gradients for {len(bad)} of its inputs: autograd saved offloaded weights "
+                 "that were rebound after the forward; refuse such forwards at forward time")
     case.compare("the next generation", case.run(pipeline), case.reference())
     backend.disable()
 

@@ -29,7 +29,9 @@ Note [Autograd]
     mode on while the weights it is about to stream require grad raises
     :class:`OffloadAutogradError` before the module runs: never a NaN gradient.  Run under
     ``torch.no_grad()`` / ``torch.inference_mode()`` (diffusers pipelines do), or freeze the
-    weights with ``requires_grad_(False)``.
+    weights with ``requires_grad_(False)``.  Frozen weights are saved as well whenever a gradient
+    flows through them, so a streamed block also refuses when one of its inputs, or another of
+    its parameters (an adapter added after enable), requires grad.
 
 Note [Weight edits]
     Inside ``backend.edit_weights()`` the pipeline holds ordinary tensors (the backend is
@@ -360,20 +362,58 @@ class CallGuard:
         mine[:] = [(label, f) for label, f in mine if f is None or _on_stack(f, top)]
 
 
-def refuse_autograd(label: str, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
-    """Raise OffloadAutogradError if autograd would record a graph over ``tensors`` (Note
-    [Autograd]).  Cheap when grad mode is off (the normal case)."""
+def refuse_autograd(label: str, names: Sequence[str], tensors: Sequence[torch.Tensor],
+                    args: Any = (), kwargs: Any = None, module: nn.Module | None = None) -> None:
+    """Raise OffloadAutogradError if autograd would record a graph that saves ``tensors`` (Note
+    [Autograd]): one of them requires grad, or -- frozen weights are saved too, for the
+    gradient of whatever flows through them -- an input in ``args`` / ``kwargs`` or another
+    parameter of ``module`` (a LoRA adapter added later, say) requires grad.  Cheap when grad
+    mode is off (the normal case)."""
     if not torch.is_grad_enabled():
         return
     for name, t in zip(names, tensors):
         if t.requires_grad:
-            raise OffloadAutogradError(
-                f"{label} runs with autograd recording and its offloaded weight {name} requires "
-                "grad: offloaded weights are rebound after each forward, so a backward would read "
-                "other values than the forward did.  Run the pipeline under torch.no_grad() or "
-                "torch.inference_mode(), or freeze the weights (module.requires_grad_(False)); "
-                "training through an offloaded module is not supported"
-            )
+            _refuse_recording(label, f"its offloaded weight {name} requires grad", "freeze the "
+                              "weights (module.requires_grad_(False))")
+    for where, t in _grad_leaves(args, kwargs):
+        _refuse_recording(label, f"its input {where} requires grad, so autograd saves the "
+                          "offloaded weights it flows through", "detach the inputs")
+    if module is not None:
+        offloaded = {id(t) for t in tensors}
+        for name, p in module.named_parameters():
+            if p.requires_grad and id(p) not in offloaded:
+                _refuse_recording(label, f"its parameter {name} requires grad (it is not "
+                                  "offloaded: added after enable?), so autograd saves the "
+                                  "offloaded weights its gradient flows through",
+                                  "freeze it, or add it inside backend.edit_weights()")
+
+
+def _grad_leaves(args: Any, kwargs: Any) -> list[tuple[str, torch.Tensor]]:
+    """``(where, tensor)`` of the tensors in ``args`` / ``kwargs`` (nested in lists, tuples and
+    dicts) that require grad."""
+    out: list[tuple[str, torch.Tensor]] = []
+    stack: list[tuple[str, Any]] = [(f"args[{i}]", a) for i, a in enumerate(args)]
+    stack += [(f"{k}=", v) for k, v in (kwargs or {}).items()]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                out.append((where, value))
+        elif isinstance(value, (list, tuple)):
+            stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, dict):
+            stack += [(f"{where}[{k!r}]", v) for k, v in value.items()]
+    return out
+
+
+def _refuse_recording(label: str, why: str, fix: str) -> None:
+    raise OffloadAutogradError(
+        f"{label} runs with autograd recording and {why}: offloaded weights are rebound after "
+        "each forward (to placeholders or to another block's slot), so a backward would read "
+        "other values than the forward did.  Run the pipeline under torch.no_grad() or "
+        f"torch.inference_mode(), or {fix}; training through an offloaded module is not "
+        "supported"
+    )
 
 
 # -- Note [Rebind guard] ----------------------------------------------------------------------

@@ -85,7 +85,7 @@ class LayerwiseOffloadHook(RefusesCopies, ModelHook):
             self._run_post_hook_last(hooks)
         try:
             if _grad_enabled():
-                refuse_autograd(self.path, self.names, self.tensors)
+                refuse_autograd(self.path, self.names, self.tensors, args, kwargs, module)
             for t, v in zip(self.counters, self.versions):
                 if t._version != v:
                     self._refuse_edit()
@@ -281,7 +281,8 @@ class LayerwisePartHook(RefusesCopies, ModelHook):
                 one_shot.handle = module.register_forward_hook(
                     functools.partial(self._post_outside, one_shot), with_kwargs=True,
                     always_call=True)
-            refuse_autograd(block.path, block.names, self.ring.groups[self.index].tensors)
+            refuse_autograd(block.path, block.names, self.ring.groups[self.index].tensors,
+                            args, kwargs, module)
             edited = block.edited()
             if edited:
                 raise OffloadWeightEditError(
