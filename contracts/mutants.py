@@ -576,7 +576,15 @@ def _unguarded(base: type) -> type:
 def _backward_not_refused() -> Any:
     from offload_ref.backends import layerwise
 
-    return _patched(layerwise, "refuse_autograd", lambda label, names, tensors: None)
+    return _patched(layerwise, "refuse_autograd", lambda *args, **kwargs: None)
+
+
+def _reads_between_forwards_allowed() -> Any:
+    """Note [Reads between forwards] undone: ``.data`` of a streamed tensor reads whatever it is
+    bound to (NaN placeholders, a slot still filling) between forwards."""
+    from offload_ref.backends import layerwise
+
+    return _patched(layerwise, "readable_while", lambda *args, **kwargs: None)
 
 
 def _frozen_backward_not_refused() -> Any:
@@ -1007,9 +1015,13 @@ KILLS: dict[str, set[str]] = {
     },
     "data_edits_unguarded_layerwise": {
         "check_edits_through_data_are_exact_or_refused",
+        "check_reads_through_data_are_true_or_refused",  # no guard, so no read guard either
     },
     "data_edits_unguarded_model_level": {
         "check_edits_through_data_are_exact_or_refused",
+    },
+    "reads_between_forwards_allowed": {
+        "check_reads_through_data_are_true_or_refused",
     },
     "frozen_backward_not_refused": {
         "check_backward_is_exact_or_refused_at_forward",
@@ -1136,6 +1148,9 @@ MUTANTS: tuple[Mutant, ...] = (
                  _unguarded(ModelLevelOffloadBackend), _MISUSE_MODEL),
     _m("backward_not_refused", "a grad-mode forward through streamed blocks is not refused",
        _MISUSE_LAYER, patch=_backward_not_refused),
+    _m("reads_between_forwards_allowed", "reading a streamed weight's .data between forwards "
+       "gives its placeholder (diffusers' fuse_qkv_projections builds NaN projections from it)",
+       _MISUSE_LAYER, patch=_reads_between_forwards_allowed),
     _m("frozen_backward_not_refused", "a grad-mode forward through frozen streamed weights "
        "with an input that requires grad is not refused (autograd saves the placeholders)",
        _MISUSE_LAYER, patch=_frozen_backward_not_refused),

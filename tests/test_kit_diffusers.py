@@ -56,6 +56,7 @@ _MISUSE_CHECKS = {
     "backward_not_refused": "check_backward_is_exact_or_refused_at_forward",
     "concurrent_calls_unguarded": "check_second_thread_gets_a_clear_error_or_exact_output",
     "copies_not_refused": "check_copies_of_an_enabled_pipeline_are_refused_or_exact",
+    "reads_between_forwards_allowed": "check_reads_through_data_are_true_or_refused",
 }
 
 
@@ -79,4 +80,4 @@ def test_the_misuse_checks_run_on_a_plain_object_pipeline_and_catch_their_mutant
             results = run_checks([DIT_SPEC], include_global=False, checks=checks,
                                  strategies=["layer_wise"], impl=mutant.impl)
         failed = {str(r.id).split("-")[0] for r in results if not r.ok}
-        assert failed == {check}, (name, failed)
+        assert check in failed and failed <= set(mutant.kills), (name, failed)

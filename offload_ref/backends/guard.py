@@ -56,9 +56,27 @@ Note [Rebind guard]
     Note [Weight edits]), and assigning anything but the same view raises
     :class:`OffloadWeightEditError` before anything changes.  ``__torch_function__`` is the
     disabled implementation, as for ``nn.Parameter``: ops return plain tensors and pay
-    nothing.  Pickling and ``copy.deepcopy`` give the original class.  The backend's own
+    nothing.  Pickling and ``copy.deepcopy`` give the original class (a streamed tensor between
+    its block's forwards refuses both, Note [Reads between forwards]).  The backend's own
     rebinds call the ``TensorBase.data`` setter directly (:data:`set_data`).  ``disable()``
     (and a rollback) give every tensor its class back.
+
+Note [Reads between forwards]
+    Between its forwards a streamed block's tensors are bound to placeholders (NaN) or to a
+    slot whose prefetch copy may still be in flight.  Code that reads weights through ``.data``
+    outside the forward builds on those bytes: diffusers' ``fuse_qkv_projections`` concatenates
+    ``to_q.weight.data`` and its siblings into new projections (NaN for good, even after
+    ``disable()``), peft's merge reads ``base_layer.weight.data`` before it adds a delta and
+    marks the layer merged.  So the guarded ``.data`` of a streamed tensor raises
+    :class:`OffloadWeightEditError` unless its block is running (its own forward, or a part
+    call that materialized it): the code fails at its first read, before it built or marked
+    anything.  Such code may have changed other weights before it reached a streamed one
+    (peft merges the resident layers first): so after a refused read, the next block forward
+    compares the resident state's version counters with their values at enable, and refuses
+    with :class:`OffloadWeightEditError` if any changed (a half-applied edit); otherwise it
+    forgets the refusal.  Direct reads (``w.sum()``, ``torch.cat([w, ...])``) are not
+    intercepted (the guard leaves ops alone for speed) and read placeholders, like any read
+    outside forward.  Swapped (model-level) tensors always view real storage and read as usual.
 
 Note [No copies while enabled]
     An enabled module is not a self-contained object: its tensors are placeholders, slot views
@@ -80,7 +98,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import CodeType, FrameType
 from typing import Any
@@ -96,7 +114,9 @@ __all__ = [
     "RefusesCopies",
     "call_frame",
     "get_data",
+    "forget_readable",
     "guard_rebinds",
+    "readable_while",
     "refuse_autograd",
     "refuse_copy",
     "set_data",
@@ -433,7 +453,44 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.shape == b.shape and a.stride() == b.stride())
 
 
+# id(tensor) -> (whether its storage may be read now, what to tell its backend of a refused
+# read), for tensors whose binding is real only at times (a streamed block's: Note [Reads
+# between forwards]).
+_READABLE: dict[int, tuple[Callable[[], bool], Callable[[str], None]]] = {}
+
+
+def readable_while(tensors: Sequence[torch.Tensor], readable: Callable[[], bool],
+                   on_refused: Callable[[str], None]) -> None:
+    """Let ``.data`` of each guarded tensor in ``tensors`` be read only while ``readable()``;
+    a refused read calls ``on_refused(name)`` first (Note [Reads between forwards]).
+    :func:`unguard_rebinds` forgets it."""
+    for t in tensors:
+        _READABLE[id(t)] = (readable, on_refused)
+
+
+def forget_readable(tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        _READABLE.pop(id(t), None)
+
+
+def _require_readable(self: torch.Tensor, what: str) -> None:
+    entry = _READABLE.get(id(self))
+    if entry is not None and not entry[0]():
+        name, owner = _GUARDED.get(id(self), ("an offloaded tensor", "an offload backend"))
+        entry[1](name)
+        raise OffloadWeightEditError(
+            f"{name}{what} outside its block's forward while {owner} streams it: "
+            "between forwards the tensor is bound to a placeholder (NaN) or to a slot whose "
+            "copy may still be in flight, so whatever is built from it (fused projections, a "
+            "LoRA merge, a cast) would be silently wrong, and an edit through it would be "
+            "dropped.  Make the change inside `with backend.edit_weights(): ...` "
+            "(offload_ref.backend_of(pipeline) finds the backend), where the pipeline holds its "
+            "real weights, or read the true values from state_dict()"
+        )
+
+
 def _guarded_data(self: torch.Tensor) -> torch.Tensor:
+    _require_readable(self, ".data was read")
     return self.detach()  # shares storage and version counter: an edit through it is seen
 
 
@@ -457,12 +514,14 @@ _GUARDED_DATA = property(_guarded_data, _guarded_set_data,
 def _plain_deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
     if id(self) in memo:
         return memo[id(self)]
+    _require_readable(self, " was deep-copied")
     out = self.as_subclass(_ORIGINAL[type(self)]).__deepcopy__(memo)
     memo[id(self)] = out
     return out
 
 
 def _plain_reduce_ex(self: torch.Tensor, proto: int) -> Any:
+    _require_readable(self, " was pickled")
     return self.as_subclass(_ORIGINAL[type(self)]).__reduce_ex__(proto)
 
 
@@ -479,6 +538,7 @@ def _parameter_deepcopy(self: nn.Parameter, memo: dict) -> nn.Parameter:
     # nn.Parameter.__deepcopy__ with a plain Parameter (it builds ``type(self)``).
     if id(self) in memo:
         return memo[id(self)]
+    _require_readable(self, " was deep-copied")
     out = nn.Parameter(self.detach().clone(memory_format=torch.preserve_format),
                        self.requires_grad)
     memo[id(self)] = out
@@ -520,3 +580,4 @@ def unguard_rebinds(tensors: Sequence[torch.Tensor]) -> None:
         if original is not None:
             t.__class__ = original
         _GUARDED.pop(id(t), None)
+        _READABLE.pop(id(t), None)

@@ -10,6 +10,7 @@ import sys
 import threading
 import warnings
 import weakref
+from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
@@ -32,6 +33,8 @@ from .guard import (
     RefusesCopies,
     _on_stack,
     call_frame,
+    forget_readable,
+    readable_while,
     refuse_autograd,
 )
 from .ring import BlockRing, Transport, _Placeholders
@@ -68,6 +71,7 @@ class LayerwiseOffloadHook(RefusesCopies, ModelHook):
         # original storage.
         self.counters = [t.detach() for t in group.tensors]
         self._span: Any = None  # the block's compute range (Note [Spans] in _spans.py)
+        self.refusals = _ReadRefusals()  # the backend's, shared by its hooks
 
     def _copy_subject(self) -> str:  # Note [No copies while enabled]
         return f"block {self.path!r}"
@@ -89,6 +93,8 @@ class LayerwiseOffloadHook(RefusesCopies, ModelHook):
             for t, v in zip(self.counters, self.versions):
                 if t._version != v:
                     self._refuse_edit()
+            if self.refusals.name is not None:  # Note [Reads between forwards] (guard.py)
+                self.refusals.check()
             ring = self.ring
             if ring.creates_no_tensors:  # Note [Hooks leave inference mode]
                 ring.before(self.index, frame)
@@ -240,6 +246,38 @@ class _OneShot:
         """Whether its call has ended (its frame is no longer on its thread's stack)."""
         return self.frame is not None and not _on_stack(
             self.frame, sys._current_frames().get(self.thread))
+
+
+class _ReadRefusals:
+    """A refused ``.data`` read of a streamed tensor, and the resident state's version counters
+    at enable: the next block forward refuses a half-applied edit (Note [Reads between
+    forwards] in guard.py)."""
+
+    __slots__ = ("name", "owner", "resident")
+
+    def __init__(self, owner: str = "the backend",
+                 resident: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
+        self.name: str | None = None
+        self.owner = owner
+        # Plain aliases sharing each counter (a guarded tensor's ``_version`` costs more).
+        self.resident = [(n, t.detach(), t._version) for n, t in resident]
+
+    def refused(self, name: str) -> None:
+        self.name = name
+
+    def check(self) -> None:
+        edited = [n for n, alias, v in self.resident if alias._version != v]
+        if not edited:
+            self.name = None  # only a read: nothing was changed before it
+            return
+        raise OffloadWeightEditError(
+            f"a read of {self.name}.data was refused while {self.owner} streams it, and "
+            f"{len(edited)} resident weight(s) were edited in place since enable (e.g. "
+            f"{edited[:3]}): the code that read it was probably applying one edit to every "
+            "weight (a LoRA merge, a cast) and stopped half-way, so this pipeline holds part of "
+            "it.  Redo the edit inside `with backend.edit_weights(): ...` (undo the applied part "
+            "first if the tool that made it keeps its own record, as peft does), or disable() "
+            "to keep what was applied")
 
 
 class LayerwisePartHook(RefusesCopies, ModelHook):
@@ -430,6 +468,15 @@ class LayerWiseOffloadBackend(OffloadBackend):
         resident.prepare(txn, [], [("<resident>", rest)], pin=False)
         for ring in self.rings:
             ring.commit(txn)
+        # Note [Reads between forwards] (guard.py): a streamed tensor's guarded .data reads only
+        # while its block runs.
+        streamed_tensors = [t for ring in self.rings for g in ring.groups for t in g.tensors]
+        txn.on_rollback(lambda: forget_readable(streamed_tensors))
+        refusals = _ReadRefusals(type(self).__name__, resident.named_tensors())
+        for ring in self.rings:
+            for k, group in enumerate(ring.groups):
+                readable_while(group.tensors, functools.partial(ring.is_running, k),
+                               refusals.refused)
         self._hooks = []
         self._parts = []
         blocks = {id(b) for ring in self.rings for b in ring.blocks}
@@ -437,6 +484,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         for ring in self.rings:
             for k, (block, path) in enumerate(zip(ring.blocks, ring.block_paths)):
                 hook = LayerwiseOffloadHook(ring, k, self._guard)
+                hook.refusals = refusals
                 self._hooks.append(hook)
                 txn.register_hook(block, self.hook_name, hook, path)
                 # Note [Block parts] (ring.py): a submodule the model calls outside the block.
