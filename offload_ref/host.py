@@ -43,6 +43,7 @@ from functools import cached_property
 
 import torch
 
+from ._interrupts import interruption_point
 from .platform.base import Platform, aligned_empty
 
 __all__ = [
@@ -245,6 +246,7 @@ class Layout:
         for seg, src in zip(self.segments, self._sources):
             if seg.numel == 0:
                 continue
+            interruption_point()  # Note [Deferred interrupts]: enable stops here on Ctrl-C
             span = torch.as_strided(src, (seg.numel,), (1,), seg.lo)
             copy(flats[seg.dtype].narrow(0, seg.offset, seg.numel), span)
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._interrupts import deferred_interrupts, interruption_point
+
 __all__ = ["ComponentGroups"]
 
 
@@ -77,9 +79,7 @@ class ComponentGroups:
         Every group starts on the host; the first ``context(name)`` loads it.  A failure rolls
         every change back (the same transaction as the model-level backend).
         """
-        from .backends.base import OffloadEnableError
         from .backends.groups import ComponentSwapper
-        from .backends.guard import guard_rebinds
         from .backends.stats import OffloadStats
         from .backends.transaction import Transaction
         from .hooks import HookRegistry
@@ -96,11 +96,20 @@ class ComponentGroups:
         swappable = [
             (name, named_tensors(_Group(mods))) for name, mods in self._groups.items()
         ]
+        with deferred_interrupts():  # Note [Deferred interrupts] in _interrupts.py
+            self._enable_transaction(platform, stats, swapper, txn, swappable, residents,
+                                     pin_memory)
+
+    def _enable_transaction(self, platform: Any, stats: Any, swapper: Any, txn: Any,
+                            swappable: list, residents: list, pin_memory: bool) -> None:
+        from .backends.base import OffloadEnableError
+
         guarded: list[torch.Tensor] = []
         try:
             swapper.prepare(txn, swappable, residents, pin=pin_memory)
             # Note [Rebind guard] (backends/guard.py): an edit through .data is seen or refused.
             guarded = txn.guard_rebinds(swapper.named_tensors(), type(self).__name__)
+            interruption_point()  # a Ctrl-C during enable rolls it back
             platform.synchronize()
         except BaseException as exc:  # KeyboardInterrupt too: nothing may stay half-applied
             try:
@@ -124,13 +133,17 @@ class ComponentGroups:
 
     def disable(self) -> None:
         """Rebuild every tensor at its original placement.  Idempotent."""
+        with deferred_interrupts():  # Note [Deferred interrupts]: disable runs to its end
+            self._disable_all()
+
+    def _disable_all(self) -> None:
         from .backends.guard import guard_rebinds, unguard_rebinds
 
         active, self._swapper = self._swapper, None
         if active is not None:
             self._finalizer.detach()
-            guarded, self._guarded = self._guarded, []
-            unguard_rebinds(guarded)
+            unguard_rebinds(self._guarded)
+            self._guarded = []
             try:
                 active.swapper.restore()
             except Exception:

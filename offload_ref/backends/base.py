@@ -18,6 +18,7 @@ from ..config import OffloadConfig, OffloadStrategy
 from ..hooks import HookRegistry
 from ..plan import ResolvedOffloadPlan, resolve_offload_plan
 from ..platform import Platform
+from .._interrupts import deferred_interrupts, interruption_point
 from .guard import (
     CallGuard,
     OffloadWeightEditError,
@@ -109,6 +110,10 @@ class OffloadBackend:
         if plan.skip_reason is not None:
             return
         _require_ownable(pipeline)  # enable ends by recording its owner: check that it can
+        with deferred_interrupts():  # Note [Deferred interrupts] in _interrupts.py
+            self._enable_transaction(pipeline, plan)
+
+    def _enable_transaction(self, pipeline: Any, plan: ResolvedOffloadPlan) -> None:
         reference = _reference(pipeline)  # before any mutation: nothing can fail after commit
         txn = self.transaction_class(self.platform, self.registry, self.fault_injector)
         self._stats = OffloadStats()
@@ -122,6 +127,7 @@ class OffloadBackend:
                 self._guarded_named = self._rebound_tensors()
                 self._guarded = txn.guard_rebinds(self._guarded_named, type(self).__name__)
                 txn.set_attr(pipeline, PIPELINE_ATTR, _Owner(self), type(pipeline).__name__)
+                interruption_point()  # a Ctrl-C during enable rolls it back
                 self.platform.synchronize()
                 self._before_commit(txn)  # the last thing that may fail (Note [Collective safety])
             except BaseException as exc:
@@ -159,12 +165,16 @@ class OffloadBackend:
         is dropped."""
         if self._pipeline is None:
             return
+        with deferred_interrupts():  # Note [Deferred interrupts]: disable runs to its end
+            self._disable_all()
+
+    def _disable_all(self) -> None:
         pipeline = self.pipeline
         # Note [One thread at a time]: wait until no other thread is inside an offloaded
         # forward; hooks that fire from now on leave their modules alone.
         with self._guard.exclusive(close=True), torch.inference_mode(False), torch.no_grad():
-            guarded, self._guarded = self._guarded, []
-            unguard_rebinds(guarded)  # Note [Rebind guard]: plain tensors again
+            unguard_rebinds(self._guarded)  # Note [Rebind guard]: plain tensors again
+            self._guarded = []
             try:
                 self._disable(pipeline)
             except Exception as exc:
