@@ -419,3 +419,34 @@ def test_meta_weights_in_every_component_are_named_as_never_materialized(strateg
         backend.enable(pipeline)
     assert "shares storage" not in str(info.value)
     assert not backend.is_enabled()
+
+
+@pytest.mark.parametrize("first", ["model_level", "layer_wise"])
+@pytest.mark.parametrize("second", ["model_level", "layer_wise"])
+def test_a_module_shared_with_an_offloaded_pipeline_is_refused_by_name(first, second) -> None:
+    """Before: ownership was recorded on the pipeline only, so a second pipeline built from the
+    first one's components (``Pipe2(**pipe1.components)``) could be enabled by another backend
+    over the same transformer, or failed with a false "shares storage" error (an outside
+    review, round 2)."""
+    spec = get_spec("flux2")
+    reference = spec.build()
+    with torch.inference_mode():
+        want = reference(**spec.make_inputs())
+    one, two = spec.build(), spec.build()
+    two.transformer = one.transformer  # shared, as diffusers' components are
+    b1 = get_offload_backend(OffloadConfig(strategy=first), platform=CpuPlatform())
+    b2 = get_offload_backend(OffloadConfig(strategy=second), platform=CpuPlatform())
+    b1.enable(one)
+    try:
+        with pytest.raises(RuntimeError, match=f"shares a module with a pipeline that "
+                                               f"{type(b1).__name__} offloads"):
+            b2.enable(two)
+        assert not b2.is_enabled()
+        with torch.inference_mode():
+            assert torch.equal(one(**spec.make_inputs()), want)
+    finally:
+        b1.disable()
+    b2.enable(two)  # once the first backend let go
+    with torch.inference_mode():
+        assert torch.equal(two(**spec.make_inputs()), want)
+    b2.disable()

@@ -24,6 +24,7 @@ from .guard import (
     OffloadWeightEditError,
     RefusesCopies,
     guard_rebinds,
+    guarded_by,
     unguard_rebinds,
 )
 from .stats import OffloadStats
@@ -104,6 +105,7 @@ class OffloadBackend:
                 f"{type(pipeline).__name__} is already offloaded by {owner!r}; disable that "
                 "backend first (at most one offload strategy may own a pipeline)"
             )
+        _require_unowned_modules(pipeline)
         plan = self._resolve(pipeline)  # raises before any mutation
         self.plan = plan
         self.skip_reason = plan.skip_reason
@@ -302,6 +304,30 @@ class OffloadBackend:
     def __repr__(self) -> str:
         state = "enabled" if self.is_enabled() else "disabled"
         return f"<{type(self).__name__} {state} on {self.platform.name}>"
+
+
+def _require_unowned_modules(pipeline: Any) -> None:
+    """Refuse a pipeline that shares a module with a pipeline another backend has enabled
+    (``Pipe2(**pipe1.components)``): the pipeline mark says nothing of that, and two backends
+    rebinding one module's tensors would each undo the other's work.  Guarded tensors (Note
+    [Rebind guard] in guard.py) exist only while their backend is enabled, so one found here
+    names the owner."""
+    roots = [pipeline] if isinstance(pipeline, nn.Module) else [
+        v for v in getattr(pipeline, "__dict__", {}).values() if isinstance(v, nn.Module)]
+    for root in roots:
+        for module in root.modules():
+            for registry in (module._parameters, module._buffers):
+                for t in registry.values():
+                    owned = guarded_by(t) if t is not None else None
+                    if owned is not None:
+                        name, owner = owned
+                        raise RuntimeError(
+                            f"{type(pipeline).__name__} shares a module with a pipeline that "
+                            f"{owner} offloads ({name} is one of its tensors); a module can be "
+                            "offloaded by one backend at a time: disable that backend first "
+                            "(offload_ref.backend_of(other_pipeline) finds it), or enable "
+                            "offload on one of the pipelines only"
+                        )
 
 
 def _require_ownable(pipeline: Any) -> None:

@@ -116,6 +116,7 @@ __all__ = [
     "get_data",
     "forget_readable",
     "guard_rebinds",
+    "guarded_by",
     "readable_while",
     "refuse_autograd",
     "refuse_copy",
@@ -557,6 +558,13 @@ class _GuardedParameter(nn.Parameter):
 _GUARDED_CLASS: dict[type, type] = {torch.Tensor: _GuardedTensor,
                                      nn.Parameter: _GuardedParameter}
 _ORIGINAL: dict[type, type] = {v: k for k, v in _GUARDED_CLASS.items()}
+
+
+def guarded_by(t: torch.Tensor) -> tuple[str, str] | None:
+    """``(qualified name, owner)`` of a tensor an enabled backend guards, else None."""
+    if type(t) not in _ORIGINAL:
+        return None
+    return _GUARDED.get(id(t), ("an offloaded tensor", "an offload backend"))
 
 
 def guard_rebinds(named: Sequence[tuple[str, torch.Tensor]], owner: str,
