@@ -370,6 +370,10 @@ def diagnose(got: Run, want: Run, *, rebuild: Callable[[], Any],
                 "reference output, so a per-module comparison would compare against something "
                 "else")
     if not _outputs_differ(got_out, want_out):
+        if not watching:
+            return ("\n  diagnosis: not run: the pipeline under test was no longer offloaded "
+                    "when the difference was found (the check had disabled it), and a rerun "
+                    "without offload matched the reference, so no module is named")
         return ("\n  diagnosis: a rerun of the pipeline under test with hooks on every module "
                 "matched the reference: the difference did not reproduce (timing-dependent, or "
                 "state the first run left behind), so no module is named")

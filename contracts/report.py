@@ -183,11 +183,16 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
     bad = [r for r in rows if r.outcome in _BAD] if failures else []
     # One root cause (a pipeline the strategy rejects, a module refusing hooks) fails many
     # checks with the same error: print it once, then the other cases it failed.
-    groups: dict[tuple[str, str, str | None], list[Row]] = {}
+    # A parity failure whose diagnosis names its cause (the module that diverged, a tensor
+    # read outside its block) groups by that diagnosis: the same bug fails every check that
+    # generates, each with its own first line.
+    groups: dict[tuple[str, Any, str | None], list[Row]] = {}
     for r in bad:
-        first = (r.message.strip().splitlines() or [""])[0]
-        groups.setdefault((r.outcome, first, r.pipeline), []).append(r)
-    for (_, _, _), group in groups.items():
+        lines = r.message.strip().splitlines() or [""]
+        causes = tuple(line.strip() for line in lines if line.strip().startswith("diagnosis:")
+                       and "not run" not in line and "did not reproduce" not in line)
+        groups.setdefault((r.outcome, causes or lines[0], r.pipeline), []).append(r)
+    for (_, cause, _), group in groups.items():
         r = group[0]
         w(f"\n{r.outcome.upper()} {_case_id(r)}\n  pipeline {r.pipeline or '-'} · strategy "
           f"{r.strategy or '-'} · {_area_text(r)} · {r.doc}\n")
@@ -199,7 +204,8 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
             w(f"  reproduce: {r.repro}\n")
         if len(group) > 1:
             others = ", ".join(_case_id(o) for o in group[1:])
-            w(f"  the same {r.outcome} in {len(group) - 1} more case(s): {others}\n")
+            same = "diagnosis" if isinstance(cause, tuple) else r.outcome
+            w(f"  the same {same} in {len(group) - 1} more case(s): {others}\n")
     s = summary(rows)
     parts = [f"{s['passed']} passed", f"{s['failed'] + s['error']} failed"]
     if s["error"]:

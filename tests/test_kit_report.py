@@ -109,6 +109,24 @@ def _rows(pipeline: str) -> list[Row]:
             Row("check_d", "G", None, None, "passed")]
 
 
+def test_one_diagnosed_cause_behind_many_parity_failures_is_printed_once() -> None:
+    """An outside review's pipeline read a streamed weight outside its block: 16 checks failed
+    with 16 different first lines and one diagnosis, printed 16 times."""
+    cause = ("  diagnosis: NaN under offloading where the reference has none; tensors read "
+             "outside their block: x.weight was read by the pipeline's own code")
+    rows = [Row(f"check_{i}", "J.3", "p", "layer_wise", "failed",
+                f"step {i}: output differs from the un-offloaded reference\n{cause}")
+            for i in range(3)]
+    rows.append(Row("check_other", "F.3", "p", "layer_wise", "failed", "another cause"))
+    out = io.StringIO()
+    render(rows, out=out)
+    text = out.getvalue()
+    assert text.count("tensors read outside their block") == 1, text
+    assert "the same diagnosis in 2 more case(s): check_1-p-layer_wise, check_2-p-layer_wise" \
+        in text
+    assert "another cause" in text
+
+
 def test_matrix_columns_stay_aligned_for_names_of_any_length() -> None:
     for name in ("p", "a_pipeline_name_far_longer_than_any_column_header_of_the_matrix"):
         out = io.StringIO()

@@ -570,6 +570,8 @@ def check_auto_mode_measured_peak_never_exceeds_the_budget(case) -> None:
             backend.enable(pipeline)
             got = case.run(pipeline) if generate else None
             stats = backend.stats()
+            if generate:  # while enabled: a parity diagnosis reruns the offloaded pipeline
+                case.compare(what, got, want)
         finally:
             backend.disable()
         generated.add(expected.name)
@@ -581,10 +583,10 @@ def check_auto_mode_measured_peak_never_exceeds_the_budget(case) -> None:
         if chosen is None or chosen.name != expected.name:
             fail(f"{what}: auto picked {getattr(chosen, 'name', None)!r}; the coarsest strategy "
                  f"that fits is {expected.label()} (predicted {expected.predicted} bytes)")
-        if not stats.peak_device_weight_bytes:
-            fail(f"{what}: {expected.name} held no device weight bytes")
-        if generate:
-            case.compare(what, got, want)
+        # A generation ran: something was on the device.  At enable alone, a pipeline whose
+        # components all start on the host (no VAE or resident state) holds nothing yet.
+        if generate and not stats.peak_device_weight_bytes:
+            fail(f"{what}: {expected.name} held no device weight bytes during a generation")
     smallest = min(c.predicted for c in feasible)
     pipeline = case.build()
     before = snapshot(pipeline, values=True)
