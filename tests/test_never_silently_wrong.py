@@ -19,6 +19,7 @@ from offload_ref import (
     OffloadAutogradError,
     OffloadConcurrencyError,
     OffloadConfig,
+    OffloadEnableError,
     OffloadWeightEditError,
     backend_of,
     get_offload_backend,
@@ -371,3 +372,19 @@ def test_pipeline_without_weak_references_is_supported(strategy, platform) -> No
         backend.enable(pipe)
     backend.disable()
     assert platform.memory_allocated() == 0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_edit_weights_whose_re_enable_fails_says_offload_is_off(strategy, platform) -> None:
+    """Before: the resolver's bare error escaped edit_weights() and offload was off without a
+    word (an outside review, round 2)."""
+    pipeline, backend = _enabled(strategy, platform)
+    with pytest.raises(OffloadEnableError, match="Offload is now off") as info:
+        with backend.edit_weights() as pipe:  # an edit the resolver rejects: a sparse buffer
+            pipe.transformer.register_buffer("mask", torch.eye(2).to_sparse())
+    assert "sparse" in str(info.value)
+    assert not backend.is_enabled() and backend_of(pipeline) is None
+    del pipeline.transformer._buffers["mask"]
+    backend.enable(pipeline)  # the fix, then enable again
+    assert torch.equal(_run(pipeline), _run(SPEC.build()))
+    backend.disable()

@@ -218,7 +218,15 @@ class OffloadBackend:
         try:
             yield pipeline
         finally:
-            self.enable(pipeline)
+            try:
+                self.enable(pipeline)
+            except Exception as exc:
+                raise OffloadEnableError(
+                    f"{type(self).__name__}.edit_weights: re-enabling offload after the edit "
+                    f"failed: {exc}.  Offload is now off (backend.is_enabled() is False): the "
+                    "pipeline holds the edited weights as ordinary tensors.  Fix the cause and "
+                    "call backend.enable(pipeline) again"
+                ) from exc
 
     def _install_state_hooks(self, pipeline: Any, plan: ResolvedOffloadPlan,
                              txn: Transaction) -> None:

@@ -504,7 +504,9 @@ def _guarded_set_data(self: torch.Tensor, value: Any) -> None:
         "`module.to(dtype)`, a layerwise cast or a LoRA merge): the backend would rebind it "
         "at the next swap and drop the change.  Make the change inside "
         "`with backend.edit_weights(): ...` (offload_ref.backend_of(pipeline) finds the "
-        "backend), which re-reads every weight on exit"
+        "backend), which re-reads every weight on exit.  If a hook does this at every forward "
+        "(diffusers' enable_layerwise_casting), it cannot run under offloading: remove it, or "
+        "cast the weights once inside edit_weights()"
     )
 
 
