@@ -67,6 +67,21 @@ def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
     gather(output, shard, group=group)
 
 
+def weights_digest(image: torch.Tensor, chunk: int = 1 << 20) -> int:
+    """A digest of a block image's bytes that sees where each byte is: the sum of its 32-bit
+    words, each times an odd multiplier that depends on its position, modulo 2**64.  A plain
+    sum missed two weights of one shape swapped (``to_q`` / ``to_k``), a transposed weight,
+    and two compensating one-ulp edits; any single changed word changes this one.  Integer
+    sums wrap and commute, so the result is the same whatever the reduction order."""
+    words = image.view(torch.int32)
+    total = 0
+    for start in range(0, words.numel(), chunk):
+        w = words[start:start + chunk].to(torch.int64)
+        position = torch.arange(start, start + w.numel(), dtype=torch.int64)
+        total += int((w * (position * 0x9E3779B1 + 1)).sum())
+    return total % (1 << 64)
+
+
 class AllGatherTransport(Transport):
     """Keeps this rank's zero-padded 1/world shard of every block; a fill copies the shard into
     its place in the slot and gathers the others into theirs.  See Note [AllGather transport]."""
@@ -85,7 +100,7 @@ class AllGatherTransport(Transport):
         self.shard_bytes: list[int] = []
         self.image_bytes: list[int] = []
         self.shard_weight_bytes: list[int] = []  # weight bytes (padding excluded) in my shard
-        self.checksums: list[int] = []  # per block: the int32 sum of its whole image
+        self.checksums: list[int] = []  # per block: weights_digest of its whole image
         self.copied: list[Any] = []
         self._shard_of: dict[int, torch.Tensor] = {}  # id(group) -> its shard, for release
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -104,7 +119,7 @@ class AllGatherTransport(Transport):
         shard.copy_(image.narrow(0, self.rank * S, S))
         # A checksum of the whole block, which every rank still holds here: ranks whose weights
         # differ would gather a mix of both (Note [Collective safety]).
-        self.checksums.append(int(image.view(torch.int32).sum()) if S else 0)
+        self.checksums.append(weights_digest(image) if S else 0)
         lo, hi = self.rank * S, (self.rank + 1) * S
         weight = 0
         for seg in group.layout.segments:
