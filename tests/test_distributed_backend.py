@@ -131,6 +131,14 @@ def test_world_size_one_with_allgather_across_two_ranks_is_refused_on_both(two_r
 
 
 @pytest.mark.distributed
+def test_a_block_skipped_on_every_rank_under_allgather_is_exact(two_ranks):
+    """An outside review: skip-layer guidance under AllGather failed on both ranks with a
+    StreamOrderError (on CUDA, a copy racing the previous gather into the same slot)."""
+    for obs in _scenario(two_ranks, "skipped_block"):
+        assert obs["equal"] == [True, True, True, True], obs
+
+
+@pytest.mark.distributed
 def test_weights_that_differ_between_ranks_are_refused_on_every_rank(two_ranks):
     """AllGather rebuilds each block from every rank's shard: if one rank's weights differ, the
     blocks would silently mix both, so enable fails on every rank and changes nothing."""

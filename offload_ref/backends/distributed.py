@@ -155,6 +155,11 @@ class AllGatherTransport(Transport):
         out, mine = self._slot_views(ring, k, s)
         with platform.stream(ring.copy_stream):
             ring.copy_stream.wait_event(ring.free[s])
+            # The previous gather into this slot ran on the communication stream: a block that
+            # was prefetched and then skipped (skip-layer guidance) never recorded free[s] after
+            # it, so the copy below waits for that gather itself (a rank-local fill needs no
+            # such wait: all its writes are on the copy stream).
+            ring.copy_stream.wait_event(ring.ready[s])
             span = _spans.stream_enter(platform, "copy", _WHERE, ring.label, k, s)
             platform.copy_(mine, self.shards[k])
             _spans.stream_exit(platform, span)

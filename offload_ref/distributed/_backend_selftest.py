@@ -324,12 +324,54 @@ def _cli(rank: int, world: int) -> dict[str, Any]:
     return obs
 
 
+class _SkipsOne(nn.ModuleList):
+    """A block list whose iteration leaves out one block, as skip-layer guidance does."""
+
+    def __iter__(self) -> Any:
+        skip = self.__dict__["_skip"]
+        return (m for i, m in enumerate(super().__iter__()) if i != skip)
+
+
+def _skipping(container: nn.ModuleList, index: int | None) -> None:
+    if index is None:
+        container.__class__ = nn.ModuleList
+        container.__dict__.pop("_skip", None)
+    else:
+        container.__dict__["_skip"] = index
+        container.__class__ = _SkipsOne
+
+
+def _skipped_block(rank: int, world: int) -> dict[str, Any]:
+    """Both ranks skip the same block (diffusers' skip_layers): the ring recovers, and no gather
+    into a slot races the copy of the next fill.  Before, the next fill into the slot of the
+    prefetched, skipped block did not wait for its gather (StreamOrderError here, a race on
+    CUDA)."""
+    request = _request(rank)
+    reference = _spec().build()
+    plain = _run(reference, request)
+    _skipping(reference.transformer.transformer_blocks, 1)
+    skipped = _run(reference, request)
+    pipeline = _spec().build()
+    backend = _backend(_config("allgather"))
+    backend.enable(pipeline)
+    try:
+        got = [torch.equal(_run(pipeline, request), plain)]
+        _skipping(pipeline.transformer.transformer_blocks, 1)
+        got += [torch.equal(_run(pipeline, request), skipped) for _ in range(2)]
+        _skipping(pipeline.transformer.transformer_blocks, None)
+        got.append(torch.equal(_run(pipeline, request), plain))
+    finally:
+        backend.disable()
+    return {"equal": got}
+
+
 TWO_RANK_SCENARIOS = [
     ("world_size_one", _world_size_one),
     ("state_dict", _state_dict),
     ("edit_weights", _edit_weights),
     ("enable_orders", _enable_orders),
     ("cli", _cli),
+    ("skipped_block", _skipped_block),
     # Last: if a refusal took no round, every later enable of the batch would be out of step.
     ("asymmetric_config", _asymmetric_config),
     ("different_weights", _different_weights),
