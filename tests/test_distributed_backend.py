@@ -304,3 +304,17 @@ def test_mmap_loaded_dit_streams_rank_local_without_anonymous_memory(tmp_path):
     assert obs["cpu_stats"]["file_backed_bytes"] == 0
     assert obs["cpu_growth"] >= 0.9 * weights, (obs["cpu_growth"], weights)
     assert torch.equal(obs["mmap_output"], obs["cpu_output"])
+
+
+def test_the_launcher_compares_non_tensor_outputs_leaf_by_leaf():
+    """An outside review: `python -m offload_ref.distributed` printed "DIFFERS FROM" and exited 1
+    for any output that is not a tensor (a diffusers output object, a dict)."""
+    import numpy as np
+
+    from offload_ref.distributed.__main__ import _outputs_equal
+
+    t = torch.arange(6.0).view(2, 3)
+    assert _outputs_equal({"images": t}, {"images": t.clone()})
+    assert _outputs_equal((t, np.ones(3)), (t.clone(), np.ones(3)))
+    assert not _outputs_equal({"images": t}, {"images": t + 1})
+    assert not _outputs_equal({"images": t}, {"latents": t})
