@@ -139,6 +139,16 @@ def test_a_block_skipped_on_every_rank_under_allgather_is_exact(two_ranks):
 
 
 @pytest.mark.distributed
+def test_ranks_making_different_calls_raise_instead_of_mixing_blocks(two_ranks):
+    """An outside review: one DiT call more on rank 0 paired its gathers with rank 1's
+    disable, and both went on with mixed blocks (Note [Gather tags])."""
+    for obs in _scenario(two_ranks, "asymmetric_calls"):
+        assert obs["errors"], obs
+        assert all("OffloadScheduleError" in e and "rank 0: block" in e and "rank 1: block" in e
+                   for e in obs["errors"]), obs
+
+
+@pytest.mark.distributed
 def test_weights_that_differ_between_ranks_are_refused_on_every_rank(two_ranks):
     """AllGather rebuilds each block from every rank's shard: if one rank's weights differ, the
     blocks would silently mix both, so enable fails on every rank and changes nothing."""

@@ -461,12 +461,15 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
 @check("J.8", strategies=BACKENDS)
 def check_copies_of_an_enabled_pipeline_are_refused_or_exact(case) -> None:
     """While enabled, ``copy.deepcopy`` and pickling of the pipeline and of each of its children
-    either raise a ``TypeError`` that names a way out (``disable()``) or give an exact copy (its
+    either raise a ``TypeError`` (or, for a streamed tensor, ``OffloadWeightEditError``) that
+    names a way out (``disable()``, ``edit_weights()``) or give an exact copy (its
     ``state_dict`` equals the true weights): never a copy holding placeholders, and never
     torch's "cannot pickle '_thread.lock' object" from deep inside.  The pipeline stays exact."""
     import copy
     import io
     import pickle
+
+    from offload_ref import OffloadWeightEditError
 
     reference = module_view(case.build())
     want = reference.state_dict()
@@ -498,8 +501,8 @@ def check_copies_of_an_enabled_pipeline_are_refused_or_exact(case) -> None:
                     continue
                 try:
                     copied = make(module)
-                except TypeError as exc:
-                    if "disable()" not in str(exc):
+                except (TypeError, OffloadWeightEditError) as exc:  # a module, or a tensor
+                    if "disable()" not in str(exc) and "edit_weights()" not in str(exc):
                         fail(f"{how} of {what} while enabled raised a TypeError that names no "
                              f"way out: {str(exc)[:200]!r}; refuse with a message that says "
                              "to disable() first (or to copy inside edit_weights())")

@@ -35,6 +35,17 @@ Note [Collective safety]
     * During a generation the fills follow the block calls, which are the same on every rank
       when every rank runs the same pipeline with the same number of steps (the wave rule of
       :class:`~offload_ref.distributed.WaveRunner`).
+
+Note [Gather tags]
+    If the ranks' calls differ after all (one rank makes an extra guidance call, a rank that
+    failed mid-generation goes on, one rank disables while another generates), their fills pair
+    up wrongly: with blocks of equal size every gather completes, and each rank rebuilds a
+    block from shards of different blocks, silently.  So on CPU tensors (gloo) every fill first
+    gathers a tag of three int64s -- disable's or a generation's, the block index, the number of
+    fills since enable -- and raises :class:`OffloadScheduleError` on every rank, naming each
+    rank's tag, before the data is gathered.  One more small collective per block; not done for
+    device tensors, where reading the tags back would stall the host on every block (NCCL runs
+    rely on the schedule rule above).
 """
 
 from __future__ import annotations
@@ -60,10 +71,32 @@ __all__ = ["AllGatherTransport", "DistributedLayerwiseOffloadBackend"]
 _WHERE = "ring=%s block=%d slot=%d"  # span names (Note [Spans] in _spans.py)
 
 
-def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
+class OffloadScheduleError(RuntimeError):
+    """Ranks gathered different blocks at the same collective (Note [Gather tags])."""
+
+
+_KINDS = ("a generation", "disable")
+
+
+def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any,
+                tag: torch.Tensor | None = None, where: str = "") -> None:
     import torch.distributed as dist
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    if tag is not None:  # Note [Gather tags]: before the data, so no rank gathers a mix
+        tags = torch.empty(dist.get_world_size(group) * tag.numel(), dtype=tag.dtype)
+        gather(tags, tag, group=group)
+        tags = tags.view(-1, tag.numel())
+        if not bool((tags == tags[0]).all()):
+            seen = "; ".join(f"rank {r}: block {int(b)}, fill #{int(n)} of {_KINDS[int(c)]}"
+                             for r, (c, b, n) in enumerate(tags.tolist()))
+            raise OffloadScheduleError(
+                f"{where}: the ranks are gathering different blocks at the same collective "
+                f"({seen}).  Every rank must make the same DiT calls in the same order (the "
+                "same steps, the same guidance calls, disable and edit_weights on every rank); "
+                "a rank that failed mid-generation and went on leaves the others out of step.  "
+                "The gathered blocks would mix the ranks' weights, so nothing was gathered: "
+                "restart every rank's pipeline")
     gather(output, shard, group=group)
 
 
@@ -104,6 +137,8 @@ class AllGatherTransport(Transport):
         self.copied: list[Any] = []
         self._shard_of: dict[int, torch.Tensor] = {}  # id(group) -> its shard, for release
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sequence = 0  # fills issued since enable (Note [Gather tags])
+        self._kind = 0  # 0: a generation's fills, 1: disable's
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -164,10 +199,15 @@ class AllGatherTransport(Transport):
             platform.copy_(mine, self.shards[k])
             _spans.stream_exit(platform, span)
             self.copied[s].record(ring.copy_stream)
+        tag = None
+        if out.device.type == "cpu":  # Note [Gather tags]: CPU tensors (gloo) only
+            self._sequence += 1
+            tag = torch.tensor([self._kind, k, self._sequence], dtype=torch.int64)
         with platform.stream(self.comm_stream):
             self.comm_stream.wait_event(self.copied[s])
             span = _spans.stream_enter(platform, "collective", _WHERE, ring.label, k, s)
-            platform.submit(functools.partial(_all_gather, out, mine, self.group),
+            platform.submit(functools.partial(_all_gather, out, mine, self.group, tag,
+                                              f"ring {ring.label}"),
                             reads=(ring.slots[s],), writes=(ring.slots[s],))
             _spans.stream_exit(platform, span)
             ring.ready[s].record(self.comm_stream)
@@ -188,12 +228,16 @@ class AllGatherTransport(Transport):
         ring._cold = True
         compute = platform.current_stream()
         out = []
-        for k, group in enumerate(ring.groups):
-            self.fill(ring, k, 0)
-            compute.wait_event(ring.ready[0])
-            platform.record_use(ring.slots[0])
-            out.append(restore_group(group, platform, ring._slot_flats(k, 0)))
-            ring.free[0].record(compute)
+        self._kind = 1  # Note [Gather tags]: these gathers are disable's
+        try:
+            for k, group in enumerate(ring.groups):
+                self.fill(ring, k, 0)
+                compute.wait_event(ring.ready[0])
+                platform.record_use(ring.slots[0])
+                out.append(restore_group(group, platform, ring._slot_flats(k, 0)))
+                ring.free[0].record(compute)
+        finally:
+            self._kind = 0
         return out
 
     def true_value(self, ring: BlockRing, k: int, i: int) -> torch.Tensor:

@@ -365,6 +365,29 @@ def _skipped_block(rank: int, world: int) -> dict[str, Any]:
     return {"equal": got}
 
 
+def _asymmetric_calls(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 makes one DiT call more than rank 1 (a guidance call on one rank only), then both
+    disable.  Before: with blocks of equal size every gather completed, and rank 0's output and
+    rank 1's restored weights silently mixed blocks (Note [Gather tags]).  Now every rank
+    raises OffloadScheduleError naming both ranks' blocks.  Last in the batch: the backends are
+    left enabled (a rank holds 1/world of each block, which only its peers can complete)."""
+    request = _request(rank)
+    pipeline = _spec().build()
+    backend = _backend(_config("allgather"))
+    backend.enable(pipeline)
+    errors = []
+    try:
+        for _ in range(2 if rank == 0 else 1):
+            _run(pipeline, request)
+    except Exception as exc:  # noqa: BLE001 - recorded for the parent's assertions
+        errors.append(f"{type(exc).__name__}: {exc}")
+    try:
+        backend.disable()
+    except Exception as exc:  # noqa: BLE001 - recorded for the parent's assertions
+        errors.append(f"{type(exc).__name__}: {exc}")
+    return {"errors": errors}
+
+
 TWO_RANK_SCENARIOS = [
     ("world_size_one", _world_size_one),
     ("state_dict", _state_dict),
@@ -375,6 +398,7 @@ TWO_RANK_SCENARIOS = [
     # Last: if a refusal took no round, every later enable of the batch would be out of step.
     ("asymmetric_config", _asymmetric_config),
     ("different_weights", _different_weights),
+    ("asymmetric_calls", _asymmetric_calls),  # leaves its backends enabled: keep it last
 ]
 
 
