@@ -8,6 +8,7 @@ import pickle
 
 import pytest
 import torch
+from torch import nn
 
 from offload_ref import OffloadConfig, get_offload_backend
 from offload_ref.backends import backend_of
@@ -220,3 +221,28 @@ def test_cli_plan_shows_the_auto_choice(capsys) -> None:
 def test_cli_device_budget_needs_auto(capsys) -> None:
     assert main(["plan", "--pipeline", "wan22_t2v", "--device-budget", "10"]) == 2
     assert main(["plan", "--pipeline", "wan22_t2v", "--strategy", "auto"]) == 2
+
+
+def flux2_with_a_weightless_vae(seed: int = 0) -> nn.Module:
+    """flux2 whose VAE holds no weights: under model level nothing is on the device until the
+    first forward loads a component."""
+    from offload_ref.fixtures.flux2 import build_pipeline
+
+    pipeline = build_pipeline(seed)
+    pipeline.vae = nn.Identity()
+    return pipeline
+
+
+def test_the_kit_auto_check_passes_a_pipeline_that_holds_nothing_before_its_first_forward() -> None:
+    """An outside review: §A.8 failed this correct pipeline ("model_level held no device weight
+    bytes") at a budget where it only enabled, without generating."""
+    from offload_ref.contracts import PipelineSpec
+    from offload_ref.contracts.runner import run_checks
+
+    spec = PipelineSpec(name="flux2_weightless_vae",
+                        factory="test_auto_mode:flux2_with_a_weightless_vae",
+                        inputs="offload_ref.fixtures.flux2:make_inputs",
+                        strategies=("model_level", "layer_wise"))
+    results = run_checks([spec], checks=["check_auto_mode_measured_peak_never_exceeds_the_budget"],
+                         include_global=False)
+    assert results and all(r.ok for r in results), [(r.outcome, r.message[:300]) for r in results]
