@@ -49,9 +49,8 @@ Note [Rebind guard]
     ``fuse_lora``) writes the storage without bumping ``w._version``, and ``w.data = new``
     (``module.to(dtype)``, ``enable_layerwise_casting``, peft's safe merge) rebinds it.  The
     next swap or block load rebinds the tensor again and drops either edit, silently.  So while
-    a backend is enabled, every tensor it rebinds (exactly ``torch.Tensor`` and
-    ``nn.Parameter``; other subclasses keep their class) has its class changed to a subclass
-    whose only difference is ``.data``: reading it returns ``detach()`` (the same storage,
+    a backend is enabled, every parameter it rebinds (exactly ``nn.Parameter``; subclasses keep
+    their class) has its class changed to a subclass whose only difference is ``.data``: reading it returns ``detach()`` (the same storage,
     sharing the version counter, so an edit through it is refused like any in-place edit,
     Note [Weight edits]), and assigning anything but the same view raises
     :class:`OffloadWeightEditError` before anything changes.  ``__torch_function__`` is the
@@ -60,6 +59,14 @@ Note [Rebind guard]
     its block's forwards refuses both, Note [Reads between forwards]).  The backend's own
     rebinds call the ``TensorBase.data`` setter directly (:data:`set_data`).  ``disable()``
     (and a rollback) give every tensor its class back.
+
+    Buffers keep their class.  torch treats ``nn.Parameter`` specially wherever it checks for
+    plain tensors (AOT autograd reads a parameter's ``.data`` and checks that), but a
+    ``torch.Tensor`` subclass is an unknown type there: with guarded buffers,
+    ``torch.compile`` (the default inductor backend, and ``aot_eager``) failed on every
+    offloaded pipeline with "Multiple dispatch failed ... returned NotImplemented".  A buffer
+    edited through ``.data`` is therefore not seen; buffers are rarely edited that way
+    (``module.to(dtype)`` replaces buffer objects rather than assigning their ``.data``).
 
 Note [Reads between forwards]
     Between its forwards a streamed block's tensors are bound to placeholders (NaN) or to a
@@ -514,29 +521,6 @@ _GUARDED_DATA = property(_guarded_data, _guarded_set_data,
                          doc="Note [Rebind guard]: detach() on read; only the same view on write.")
 
 
-def _plain_deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
-    if id(self) in memo:
-        return memo[id(self)]
-    _require_readable(self, " was deep-copied")
-    out = self.as_subclass(_ORIGINAL[type(self)]).__deepcopy__(memo)
-    memo[id(self)] = out
-    return out
-
-
-def _plain_reduce_ex(self: torch.Tensor, proto: int) -> Any:
-    _require_readable(self, " was pickled")
-    return self.as_subclass(_ORIGINAL[type(self)]).__reduce_ex__(proto)
-
-
-class _GuardedTensor(torch.Tensor):
-    """A buffer while its backend is enabled (Note [Rebind guard])."""
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-    data = _GUARDED_DATA  # type: ignore[assignment]
-    __deepcopy__ = _plain_deepcopy
-    __reduce_ex__ = _plain_reduce_ex
-
-
 def _parameter_deepcopy(self: nn.Parameter, memo: dict) -> nn.Parameter:
     # nn.Parameter.__deepcopy__ with a plain Parameter (it builds ``type(self)``).
     if id(self) in memo:
@@ -557,8 +541,8 @@ class _GuardedParameter(nn.Parameter):
     __deepcopy__ = _parameter_deepcopy
 
 
-_GUARDED_CLASS: dict[type, type] = {torch.Tensor: _GuardedTensor,
-                                     nn.Parameter: _GuardedParameter}
+# Parameters only: a buffer's class stays ``torch.Tensor`` (Note [Rebind guard]).
+_GUARDED_CLASS: dict[type, type] = {nn.Parameter: _GuardedParameter}
 _ORIGINAL: dict[type, type] = {v: k for k, v in _GUARDED_CLASS.items()}
 
 
