@@ -78,6 +78,14 @@ class OffloadScheduleError(RuntimeError):
 _KINDS = ("a generation", "disable")
 
 
+def _incomplete(where: str, exc: BaseException) -> RuntimeError:
+    return RuntimeError(
+        f"{where}: the AllGather of a block did not complete ({type(exc).__name__}: {exc}).  A "
+        "peer rank probably failed, was stopped, or made other calls; every rank must make the "
+        "same DiT calls.  This rank holds 1/world of each block and cannot rebuild its weights "
+        "alone: restart every rank's pipeline")
+
+
 def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any,
                 tag: torch.Tensor | None = None, where: str = "") -> None:
     import torch.distributed as dist
@@ -85,7 +93,10 @@ def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any,
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     if tag is not None:  # Note [Gather tags]: before the data, so no rank gathers a mix
         tags = torch.empty(dist.get_world_size(group) * tag.numel(), dtype=tag.dtype)
-        gather(tags, tag, group=group)
+        try:
+            gather(tags, tag, group=group)
+        except Exception as exc:  # a peer that failed, stopped, or timed out
+            raise _incomplete(where, exc) from exc
         tags = tags.view(-1, tag.numel())
         if not bool((tags == tags[0]).all()):
             seen = "; ".join(f"rank {r}: block {int(b)}, fill #{int(n)} of {_KINDS[int(c)]}"
@@ -97,7 +108,10 @@ def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any,
                 "a rank that failed mid-generation and went on leaves the others out of step.  "
                 "The gathered blocks would mix the ranks' weights, so nothing was gathered: "
                 "restart every rank's pipeline")
-    gather(output, shard, group=group)
+    try:
+        gather(output, shard, group=group)
+    except Exception as exc:  # a peer that failed, stopped, or timed out
+        raise _incomplete(where, exc) from exc
 
 
 def weights_digest(image: torch.Tensor, chunk: int = 1 << 20) -> int:
