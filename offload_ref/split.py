@@ -79,6 +79,7 @@ class ComponentGroups:
         Every group starts on the host; the first ``context(name)`` loads it.  A failure rolls
         every change back (the same transaction as the model-level backend).
         """
+        from .backends.base import OffloadEnableError
         from .backends.groups import ComponentSwapper
         from .backends.stats import OffloadStats
         from .backends.transaction import Transaction
@@ -97,39 +98,32 @@ class ComponentGroups:
             (name, named_tensors(_Group(mods))) for name, mods in self._groups.items()
         ]
         with deferred_interrupts():  # Note [Deferred interrupts] in _interrupts.py
-            self._enable_transaction(platform, stats, swapper, txn, swappable, residents,
-                                     pin_memory)
-
-    def _enable_transaction(self, platform: Any, stats: Any, swapper: Any, txn: Any,
-                            swappable: list, residents: list, pin_memory: bool) -> None:
-        from .backends.base import OffloadEnableError
-
-        guarded: list[torch.Tensor] = []
-        try:
-            swapper.prepare(txn, swappable, residents, pin=pin_memory)
-            # Note [Rebind guard] (backends/guard.py): an edit through .data is seen or refused.
-            guarded = txn.guard_rebinds(swapper.named_tensors(), type(self).__name__)
-            interruption_point()  # a Ctrl-C during enable rolls it back
-            platform.synchronize()
-        except BaseException as exc:  # KeyboardInterrupt too: nothing may stay half-applied
+            guarded: list[torch.Tensor] = []
             try:
-                try:  # let in-flight copies land before their buffers are released
-                    platform.synchronize()
-                except Exception:  # noqa: BLE001 - the original error is the one to report
-                    pass
-            finally:
-                txn.rollback()
-            if not isinstance(exc, Exception):
-                raise
-            raise OffloadEnableError(
-                f"ComponentGroups.enable failed: {exc}; every change was rolled back (enable "
-                "can be retried)") from exc
-        txn.commit()
-        self._guarded = guarded
-        self._swapper = _Active(swapper, tuple(self._groups))
-        self.stats = stats
-        # A model collected while enabled must not strand its device and host buffers.
-        self._finalizer = weakref.finalize(self, swapper.release)
+                swapper.prepare(txn, swappable, residents, pin=pin_memory)
+                # Note [Rebind guard] (backends/guard.py): an edit through .data is seen or refused.
+                guarded = txn.guard_rebinds(swapper.named_tensors(), type(self).__name__)
+                interruption_point()  # a Ctrl-C during enable rolls it back
+                platform.synchronize()
+            except BaseException as exc:  # KeyboardInterrupt too: nothing may stay half-applied
+                try:
+                    try:  # let in-flight copies land before their buffers are released
+                        platform.synchronize()
+                    except Exception:  # noqa: BLE001 - the original error is the one to report
+                        pass
+                finally:
+                    txn.rollback()
+                if not isinstance(exc, Exception):
+                    raise
+                raise OffloadEnableError(
+                    f"ComponentGroups.enable failed: {exc}; every change was rolled back (enable "
+                    "can be retried)") from exc
+            txn.commit()
+            self._guarded = guarded
+            self._swapper = _Active(swapper, tuple(self._groups))
+            self.stats = stats
+            # A model collected while enabled must not strand its device and host buffers.
+            self._finalizer = weakref.finalize(self, swapper.release)
 
     def disable(self) -> None:
         """Rebuild every tensor at its original placement.  Idempotent."""

@@ -61,6 +61,19 @@ def _plain(pipeline: nn.Module) -> None:
     assert not hooked, hooked
 
 
+def _recovered(backend, platform: CpuPlatform, pipeline: nn.Module,
+               reference: torch.Tensor) -> None:
+    """After the interrupted call: disabled, plain, nothing held, exact, and it can be offloaded
+    again exactly."""
+    assert not backend.is_enabled()
+    _plain(pipeline)
+    assert platform.memory_allocated() == 0 and platform.host_allocated() == 0
+    assert torch.equal(_run(pipeline), reference)
+    backend.enable(pipeline)
+    assert torch.equal(_run(pipeline), reference)
+    backend.disable()
+
+
 @pytest.mark.parametrize("strategy,owner,name,call", [
     ("layer_wise", HookRegistry, "remove_hook", 13),  # the review's NaN generations
     ("model_level", groups_module.ComponentSwapper, "release", 1),  # its bricked pipeline
@@ -79,13 +92,7 @@ def test_ctrl_c_during_disable_finishes_the_disable_then_raises(monkeypatch, str
         backend.disable()
     assert calls[0] >= call, "the signal was sent inside disable"
     monkeypatch.undo()
-    assert not backend.is_enabled()
-    _plain(pipeline)
-    assert platform.memory_allocated() == 0 and platform.host_allocated() == 0
-    assert torch.equal(_run(pipeline), reference)
-    backend.enable(pipeline)  # and it can be offloaded again, exactly
-    assert torch.equal(_run(pipeline), reference)
-    backend.disable()
+    _recovered(backend, platform, pipeline, reference)
 
 
 @pytest.mark.parametrize("strategy,owner,name,call", [
@@ -103,13 +110,7 @@ def test_ctrl_c_during_enable_rolls_it_back(monkeypatch, strategy, owner, name, 
         backend.enable(pipeline)
     assert calls[0] >= call, "the signal was sent inside enable"
     monkeypatch.undo()
-    assert not backend.is_enabled()
-    _plain(pipeline)
-    assert platform.memory_allocated() == 0 and platform.host_allocated() == 0
-    assert torch.equal(_run(pipeline), reference)
-    backend.enable(pipeline)
-    assert torch.equal(_run(pipeline), reference)
-    backend.disable()
+    _recovered(backend, platform, pipeline, reference)
 
 
 def test_the_handler_is_restored_and_generation_stays_interruptible() -> None:

@@ -50,9 +50,10 @@ Note [Rebind guard]
     (``module.to(dtype)``, ``enable_layerwise_casting``, peft's safe merge) rebinds it.  The
     next swap or block load rebinds the tensor again and drops either edit, silently.  So while
     a backend is enabled, every parameter it rebinds (exactly ``nn.Parameter``; subclasses keep
-    their class) has its class changed to a subclass whose only difference is ``.data``: reading it returns ``detach()`` (the same storage,
-    sharing the version counter, so an edit through it is refused like any in-place edit,
-    Note [Weight edits]), and assigning anything but the same view raises
+    their class) has its class changed to a subclass whose only difference is ``.data``:
+    reading it returns ``detach()`` (the same storage, sharing the version counter, so an edit
+    through it is refused like any in-place edit, Note [Weight edits]), and assigning anything
+    but the same view raises
     :class:`OffloadWeightEditError` before anything changes.  ``__torch_function__`` is the
     disabled implementation, as for ``nn.Parameter``: ops return plain tensors and pay
     nothing.  Pickling and ``copy.deepcopy`` give the original class (a streamed tensor between

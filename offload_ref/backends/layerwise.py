@@ -55,7 +55,8 @@ class LayerwiseOffloadHook(RefusesCopies, ModelHook):
     thread at a time] in guard.py), refusing autograd and weight edits it cannot honour (Notes
     [Autograd], [Weight edits])."""
 
-    def __init__(self, ring: BlockRing, index: int, guard: CallGuard | None = None) -> None:
+    def __init__(self, ring: BlockRing, index: int, guard: CallGuard | None = None,
+                 refusals: _ReadRefusals | None = None) -> None:
         self.ring = ring
         self.index = index
         self.guard = guard if guard is not None else CallGuard(ring.label)
@@ -71,7 +72,8 @@ class LayerwiseOffloadHook(RefusesCopies, ModelHook):
         # original storage.
         self.counters = [t.detach() for t in group.tensors]
         self._span: Any = None  # the block's compute range (Note [Spans] in _spans.py)
-        self.refusals = _ReadRefusals()  # the backend's, shared by its hooks
+        # The backend's, shared by its hooks (Note [Reads between forwards] in guard.py).
+        self.refusals = refusals if refusals is not None else _ReadRefusals()
 
     def _copy_subject(self) -> str:  # Note [No copies while enabled]
         return f"block {self.path!r}"
@@ -483,8 +485,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         parts: set[int] = set()
         for ring in self.rings:
             for k, (block, path) in enumerate(zip(ring.blocks, ring.block_paths)):
-                hook = LayerwiseOffloadHook(ring, k, self._guard)
-                hook.refusals = refusals
+                hook = LayerwiseOffloadHook(ring, k, self._guard, refusals)
                 self._hooks.append(hook)
                 txn.register_hook(block, self.hook_name, hook, path)
                 # Note [Block parts] (ring.py): a submodule the model calls outside the block.
