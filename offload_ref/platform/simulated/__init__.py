@@ -1,0 +1,231 @@
+"""offload-ref's simulated accelerator: a second torch device on a machine without a GPU.
+
+A C++ extension (``simdevice.cpp`` beside this file, Note [Simulated accelerator] there) registers a
+device type whose memory is host memory and whose ops run the CPU's own kernels on the same bytes,
+bit-exactly.  A host tensor meeting one of its tensors raises torch's same-device error, as on a
+GPU, so placement bugs show on a CPU-only machine.  It takes torch's in-tree ``hpu`` device type:
+``torch.device("hpu:0")`` is the simulated device 0.
+
+It is compiled on first use with ``torch.utils.cpp_extension.load`` (g++ and ninja; about 30-50 s
+cold) into a cache keyed by the torch version and the source's hash, then loads in milliseconds.
+When it cannot be built or loaded (no compiler, a real HPU plugin owns the device type, or
+``OFFLOAD_REF_SIM=0``), :func:`available` is False and :func:`unavailable_reason` says why; nothing
+else breaks.
+
+Environment:
+
+* ``OFFLOAD_REF_SIM=0``: never load it (placement checks are then off, and the kit says so);
+* ``OFFLOAD_REF_SIM_DEVICES``: how many devices (default 2: ``hpu:0`` and ``hpu:1``);
+* ``OFFLOAD_REF_SIM_CAPACITY``: bytes per device; an allocation past it raises
+  ``torch.OutOfMemoryError`` as CUDA's allocator does (also :func:`set_capacity`);
+* ``OFFLOAD_REF_SIM_CACHE``: the build cache folder (default ``~/.cache/offload_ref``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = [
+    "DEVICE_TYPE",
+    "SimulatedAcceleratorUnavailable",
+    "available",
+    "capacity",
+    "describe_device",
+    "device",
+    "load",
+    "set_capacity",
+    "unavailable_reason",
+]
+
+DEVICE_TYPE = "hpu"
+_SOURCE = Path(__file__).with_name("simdevice.cpp")
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failure: str | None = None
+
+
+class SimulatedAcceleratorUnavailable(RuntimeError):
+    """The simulated accelerator cannot be built or loaded here; the message says why."""
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("OFFLOAD_REF_SIM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "offload_ref")
+    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
+    version = torch.__version__.replace("+", "_").replace(".", "_")
+    return Path(base) / f"simdevice-torch{version}-{digest}"
+
+
+def _device_count() -> int:
+    raw = os.environ.get("OFFLOAD_REF_SIM_DEVICES", "2")
+    try:
+        count = int(raw)
+    except ValueError:
+        raise SimulatedAcceleratorUnavailable(
+            f"OFFLOAD_REF_SIM_DEVICES={raw!r} is not an integer (1 to 8)") from None
+    if not 1 <= count <= 8:
+        raise SimulatedAcceleratorUnavailable(
+            f"OFFLOAD_REF_SIM_DEVICES={count} is out of range (1 to 8)")
+    return count
+
+
+def _refusal() -> str | None:
+    """Why the simulated accelerator must not load here (None: it may)."""
+    if os.environ.get("OFFLOAD_REF_SIM", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "OFFLOAD_REF_SIM=0 turns it off"
+    owner = getattr(torch, "hpu", None)
+    if "habana_frameworks" in sys.modules or (
+            owner is not None and not getattr(owner, "_offload_ref_simulated", False)):
+        return ("a real HPU backend (habana_frameworks) owns torch's 'hpu' device type in this "
+                "process; the simulated accelerator registers on that type and would clash")
+    if shutil.which("ninja") is None and not _prebuilt():
+        return "ninja is not installed (pip install ninja), and no build is cached"
+    if shutil.which(os.environ.get("CXX", "c++")) is None and not _prebuilt():
+        return "no C++ compiler (c++ / $CXX) was found, and no build is cached"
+    return None
+
+
+def _prebuilt() -> bool:
+    folder = _cache_dir()
+    return folder.is_dir() and any(folder.glob("*.so"))
+
+
+def _patch_manual_seed(module: ModuleType) -> None:
+    """``torch.manual_seed`` reseeds the device generators too, as it does CUDA's."""
+    original = torch.random.manual_seed
+    if getattr(original, "_offload_ref_sim", False):
+        return
+
+    @functools.wraps(original)
+    def manual_seed(seed: int) -> torch.Generator:
+        result = original(seed)
+        module.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+        return result
+
+    manual_seed._offload_ref_sim = True  # type: ignore[attr-defined]
+    torch.random.manual_seed = manual_seed
+    torch.manual_seed = manual_seed
+
+
+def _device_module(module: ModuleType) -> ModuleType:
+    """``torch.hpu``: torch imports it to initialize the device type lazily (``tensor.to``)."""
+    device_module = ModuleType("torch.hpu", "offload-ref's simulated accelerator (see "
+                               "offload_ref.platform.simulated)")
+    device_module._offload_ref_simulated = True  # type: ignore[attr-defined]
+    device_module._lazy_init = lambda: None  # type: ignore[attr-defined]
+    device_module._is_in_bad_fork = lambda: False  # type: ignore[attr-defined]
+    device_module.is_available = lambda: True  # type: ignore[attr-defined]
+    device_module.is_initialized = lambda: True  # type: ignore[attr-defined]
+    device_module.device_count = module.device_count  # type: ignore[attr-defined]
+    device_module.current_device = torch.accelerator.current_device_index  # type: ignore
+    device_module.set_device = torch.accelerator.set_device_index  # type: ignore[attr-defined]
+    device_module.synchronize = torch.accelerator.synchronize  # type: ignore[attr-defined]
+
+    def manual_seed(seed: int) -> None:
+        module.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+
+    device_module.manual_seed = manual_seed  # type: ignore[attr-defined]
+    device_module.manual_seed_all = manual_seed  # type: ignore[attr-defined]
+    return device_module
+
+
+def load() -> ModuleType:
+    """Build (once, cached) and register the simulated accelerator; returns the extension.
+
+    Raises :class:`SimulatedAcceleratorUnavailable` saying why it cannot."""
+    global _module, _failure
+    with _lock:
+        if _module is not None:
+            return _module
+        if _failure is not None:
+            raise SimulatedAcceleratorUnavailable(_failure)
+        reason = _refusal()
+        if reason is None:
+            try:
+                from torch.utils import cpp_extension
+
+                folder = _cache_dir()
+                folder.mkdir(parents=True, exist_ok=True)
+                module = cpp_extension.load(
+                    name="offload_ref_simdevice",
+                    sources=[str(_SOURCE)],
+                    build_directory=str(folder),
+                    extra_cflags=["-O2", "-std=c++17"],
+                    verbose=False,
+                )
+                reason = module.init(_device_count()) or None
+            except SimulatedAcceleratorUnavailable as exc:
+                reason = str(exc)
+            except Exception as exc:  # noqa: BLE001 (a build failure is a reason, not a crash)
+                text = str(exc).strip().splitlines()
+                reason = (f"building it failed ({type(exc).__name__}: "
+                          f"{text[-1] if text else ''})")
+            else:
+                if reason is None:
+                    capacity_env = os.environ.get("OFFLOAD_REF_SIM_CAPACITY")
+                    if capacity_env:
+                        for index in range(module.device_count()):
+                            module.set_capacity(index, int(capacity_env))
+                    if getattr(torch, "hpu", None) is None:
+                        torch._register_device_module(DEVICE_TYPE, _device_module(module))
+                    _patch_manual_seed(module)
+                    module.manual_seed(torch.initial_seed() & 0xFFFF_FFFF_FFFF_FFFF)
+                    _module = module
+                    return module
+        _failure = reason
+        raise SimulatedAcceleratorUnavailable(reason)
+
+
+def available() -> bool:
+    """Whether the simulated accelerator is (or can now be) loaded; loads it."""
+    try:
+        load()
+    except SimulatedAcceleratorUnavailable:
+        return False
+    return True
+
+
+def unavailable_reason() -> str | None:
+    """Why the simulated accelerator is not available (None when it is); loads it."""
+    try:
+        load()
+    except SimulatedAcceleratorUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def device(index: int = 0) -> torch.device:
+    """``torch.device("hpu", index)``, loading the simulated accelerator first."""
+    load()
+    return torch.device(DEVICE_TYPE, index)
+
+
+def describe_device(device: torch.device | str) -> str:
+    """A device as offload-ref prints it: ``hpu:0 (offload-ref's simulated accelerator)`` when
+    ``device`` is the simulated accelerator, ``str(device)`` otherwise."""
+    parsed = torch.device(device)
+    if parsed.type == DEVICE_TYPE and _module is not None:
+        index = 0 if parsed.index is None else parsed.index
+        return f"{DEVICE_TYPE}:{index} (offload-ref's simulated accelerator)"
+    return str(parsed)
+
+
+def set_capacity(nbytes: int | None, index: int = 0) -> None:
+    """Limit device ``index`` to ``nbytes`` (None: unlimited); an allocation past it raises
+    ``torch.OutOfMemoryError``."""
+    load().set_capacity(index, -1 if nbytes is None else int(nbytes))
+
+
+def capacity(index: int = 0) -> int | None:
+    """Device ``index``'s capacity in bytes (None: unlimited)."""
+    value = load().capacity(index)
+    return None if value < 0 else int(value)

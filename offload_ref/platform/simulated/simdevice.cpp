@@ -1,0 +1,1149 @@
+// offload-ref's simulated accelerator: a second torch device on a CPU-only machine.
+//
+// Note [Simulated accelerator]
+//   The device registers on torch's in-tree HPU dispatch key (PrivateUse1 cannot take
+//   `param.data = device_tensor`, and `Module.to(device)` would replace Parameters there; see
+//   docs/simulated-accelerator.md).  Device memory is ordinary host memory, 256-byte aligned,
+//   from an allocator that keeps per-device statistics (torch.accelerator.memory_allocated reads
+//   them) and an optional capacity (an out-of-memory error like CUDA's).  Every op runs CPU's own
+//   kernel on the same bytes: a boxed fallback checks that every tensor argument is on one
+//   device (CUDA's rules: 0-dim host tensors are allowed, and host indices for index ops), views
+//   each device tensor as a CPU tensor over the same memory, redispatches to CPU, and maps the
+//   results back (a mutated argument returns itself, a view becomes a device view of the same
+//   storage, a fresh result is copied once into device memory so the allocator counts it).  So
+//   outputs are bit-exact to CPU and a host tensor meeting a device tensor raises torch's
+//   same-device error, as on a GPU.  Streams are synchronous: an event is complete when recorded.
+//   The device generator is a CPU generator seeded from a mix of the seed, so a generator made
+//   on the wrong device changes the numbers, as on CUDA.
+//
+//   Nothing registers at load: `init()` refuses when a real backend owns the HPU key.
+
+#include <torch/extension.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/GeneratorForPrivateuseone.h>
+#include <ATen/detail/HPUHooksInterface.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_copy_from_and_resize_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/set_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_native.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <vector>
+
+namespace simdev {
+
+constexpr c10::DeviceType kDev = c10::DeviceType::HPU;
+constexpr c10::DispatchKey kKey = c10::DispatchKey::HPU;
+constexpr size_t kAlignment = 256;
+constexpr int kMaxDevices = 8;
+
+std::atomic<int> g_device_count{2};
+std::atomic<bool> g_initialized{false};
+
+std::string describe(c10::DeviceIndex index) {
+  std::ostringstream out;
+  out << "hpu:" << static_cast<int>(index) << " (offload-ref's simulated accelerator)";
+  return out.str();
+}
+
+// -- memory ------------------------------------------------------------------------------------
+
+void* aligned_alloc_bytes(size_t nbytes) {
+  size_t rounded = ((nbytes + kAlignment - 1) / kAlignment) * kAlignment;
+  if (rounded == 0) rounded = kAlignment;
+  void* ptr = std::aligned_alloc(kAlignment, rounded);
+  TORCH_CHECK(ptr != nullptr, "offload-ref's simulated accelerator: host allocation of ", nbytes,
+              " bytes failed");
+  return ptr;
+}
+
+struct DeviceState {
+  c10::CachingDeviceAllocator::DeviceStats stats;
+  int64_t capacity = -1;  // bytes; -1: unlimited
+};
+
+class SimAllocator final : public c10::DeviceAllocator {
+ public:
+  struct Context {
+    void* ptr;
+    size_t nbytes;
+    c10::DeviceIndex device;
+    SimAllocator* owner;
+  };
+
+  c10::DataPtr allocate(size_t nbytes) override {
+    c10::DeviceIndex device = current_device();
+    return allocate_on(nbytes, device);
+  }
+
+  c10::DataPtr allocate_on(size_t nbytes, c10::DeviceIndex device) {
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      DeviceState& state = states_[device];
+      int64_t current = state.stats.allocated_bytes[0].current;
+      if (state.capacity >= 0 && current + static_cast<int64_t>(nbytes) > state.capacity) {
+        state.stats.num_ooms += 1;
+        TORCH_CHECK_WITH(
+            OutOfMemoryError, false, describe(device), " out of memory. Tried to allocate ",
+            nbytes, " bytes; ", current, " bytes are allocated of a capacity of ",
+            state.capacity, " bytes (OFFLOAD_REF_SIM_CAPACITY or set_capacity() sets it)");
+      }
+      increase(state, nbytes);
+    }
+    void* ptr = nbytes ? aligned_alloc_bytes(nbytes) : nullptr;
+    auto* ctx = new Context{ptr, nbytes, device, this};
+    return c10::DataPtr(ptr, ctx, &SimAllocator::deleter, c10::Device(kDev, device));
+  }
+
+  static void deleter(void* raw) {
+    auto* ctx = static_cast<Context*>(raw);
+    if (ctx->ptr) std::free(ctx->ptr);
+    ctx->owner->release(ctx->nbytes, ctx->device);
+    delete ctx;
+  }
+
+  void release(size_t nbytes, c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    DeviceState& state = states_[device];
+    for (auto* stat : {&state.stats.allocated_bytes, &state.stats.reserved_bytes,
+                       &state.stats.active_bytes, &state.stats.requested_bytes}) {
+      (*stat)[0].decrease(nbytes);
+    }
+    for (auto* stat : {&state.stats.allocation, &state.stats.segment, &state.stats.active}) {
+      (*stat)[0].decrease(1);
+    }
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override {}
+  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return states_[check(device)].stats;
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> guard(mutex_);
+    DeviceState& state = states_[check(device)];
+    for (auto* stat : all_stats(state)) (*stat)[0].reset_accumulated();
+    state.stats.num_ooms = 0;
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> guard(mutex_);
+    DeviceState& state = states_[check(device)];
+    for (auto* stat : all_stats(state)) (*stat)[0].reset_peak();
+  }
+
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> guard(mutex_);
+    DeviceState& state = states_[check(device)];
+    size_t total = state.capacity >= 0 ? static_cast<size_t>(state.capacity)
+                                       : static_cast<size_t>(1) << 40;
+    size_t used = static_cast<size_t>(state.stats.allocated_bytes[0].current);
+    return {used < total ? total - used : 0, total};
+  }
+
+  void set_capacity(c10::DeviceIndex device, int64_t capacity) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    states_[check(device)].capacity = capacity;
+  }
+
+  int64_t capacity(c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return states_[check(device)].capacity;
+  }
+
+  static c10::DeviceIndex current_device();
+
+ private:
+  static c10::DeviceIndex check(c10::DeviceIndex device) {
+    if (device < 0) device = current_device();
+    TORCH_CHECK(device < g_device_count.load(), "offload-ref's simulated accelerator has ",
+                g_device_count.load(), " devices; hpu:", static_cast<int>(device),
+                " does not exist");
+    return device;
+  }
+
+  static std::vector<c10::CachingDeviceAllocator::StatArray*> all_stats(DeviceState& state) {
+    return {&state.stats.allocated_bytes, &state.stats.reserved_bytes,
+            &state.stats.active_bytes,    &state.stats.requested_bytes,
+            &state.stats.allocation,      &state.stats.segment,
+            &state.stats.active};
+  }
+
+  static void increase(DeviceState& state, size_t nbytes) {
+    for (auto* stat : {&state.stats.allocated_bytes, &state.stats.reserved_bytes,
+                       &state.stats.active_bytes, &state.stats.requested_bytes}) {
+      (*stat)[0].increase(nbytes);
+    }
+    for (auto* stat : {&state.stats.allocation, &state.stats.segment, &state.stats.active}) {
+      (*stat)[0].increase(1);
+    }
+  }
+
+  std::mutex mutex_;
+  DeviceState states_[kMaxDevices];
+};
+
+SimAllocator g_allocator;
+
+// Pinned host memory: aligned host allocations whose ranges are remembered, so is_pinned()
+// answers for any pointer inside one.
+class PinnedAllocator final : public c10::Allocator {
+ public:
+  struct Context {
+    void* ptr;
+    size_t nbytes;
+    PinnedAllocator* owner;
+  };
+
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* ptr = nbytes ? aligned_alloc_bytes(nbytes) : nullptr;
+    auto* ctx = new Context{ptr, nbytes, this};
+    if (ptr) {
+      std::lock_guard<std::mutex> guard(mutex_);
+      ranges_[reinterpret_cast<uintptr_t>(ptr)] = nbytes;
+      total_ += nbytes;
+    }
+    return c10::DataPtr(ptr, ctx, &PinnedAllocator::deleter, c10::Device(c10::DeviceType::CPU));
+  }
+
+  static void deleter(void* raw) {
+    auto* ctx = static_cast<Context*>(raw);
+    if (ctx->ptr) {
+      std::lock_guard<std::mutex> guard(ctx->owner->mutex_);
+      ctx->owner->ranges_.erase(reinterpret_cast<uintptr_t>(ctx->ptr));
+      ctx->owner->total_ -= ctx->nbytes;
+      std::free(ctx->ptr);
+    }
+    delete ctx;
+  }
+
+  bool contains(const void* data) {
+    auto address = reinterpret_cast<uintptr_t>(data);
+    std::lock_guard<std::mutex> guard(mutex_);
+    auto it = ranges_.upper_bound(address);
+    if (it == ranges_.begin()) return false;
+    --it;
+    return address < it->first + std::max<size_t>(it->second, 1);
+  }
+
+  int64_t total() {
+    std::lock_guard<std::mutex> guard(mutex_);
+    return static_cast<int64_t>(total_);
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<uintptr_t, size_t> ranges_;
+  size_t total_ = 0;
+};
+
+PinnedAllocator g_pinned;
+
+// -- device guard: current device, synchronous streams and events ---------------------------------
+
+thread_local c10::DeviceIndex tls_device = 0;
+thread_local std::unordered_map<int, c10::StreamId> tls_stream;  // device -> current stream id
+std::atomic<c10::StreamId> g_next_stream{1};
+
+c10::DeviceIndex SimAllocator::current_device() { return tls_device; }
+
+struct SimEvent {
+  bool recorded = false;
+  std::chrono::steady_clock::time_point time;
+  c10::DeviceIndex device = 0;
+};
+
+class SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+ public:
+  c10::DeviceType type() const override { return kDev; }
+
+  c10::Device exchangeDevice(c10::Device device) const override {
+    auto old = getDevice();
+    setDevice(device);
+    return old;
+  }
+
+  c10::Device getDevice() const override { return c10::Device(kDev, tls_device); }
+
+  void setDevice(c10::Device device) const override {
+    TORCH_CHECK(device.type() == kDev, "expected an hpu device, got ", device);
+    if (device.index() < 0) return;
+    TORCH_CHECK(device.index() < g_device_count.load(), "offload-ref's simulated accelerator has ",
+                g_device_count.load(), " devices; ", device, " does not exist");
+    tls_device = device.index();
+  }
+
+  void uncheckedSetDevice(c10::Device device) const noexcept override {
+    if (device.index() >= 0) tls_device = device.index();
+  }
+
+  c10::Stream getStream(c10::Device device) const override {
+    auto index = device.index() < 0 ? tls_device : device.index();
+    auto it = tls_stream.find(index);
+    c10::StreamId id = it == tls_stream.end() ? 0 : it->second;
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kDev, index), id);
+  }
+
+  c10::Stream getDefaultStream(c10::Device device) const override {
+    auto index = device.index() < 0 ? tls_device : device.index();
+    return c10::Stream(c10::Stream::DEFAULT, c10::Device(kDev, index));
+  }
+
+  c10::Stream getNewStream(c10::Device device, int /*priority*/) const override {
+    auto index = device.index() < 0 ? tls_device : device.index();
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kDev, index), g_next_stream.fetch_add(1));
+  }
+
+  c10::Stream getStreamFromGlobalPool(c10::Device device, bool /*high*/) const override {
+    return getNewStream(device, 0);
+  }
+
+  c10::Stream exchangeStream(c10::Stream stream) const override {
+    auto old = getStream(stream.device());
+    tls_stream[stream.device_index()] = stream.id();
+    return old;
+  }
+
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return static_cast<c10::DeviceIndex>(g_device_count.load());
+  }
+
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex device_index,
+              const c10::EventFlag /*flag*/) const override {
+    if (*event == nullptr) *event = new SimEvent();
+    auto* sim = static_cast<SimEvent*>(*event);
+    sim->recorded = true;
+    sim->time = std::chrono::steady_clock::now();
+    sim->device = device_index >= 0 ? device_index : stream.device_index();
+  }
+
+  void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
+
+  bool queryEvent(void* /*event*/) const override { return true; }
+
+  void destroyEvent(void* event, const c10::DeviceIndex /*device_index*/) const noexcept override {
+    delete static_cast<SimEvent*>(event);
+  }
+
+  bool queryStream(const c10::Stream& /*stream*/) const override { return true; }
+  void synchronizeStream(const c10::Stream& /*stream*/) const override {}
+  void synchronizeEvent(void* /*event*/) const override {}
+  void synchronizeDevice(const c10::DeviceIndex /*device_index*/) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+
+  double elapsedTime(void* event1, void* event2,
+                     const c10::DeviceIndex /*device_index*/) const override {
+    auto* start = static_cast<SimEvent*>(event1);
+    auto* end = static_cast<SimEvent*>(event2);
+    TORCH_CHECK(start && end && start->recorded && end->recorded,
+                "elapsed_time: both events must have been recorded");
+    return std::chrono::duration<double, std::milli>(end->time - start->time).count();
+  }
+};
+
+// -- random numbers -------------------------------------------------------------------------------
+
+// A device generator: a CPU generator (so CPU's kernels can draw from it) seeded from a mix of the
+// user's seed, so the same seed gives other numbers than the CPU generator, as on CUDA.
+uint64_t mix_seed(uint64_t seed) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+class SimGeneratorImpl final : public c10::GeneratorImpl {
+ public:
+  explicit SimGeneratorImpl(c10::DeviceIndex index, uint64_t seed = c10::default_rng_seed_val)
+      : c10::GeneratorImpl(c10::Device(kDev, index), c10::DispatchKeySet(kKey)),
+        inner_(c10::make_intrusive<at::CPUGeneratorImpl>(mix_seed(seed))),
+        seed_(seed) {}
+
+  void set_current_seed(uint64_t seed) override {
+    seed_ = seed;
+    inner_->set_current_seed(mix_seed(seed));
+  }
+  void set_offset(uint64_t offset) override { inner_->set_offset(offset); }
+  uint64_t get_offset() const override { return inner_->get_offset(); }
+  uint64_t current_seed() const override { return seed_; }
+  uint64_t seed() override {
+    uint64_t fresh = c10::detail::getNonDeterministicRandom();
+    set_current_seed(fresh);
+    return fresh;
+  }
+  void set_state(const c10::TensorImpl& new_state) override { inner_->set_state(new_state); }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override { return inner_->get_state(); }
+
+  at::Generator inner() const { return at::Generator(inner_); }
+
+ private:
+  SimGeneratorImpl* clone_impl() const override {
+    auto* copy = new SimGeneratorImpl(device().index(), seed_);
+    copy->inner_->set_state(*inner_->get_state());
+    return copy;
+  }
+
+  c10::intrusive_ptr<at::CPUGeneratorImpl> inner_;
+  uint64_t seed_;
+};
+
+std::vector<at::Generator>& default_generators() {
+  static std::vector<at::Generator> generators = [] {
+    std::vector<at::Generator> made;
+    for (int i = 0; i < kMaxDevices; ++i) {
+      made.emplace_back(at::make_generator<SimGeneratorImpl>(static_cast<c10::DeviceIndex>(i)));
+    }
+    return made;
+  }();
+  return generators;
+}
+
+// -- hooks ----------------------------------------------------------------------------------------
+
+struct SimHooks final : public at::HPUHooksInterface {
+  explicit SimHooks(at::HPUHooksArgs) {}
+  void init() const override {}
+  bool hasHPU() const override { return true; }
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  c10::DeviceIndex deviceCount() const override {
+    return static_cast<c10::DeviceIndex>(g_device_count.load());
+  }
+  void setCurrentDevice(c10::DeviceIndex device) const override { tls_device = device; }
+  c10::DeviceIndex getCurrentDevice() const override { return tls_device; }
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex device) const override {
+    auto old = tls_device;
+    tls_device = device;
+    return old;
+  }
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex device) const override {
+    return exchangeDevice(device);
+  }
+  bool isPinnedPtr(const void* data) const override { return g_pinned.contains(data); }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned; }
+  c10::Device getDeviceFromPtr(void* /*data*/) const override {
+    return c10::Device(kDev, tls_device);
+  }
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex device_index) const override {
+    auto index = device_index < 0 ? tls_device : device_index;
+    TORCH_CHECK(index < g_device_count.load(), describe(index), " does not exist");
+    return default_generators()[index];
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex device_index) const override {
+    auto index = device_index < 0 ? tls_device : device_index;
+    return at::make_generator<SimGeneratorImpl>(index);
+  }
+};
+
+// -- tensors --------------------------------------------------------------------------------------
+
+bool is_dev(const at::Tensor& t) { return t.defined() && t.device().type() == kDev; }
+
+// A CPU tensor over the same bytes as device tensor `t` (no copy).  Its storage keeps the device
+// storage alive.
+struct AliasContext {
+  c10::Storage storage;
+};
+
+void alias_deleter(void* raw) { delete static_cast<AliasContext*>(raw); }
+
+c10::Storage cpu_storage_over(const c10::Storage& storage) {
+  void* data = storage.mutable_data();
+  auto* ctx = new AliasContext{storage};
+  c10::DataPtr ptr(data, ctx, &alias_deleter, c10::Device(c10::DeviceType::CPU));
+  return c10::Storage(c10::Storage::use_byte_size_t(), storage.nbytes(), std::move(ptr),
+                      /*allocator=*/nullptr, /*resizable=*/false);
+}
+
+at::Tensor cpu_alias(const at::Tensor& t) {
+  auto storage = cpu_storage_over(t.storage());
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return at::Tensor(std::move(impl));
+}
+
+// A device tensor over device storage `storage` with the geometry of `like`.
+at::Tensor device_view(const c10::Storage& storage, const at::Tensor& like) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage),
+                                                   c10::DispatchKeySet(kKey), like.dtype());
+  impl->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  return at::Tensor(std::move(impl));
+}
+
+at::Tensor device_empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                                c10::ScalarType dtype, c10::DeviceIndex index) {
+  int64_t nelements = 1;
+  int64_t span = 1;  // elements the strided tensor reaches
+  bool empty = false;
+  for (size_t i = 0; i < size.size(); ++i) {
+    if (size[i] == 0) empty = true;
+    nelements *= size[i];
+    span += (size[i] - 1) * stride[i];
+  }
+  auto itemsize = c10::elementSize(dtype);
+  size_t nbytes = empty ? 0 : static_cast<size_t>(span) * itemsize;
+  auto data = g_allocator.allocate_on(nbytes, index);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(data), &g_allocator,
+                       /*resizable=*/true);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(kKey),
+                                                   c10::scalarTypeToTypeMeta(dtype));
+  impl->set_sizes_and_strides(size, stride);
+  return at::Tensor(std::move(impl));
+}
+
+c10::DeviceIndex index_of(std::optional<c10::Device> device) {
+  if (!device.has_value() || device->index() < 0) return tls_device;
+  TORCH_CHECK(device->index() < g_device_count.load(), describe(device->index()),
+              " does not exist: offload-ref's simulated accelerator has ", g_device_count.load(),
+              " devices");
+  return device->index();
+}
+
+at::Tensor empty_memory_format(c10::IntArrayRef size, std::optional<c10::ScalarType> dtype,
+                               std::optional<c10::Layout> layout,
+                               std::optional<c10::Device> device,
+                               std::optional<bool> /*pin_memory*/,
+                               std::optional<c10::MemoryFormat> memory_format) {
+  TORCH_CHECK(!layout.has_value() || *layout == c10::Layout::Strided,
+              "offload-ref's simulated accelerator supports strided tensors only");
+  auto type = dtype.value_or(c10::get_default_dtype_as_scalartype());
+  auto format = memory_format.value_or(c10::MemoryFormat::Contiguous);
+  std::vector<int64_t> strides(size.size());
+  // contiguous strides first, then the requested format's
+  auto tmp = at::empty({0}, at::TensorOptions().dtype(type).device(c10::kMeta))
+                 .resize_(size, format);
+  for (size_t i = 0; i < size.size(); ++i) strides[i] = tmp.stride(i);
+  return device_empty_strided(size, strides, type, index_of(device));
+}
+
+at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
+                         std::optional<c10::ScalarType> dtype, std::optional<c10::Layout> layout,
+                         std::optional<c10::Device> device, std::optional<bool> /*pin_memory*/) {
+  TORCH_CHECK(!layout.has_value() || *layout == c10::Layout::Strided,
+              "offload-ref's simulated accelerator supports strided tensors only");
+  auto type = dtype.value_or(c10::get_default_dtype_as_scalartype());
+  return device_empty_strided(size, stride, type, index_of(device));
+}
+
+// Plain byte-level copies in both directions (the memory is host memory on both sides).
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_blocking*/) {
+  at::Tensor src_view = is_dev(self) ? cpu_alias(self) : self;
+  at::Tensor dst_view = is_dev(dst) ? cpu_alias(dst) : dst;
+  TORCH_CHECK(src_view.device().is_cpu() && dst_view.device().is_cpu(),
+              "offload-ref's simulated accelerator copies to and from the host only, not ",
+              self.device(), " -> ", dst.device());
+  dst_view.copy_(src_view);
+  return dst;
+}
+
+void resize_device_storage(const at::Tensor& self, size_t nbytes) {
+  auto* storage = self.storage().unsafeGetStorageImpl();
+  if (nbytes <= storage->nbytes()) return;
+  TORCH_CHECK(storage->resizable(), "Trying to resize storage that is not resizable");
+  auto data = g_allocator.allocate_on(nbytes, self.device().index());
+  if (storage->nbytes() && storage->data()) {
+    std::memcpy(data.get(), storage->data(), storage->nbytes());
+  }
+  storage->set_data_ptr_noswap(std::move(data));
+  storage->set_nbytes(nbytes);
+}
+
+const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
+                          std::optional<c10::MemoryFormat> memory_format) {
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(size);
+  auto format = memory_format.value_or(c10::MemoryFormat::Contiguous);
+  if (format != c10::MemoryFormat::Preserve) impl->empty_tensor_restride(format);
+  int64_t span = 0;
+  if (self.numel() > 0) {
+    span = 1;
+    for (int64_t i = 0; i < self.dim(); ++i) span += (self.size(i) - 1) * self.stride(i);
+  }
+  resize_device_storage(self, static_cast<size_t>(span + self.storage_offset()) *
+                                  self.element_size());
+  return self;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  if (dst.sizes() != self.sizes()) {
+    if (is_dev(dst)) {
+      resize_(dst, self.sizes(), std::nullopt);
+    } else {
+      dst.resize_(self.sizes());
+    }
+  }
+  return copy_from(self, dst, false);
+}
+
+at::Tensor& set_storage(at::Tensor& self, c10::Storage source, c10::SymInt offset,
+                        c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  TORCH_CHECK(source.device().type() == kDev || source.nbytes() == 0,
+              "set_: expected a storage of ", describe(self.device().index()), ", got one on ",
+              source.device());
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(source));
+  impl->set_sizes_and_strides(C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride),
+                              offset.expect_int());
+  return self;
+}
+
+at::Tensor& set_source_storage(at::Tensor& self, c10::Storage source) {
+  int64_t numel = static_cast<int64_t>(source.nbytes() / self.element_size());
+  std::vector<c10::SymInt> size{c10::SymInt(numel)};
+  std::vector<c10::SymInt> stride{c10::SymInt(1)};
+  return set_storage(self, std::move(source), c10::SymInt(0), size, stride);
+}
+
+at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& source) {
+  if (self.unsafeGetTensorImpl() == source.unsafeGetTensorImpl()) return self;
+  TORCH_CHECK(is_dev(source), "set_: expected a tensor on ", describe(self.device().index()),
+              ", got one on ", source.device());
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(source.storage());
+  impl->set_sizes_and_strides(source.sizes(), source.strides(), source.storage_offset());
+  return self;
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  auto data = g_allocator.allocate_on(0, self.device().index());
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, std::move(data), &g_allocator, true);
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(storage));
+  impl->set_sizes_contiguous({0});
+  return self;
+}
+
+// Views: torch's generic implementations make a view of the same kind as `self`.
+at::Tensor view(const at::Tensor& self, c10::SymIntArrayRef size) {
+  return at::native::view(self, C10_AS_INTARRAYREF_SLOW(size));
+}
+
+at::Tensor reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size,
+                         c10::SymIntArrayRef stride) {
+  return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size),
+                                    C10_AS_INTARRAYREF_SLOW(stride));
+}
+
+at::Tensor as_strided(const at::Tensor& self, c10::SymIntArrayRef size,
+                      c10::SymIntArrayRef stride, std::optional<c10::SymInt> offset) {
+  std::optional<int64_t> plain;
+  if (offset.has_value()) plain = offset->expect_int();
+  return at::native::as_strided_tensorimpl(self, C10_AS_INTARRAYREF_SLOW(size),
+                                           C10_AS_INTARRAYREF_SLOW(stride), plain);
+}
+
+at::Tensor unfold(const at::Tensor& self, int64_t dimension, int64_t size, int64_t step) {
+  return at::native::unfold(self, dimension, size, step);
+}
+
+at::Scalar local_scalar_dense(const at::Tensor& self) {
+  return at::_local_scalar_dense(cpu_alias(self));
+}
+
+// A fresh CPU result copied once into device memory (so the allocator counts it).
+at::Tensor to_device(const at::Tensor& cpu, c10::DeviceIndex index) {
+  if (!cpu.defined()) return cpu;
+  at::Tensor out;
+  if (cpu.is_non_overlapping_and_dense()) {
+    out = device_empty_strided(cpu.sizes(), cpu.strides(), cpu.scalar_type(), index);
+  } else {
+    out = device_empty_strided(cpu.sizes(), c10::contiguous_strides(cpu.sizes()),
+                               cpu.scalar_type(), index);
+  }
+  cpu_alias(out).copy_(cpu);
+  return out;
+}
+
+// Convolutions on an unknown backend go to the overrideable ops: run CPU's whole convolution
+// (its own algorithm choice) on the same bytes.
+at::Tensor host_of(const at::Tensor& t) { return is_dev(t) ? cpu_alias(t) : t; }
+
+at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias,
+                                    c10::IntArrayRef stride, c10::IntArrayRef padding,
+                                    c10::IntArrayRef dilation, bool transposed,
+                                    c10::IntArrayRef output_padding, int64_t groups) {
+  std::optional<at::Tensor> host_bias;
+  if (bias.has_value() && bias->defined()) host_bias = host_of(*bias);
+  at::Tensor out = at::convolution(host_of(input), host_of(weight), host_bias, stride, padding,
+                                   dilation, transposed, output_padding, groups);
+  return to_device(out, input.device().index());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight,
+    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
+    bool transposed, c10::IntArrayRef output_padding, int64_t groups,
+    std::array<bool, 3> output_mask) {
+  std::vector<int64_t> bias_sizes{transposed ? weight.size(1) * groups : weight.size(0)};
+  auto grads = at::convolution_backward(host_of(grad_output), host_of(input), host_of(weight),
+                                        c10::IntArrayRef(bias_sizes), stride, padding, dilation,
+                                        transposed, output_padding, groups, output_mask);
+  auto index = input.device().index();
+  return {to_device(std::get<0>(grads), index), to_device(std::get<1>(grads), index),
+          to_device(std::get<2>(grads), index)};
+}
+
+// -- the fallback: every other op runs CPU's kernel on the same bytes -------------------------------
+
+bool allows_host_tensors(const c10::OperatorName& name) {
+  // CUDA takes host index tensors in advanced indexing.
+  static const std::vector<std::string> index_ops = {"aten::index", "aten::index_put_",
+                                                     "aten::index_put", "aten::_index_put_impl_"};
+  for (const auto& op : index_ops) {
+    if (name.name == op) return true;
+  }
+  return false;
+}
+
+[[noreturn]] void device_mismatch(const c10::OperatorHandle& op, const std::string& argument,
+                                  c10::Device first, c10::Device other) {
+  std::ostringstream out;
+  auto show = [](c10::Device d) {
+    std::ostringstream s;
+    s << d;
+    return s.str();
+  };
+  out << "Expected all tensors to be on the same device, but found at least two devices, "
+      << show(first) << " and " << show(other) << "! (when checking argument '" << argument
+      << "' of " << op.schema().name();
+  if (!op.schema().overload_name().empty()) out << "." << op.schema().overload_name();
+  out << "; hpu is offload-ref's simulated accelerator)";
+  TORCH_CHECK(false, out.str());
+}
+
+struct Scan {
+  std::optional<c10::Device> device;  // the op's device (the first device tensor's)
+};
+
+void note_tensor(const c10::OperatorHandle& op, const std::string& argument, const at::Tensor& t,
+                 Scan& scan, bool host_ok) {
+  if (!t.defined()) return;
+  if (is_dev(t)) {
+    if (!scan.device.has_value()) {
+      scan.device = t.device();
+    } else if (*scan.device != t.device()) {
+      device_mismatch(op, argument, *scan.device, t.device());
+    }
+  }
+}
+
+void check_host(const c10::OperatorHandle& op, const std::string& argument, const at::Tensor& t,
+                const Scan& scan, bool host_ok) {
+  if (!t.defined() || is_dev(t) || !scan.device.has_value()) return;
+  if (t.device().is_cpu() && (t.dim() == 0 || host_ok)) return;
+  device_mismatch(op, argument, *scan.device, t.device());
+}
+
+struct AliasMap {
+  // CPU alias storage impl -> device storage, for mapping views back
+  std::vector<std::pair<c10::StorageImpl*, c10::Storage>> entries;
+  at::Tensor make(const at::Tensor& t) {
+    at::Tensor alias = cpu_alias(t);
+    entries.emplace_back(alias.storage().unsafeGetStorageImpl(), t.storage());
+    return alias;
+  }
+  const c10::Storage* find(const at::Tensor& t) const {
+    if (!t.defined() || !t.has_storage()) return nullptr;
+    auto* impl = t.storage().unsafeGetStorageImpl();
+    for (const auto& entry : entries) {
+      if (entry.first == impl) return &entry.second;
+    }
+    return nullptr;
+  }
+};
+
+bool is_generator_type(const c10::TypePtr& type) {
+  if (type->kind() == c10::TypeKind::GeneratorType) return true;
+  return type->kind() == c10::TypeKind::OptionalType &&
+         type->containedType(0)->kind() == c10::TypeKind::GeneratorType;
+}
+
+void check_devices(const c10::OperatorHandle& op, torch::jit::Stack* stack, Scan& scan) {
+  const auto& schema = op.schema();
+  const auto n = schema.arguments().size();
+  auto arguments = torch::jit::last(stack, n);
+  const bool host_ok = allows_host_tensors(schema.operator_name());
+  auto each = [&](auto&& visit) {
+    for (size_t i = 0; i < n; ++i) {
+      const auto& name = schema.arguments()[i].name();
+      const auto& value = arguments[i];
+      if (value.isTensor()) {
+        visit(name, value.toTensor(), false);
+      } else if (value.isTensorList()) {
+        for (const at::Tensor& t : value.toTensorList()) visit(name, t, true);
+      } else if (value.isOptionalTensorList()) {
+        for (const auto& item : value.toOptionalTensorList()) {
+          std::optional<at::Tensor> opt = item;
+          if (opt.has_value()) visit(name, *opt, false);
+        }
+      }
+    }
+  };
+  each([&](const std::string& name, const at::Tensor& t, bool) {
+    note_tensor(op, name, t, scan, host_ok);
+  });
+  each([&](const std::string& name, const at::Tensor& t, bool in_list) {
+    if (in_list) {
+      // a list (cat, stack) takes no host tensors, not even 0-dim ones
+      if (t.defined() && !is_dev(t) && scan.device.has_value()) {
+        device_mismatch(op, name, *scan.device, t.device());
+      }
+    } else {
+      check_host(op, name, t, scan, host_ok);
+    }
+  });
+}
+
+void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto num_arguments = schema.arguments().size();
+  const auto num_returns = schema.returns().size();
+
+  // 1. one device for every tensor argument (CUDA's rules)
+  Scan scan;
+  check_devices(op, stack, scan);
+  c10::DeviceIndex index = scan.device.has_value() ? scan.device->index() : tls_device;
+
+  // 2. CPU aliases over the same bytes, the device's generators, the host for device arguments
+  c10::IValue* arguments = stack->data() + (stack->size() - num_arguments);
+  std::vector<c10::IValue> originals(arguments, arguments + num_arguments);
+  AliasMap aliases;
+  std::vector<at::Tensor> arg_aliases(num_arguments);   // the alias passed for argument i
+  std::vector<bool> replaced_out(num_arguments, false);  // an empty out= given a fresh host tensor
+  for (size_t i = 0; i < num_arguments; ++i) {
+    const auto& argument = schema.arguments()[i];
+    auto& value = arguments[i];
+    if (value.isTensor()) {
+      const at::Tensor& t = value.toTensor();
+      if (!is_dev(t)) continue;
+      if (argument.is_out() && t.numel() == 0) {
+        replaced_out[i] = true;
+        value = at::empty({0}, at::TensorOptions().dtype(t.scalar_type()));
+      } else {
+        arg_aliases[i] = aliases.make(t);
+        value = arg_aliases[i];
+      }
+    } else if (value.isTensorList()) {
+      auto list = value.toTensorList();
+      c10::List<at::Tensor> mapped;
+      mapped.reserve(list.size());
+      for (const at::Tensor& t : list) mapped.push_back(is_dev(t) ? aliases.make(t) : t);
+      value = mapped;
+    } else if (value.isOptionalTensorList()) {
+      auto list = value.toOptionalTensorList();
+      c10::List<std::optional<at::Tensor>> mapped;
+      mapped.reserve(list.size());
+      for (const auto& item : list) {
+        std::optional<at::Tensor> opt = item;
+        if (opt.has_value() && is_dev(*opt)) opt = aliases.make(*opt);
+        mapped.push_back(opt);
+      }
+      value = mapped;
+    } else if (value.isDevice()) {
+      if (value.toDevice().type() == kDev) value = c10::Device(c10::DeviceType::CPU);
+    } else if (value.isGenerator()) {
+      auto generator = value.toGenerator();
+      if (generator.device().type() == kDev) {
+        value = generator.get<SimGeneratorImpl>()->inner();
+      } else if (scan.device.has_value()) {
+        TORCH_CHECK(false, "Expected a 'hpu' device type for generator but found '",
+                    generator.device().type(), "' (in ", schema.name(),
+                    "; hpu is offload-ref's simulated accelerator)");
+      }
+    } else if (value.isNone() && is_generator_type(argument.type())) {
+      value = default_generators()[index].get<SimGeneratorImpl>()->inner();
+    }
+  }
+
+  // 3. CPU's kernel on the same bytes
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+
+  // 4. mutated arguments: copy replaced outs back, follow metadata changes of in-place ops
+  for (size_t i = 0; i < num_arguments; ++i) {
+    const auto* alias_info = schema.arguments()[i].alias_info();
+    if (alias_info == nullptr || !alias_info->isWrite() || !originals[i].isTensor()) continue;
+    const at::Tensor& device_tensor = originals[i].toTensor();
+    if (!is_dev(device_tensor)) continue;
+    if (replaced_out[i]) continue;  // handled from the returned value below
+    const at::Tensor& alias = arg_aliases[i];
+    if (!alias.defined()) continue;
+    if (alias.sizes() != device_tensor.sizes() || alias.strides() != device_tensor.strides() ||
+        alias.storage_offset() != device_tensor.storage_offset()) {
+      TORCH_CHECK(aliases.find(alias) != nullptr, schema.name(),
+                  " replaced the storage of a device tensor; offload-ref's simulated "
+                  "accelerator cannot follow that");
+      device_tensor.unsafeGetTensorImpl()->set_sizes_and_strides(
+          alias.sizes(), alias.strides(), alias.storage_offset());
+    }
+  }
+
+  // 5. results back to the device
+  c10::IValue* returns = stack->data() + (stack->size() - num_returns);
+  auto map_back = [&](const at::Tensor& t) -> at::Tensor {
+    if (!t.defined() || !t.device().is_cpu()) return t;
+    if (const c10::Storage* storage = aliases.find(t)) return device_view(*storage, t);
+    return to_device(t, index);
+  };
+  for (size_t r = 0; r < num_returns; ++r) {
+    auto& value = returns[r];
+    const auto* alias_info = schema.returns()[r].alias_info();
+    if (alias_info != nullptr && alias_info->isWrite() && value.isTensor()) {
+      // a mutated argument: return the caller's own tensor
+      bool found = false;
+      for (size_t i = 0; i < num_arguments && !found; ++i) {
+        const auto* arg_alias = schema.arguments()[i].alias_info();
+        if (arg_alias == nullptr || !arg_alias->isWrite() ||
+            arg_alias->beforeSets() != alias_info->beforeSets()) {
+          continue;
+        }
+        found = true;
+        if (replaced_out[i]) {
+          const at::Tensor& device_tensor = originals[i].toTensor();
+          const at::Tensor computed = value.toTensor();
+          resize_(device_tensor, computed.sizes(), std::nullopt);
+          cpu_alias(device_tensor).copy_(computed);
+        }
+        value = originals[i];
+      }
+      if (found) continue;
+    }
+    if (value.isTensor()) {
+      value = map_back(value.toTensor());
+    } else if (value.isTensorList()) {
+      auto list = value.toTensorList();
+      c10::List<at::Tensor> mapped;
+      mapped.reserve(list.size());
+      for (const at::Tensor& t : list) mapped.push_back(map_back(t));
+      value = mapped;
+    }
+  }
+}
+
+// -- scaled_dot_product_attention ---------------------------------------------------------------------
+
+// torch's composite sdpa takes the math path on any device other than the CPU, which is not
+// bit-equal to CPU's flash kernel.  So sdpa runs CPU's own sdpa on the same bytes, with a
+// backward that reruns CPU's forward and backward (exactly what the CPU computes).
+struct SdpaFunction : public torch::autograd::Function<SdpaFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask, double dropout_p,
+                            bool is_causal, std::optional<double> scale, bool enable_gqa) {
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["has_scale"] = scale.has_value();
+    ctx->saved_data["scale"] = scale.value_or(0.0);
+    ctx->saved_data["enable_gqa"] = enable_gqa;
+    ctx->saved_data["has_mask"] = mask.has_value();
+    if (mask.has_value()) {
+      ctx->save_for_backward({q, k, v, *mask});
+    } else {
+      ctx->save_for_backward({q, k, v});
+    }
+    c10::DeviceIndex index = q.device().index();
+    auto host = [](const at::Tensor& t) { return is_dev(t) ? cpu_alias(t) : t; };
+    std::optional<at::Tensor> host_mask;
+    if (mask.has_value()) host_mask = host(*mask);
+    at::Tensor out = at::scaled_dot_product_attention(host(q), host(k), host(v), host_mask,
+                                                      dropout_p, is_causal, scale, enable_gqa);
+    return to_device(out, index);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    bool has_mask = ctx->saved_data["has_mask"].toBool();
+    c10::DeviceIndex index = saved[0].device().index();
+    auto host = [](const at::Tensor& t) {
+      return (is_dev(t) ? cpu_alias(t) : t).detach().requires_grad_(t.requires_grad());
+    };
+    at::Tensor q = host(saved[0]), k = host(saved[1]), v = host(saved[2]);
+    std::optional<at::Tensor> mask;
+    if (has_mask) mask = host(saved[3]);
+    std::optional<double> scale;
+    if (ctx->saved_data["has_scale"].toBool()) scale = ctx->saved_data["scale"].toDouble();
+    torch::autograd::variable_list inputs;
+    std::vector<int> positions;
+    std::vector<at::Tensor> candidates = {q, k, v};
+    if (has_mask) candidates.push_back(*mask);
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      if (candidates[i].requires_grad()) {
+        inputs.push_back(candidates[i]);
+        positions.push_back(static_cast<int>(i));
+      }
+    }
+    torch::autograd::variable_list result(8);
+    if (inputs.empty() || !grads[0].defined()) return result;
+    at::AutoGradMode enable(true);
+    at::Tensor out = at::scaled_dot_product_attention(
+        q, k, v, mask, ctx->saved_data["dropout_p"].toDouble(),
+        ctx->saved_data["is_causal"].toBool(), scale, ctx->saved_data["enable_gqa"].toBool());
+    at::Tensor grad_out = is_dev(grads[0]) ? cpu_alias(grads[0]) : grads[0];
+    auto computed = torch::autograd::grad({out}, inputs, {grad_out});
+    for (size_t j = 0; j < positions.size(); ++j) {
+      result[positions[j]] = to_device(computed[j], index);
+    }
+    return result;
+  }
+};
+
+at::Tensor sdpa_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                         std::optional<double> scale, bool enable_gqa) {
+  Scan scan;
+  // device checks as every other op (a host mask meets device queries: torch's error)
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    if (is_dev(*t) && !scan.device.has_value()) scan.device = t->device();
+  }
+  auto check = [&](const char* name, const at::Tensor& t) {
+    if (!t.defined() || !scan.device.has_value()) return;
+    if (t.device() != *scan.device) {
+      std::ostringstream out;
+      out << "Expected all tensors to be on the same device, but found at least two devices, "
+          << *scan.device << " and " << t.device() << "! (when checking argument '" << name
+          << "' of aten::scaled_dot_product_attention; hpu is offload-ref's simulated "
+             "accelerator)";
+      TORCH_CHECK(false, out.str());
+    }
+  };
+  check("query", q);
+  check("key", k);
+  check("value", v);
+  if (mask.has_value()) check("attn_mask", *mask);
+  if (!scan.device.has_value()) {
+    // no device tensor: CPU's own kernel
+    at::AutoDispatchBelowAutograd guard;
+    return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale,
+                                            enable_gqa);
+  }
+  return SdpaFunction::apply(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
+}
+
+// -- registration ---------------------------------------------------------------------------------
+
+std::vector<std::unique_ptr<torch::Library>>& libraries() {
+  static std::vector<std::unique_ptr<torch::Library>> held;
+  return held;
+}
+
+void register_ops() {
+  auto aten = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", kKey, __FILE__,
+                                               __LINE__);
+  aten->impl("empty.memory_format", TORCH_FN(empty_memory_format));
+  aten->impl("empty_strided", TORCH_FN(empty_strided));
+  aten->impl("_copy_from", TORCH_FN(copy_from));
+  aten->impl("_copy_from_and_resize", TORCH_FN(copy_from_and_resize));
+  aten->impl("resize_", TORCH_FN(resize_));
+  aten->impl("set_.source_Storage_storage_offset", TORCH_FN(set_storage));
+  aten->impl("set_.source_Storage", TORCH_FN(set_source_storage));
+  aten->impl("set_.source_Tensor", TORCH_FN(set_source_tensor));
+  aten->impl("set_", TORCH_FN(set_empty));
+  aten->impl("view", TORCH_FN(view));
+  aten->impl("_reshape_alias", TORCH_FN(reshape_alias));
+  aten->impl("as_strided", TORCH_FN(as_strided));
+  aten->impl("unfold", TORCH_FN(unfold));
+  aten->impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
+  aten->impl("convolution_overrideable", TORCH_FN(convolution_overrideable));
+  aten->impl("convolution_backward_overrideable", TORCH_FN(convolution_backward_overrideable));
+  // Composite kernels that are not CPU's (torch 2.13): run CPU's kernel through the fallback.
+  for (const char* name :
+       {"native_layer_norm", "native_group_norm", "addr", "addr.out", "_stack", "_stack.out",
+        "any.dims", "all.dims", "any.dims_out", "all.dims_out", "linalg__powsum"}) {
+    aten->impl(name, torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  }
+  libraries().push_back(std::move(aten));
+
+  auto autograd = std::make_unique<torch::Library>(
+      torch::Library::IMPL, "aten", c10::DispatchKey::AutogradHPU, __FILE__, __LINE__);
+  autograd->impl("scaled_dot_product_attention", TORCH_FN(sdpa_autograd));
+  libraries().push_back(std::move(autograd));
+
+  auto fallback_lib = std::make_unique<torch::Library>(torch::Library::IMPL, "_", kKey,
+                                                       __FILE__, __LINE__);
+  fallback_lib->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+  libraries().push_back(std::move(fallback_lib));
+}
+
+std::string init(int64_t device_count) {
+  if (g_initialized.load()) return "";
+  if (c10::impl::hasDeviceGuardImpl(kDev)) {
+    return "a device backend already owns torch's HPU device type (a real Habana plugin?)";
+  }
+  if (at::HPUHooksRegistry()->Has("HPUHooks")) {
+    return "HPU hooks are already registered (a real Habana plugin?)";
+  }
+  TORCH_CHECK(device_count >= 1 && device_count <= kMaxDevices,
+              "device_count must be in [1, ", kMaxDevices, "], got ", device_count);
+  g_device_count = static_cast<int>(device_count);
+  static c10::impl::DeviceGuardImplRegistrar guard_registrar(kDev, new SimGuardImpl());
+  at::HPUHooksRegistry()->Register(
+      "HPUHooks", [](at::HPUHooksArgs args) -> std::unique_ptr<at::HPUHooksInterface> {
+        return std::make_unique<SimHooks>(args);
+      });
+  c10::SetAllocator(kDev, &g_allocator, /*priority=*/255);
+  register_ops();
+  g_initialized = true;
+  return "";
+}
+
+void set_capacity(int64_t device, int64_t capacity) {
+  g_allocator.set_capacity(static_cast<c10::DeviceIndex>(device), capacity);
+}
+
+int64_t capacity(int64_t device) {
+  return g_allocator.capacity(static_cast<c10::DeviceIndex>(device));
+}
+
+void manual_seed(uint64_t seed) {
+  for (int i = 0; i < g_device_count.load(); ++i) {
+    default_generators()[i].set_current_seed(seed);
+  }
+}
+
+int64_t pinned_bytes() { return g_pinned.total(); }
+
+}  // namespace simdev
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("init", &simdev::init, "register the simulated accelerator on torch's HPU key");
+  m.def("set_capacity", &simdev::set_capacity);
+  m.def("capacity", &simdev::capacity);
+  m.def("manual_seed", &simdev::manual_seed);
+  m.def("pinned_bytes", &simdev::pinned_bytes);
+  m.def("device_count", []() { return simdev::g_device_count.load(); });
+}
