@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from offload_ref.config import OffloadConfig, OffloadStrategy
 from offload_ref.plan import resolve_offload_plan, selectable_components
@@ -21,7 +22,51 @@ from .spec import PipelineSpec
 #: Generations a case remembers for a diagnosis (a check compares the latest ones).
 _KEPT_RUNS = 16
 
-__all__ = ["CheckCase", "Implementation", "DEFAULT_IMPLEMENTATION"]
+__all__ = ["CheckCase", "Implementation", "DEFAULT_IMPLEMENTATION", "kit_device",
+           "move_to_device"]
+
+
+def kit_device() -> torch.device:
+    """The device the kit computes on: the simulated accelerator's ``hpu:0`` when it is available
+    (host and device differ, as on a GPU), else the CPU (single-device mode:
+    ``OFFLOAD_REF_SIM=0`` or ``offload-ref check --single-device``)."""
+    from offload_ref.platform import simulated
+
+    return simulated.device(0) if simulated.available() else torch.device("cpu")
+
+
+def move_to_device(pipeline: Any, device: torch.device) -> Any:
+    """Move every parameter and buffer of ``pipeline`` (an ``nn.Module`` or a plain object holding
+    modules) to ``device`` in place, storage by storage: tensors that share a storage still share
+    one, and each keeps its storage offset, so its address phase (Note [Aligned layout] in
+    offload_ref/host.py) is the host's, as in an offloaded run.  (``Module.to`` would copy each
+    tensor to a fresh, fully aligned allocation: another kernel path for a weight stored off
+    alignment, and so other last bits.)  Parameter objects are kept; returns ``pipeline``."""
+    from .checks._util import module_view
+
+    if device.type == "cpu":
+        return pipeline
+    view = module_view(pipeline)
+    moved: dict[tuple[str, int], torch.UntypedStorage] = {}
+    with torch.no_grad():
+        for module in view.modules():
+            for registry in (module._parameters, module._buffers):
+                for name, tensor in list(registry.items()):
+                    if tensor is None or tensor.device == device or tensor.is_meta:
+                        continue
+                    storage = tensor.untyped_storage()
+                    key = (str(tensor.device), storage.data_ptr())
+                    target = moved.get(key)
+                    if target is None:
+                        target = storage.to(device=device)
+                        moved[key] = target
+                    placed = torch.empty(0, dtype=tensor.dtype, device=device).set_(
+                        target, tensor.storage_offset(), tensor.size(), tensor.stride())
+                    if isinstance(tensor, nn.Parameter):
+                        tensor.data = placed
+                    else:
+                        registry[name] = placed
+    return pipeline
 
 
 def _make_backend(config: OffloadConfig, platform: Any) -> Any:
@@ -68,12 +113,28 @@ class CheckCase:
     #: failed :meth:`compare` can rerun them for its diagnosis; the reference is kept apart.
     _runs: list[Run] = field(default_factory=list)
     _reference_run: Run | None = None
+    _device: torch.device | None = None
 
     # -- pipelines ------------------------------------------------------------------------------
 
     def build(self) -> Any:
         assert self.spec is not None, "a global check has no pipeline"
         return self.spec.build()
+
+    @property
+    def device(self) -> torch.device:
+        """Where this case computes: the device of the platform under test (the simulated
+        accelerator's ``hpu:0`` by default, so host and device differ; ``cpu`` in single-device
+        mode)."""
+        if self._device is None:
+            self._device = kit_device()
+        return self._device
+
+    def build_resident(self) -> Any:
+        """A fresh pipeline moved whole to :attr:`device`, as a user with enough device memory
+        runs it: the reference every offloaded run is compared with (Contract P.1)."""
+        pipeline = self.build()
+        return move_to_device(pipeline, self.device)
 
     def inputs(self) -> dict[str, Any]:
         assert self.spec is not None
@@ -89,9 +150,10 @@ class CheckCase:
         return output
 
     def reference(self) -> torch.Tensor:
-        """The output of a fresh pipeline with no offloading (computed once per case)."""
+        """The output of a fresh pipeline with no offloading, moved whole to :attr:`device`
+        (computed once per case)."""
         if self._reference is None:
-            self._reference = self.run(self.build())
+            self._reference = self.run(self.build_resident())
             self._runs.pop()
             self._reference_run = Run(self._reference, None, None, fresh=True)
         return self._reference

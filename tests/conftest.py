@@ -14,3 +14,22 @@ def _single_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def pytest_configure(config):
+    """Load the simulated accelerator before anything asks torch for its accelerator (torch looks
+    its HPU hooks up once per process), so every check runs where host and device differ."""
+    from offload_ref.platform import simulated
+
+    simulated.available()
+
+
+def pytest_report_header(config):
+    from offload_ref.platform import simulated
+
+    reason = simulated.unavailable_reason()
+    if reason is None:
+        return ["offload-ref: device storage on hpu:0 (offload-ref's simulated accelerator); "
+                "placement checks are on"]
+    return [f"offload-ref: PLACEMENT CHECKS ARE OFF: the simulated accelerator is not available "
+            f"({reason}); host and device are both the CPU"]

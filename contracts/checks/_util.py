@@ -128,6 +128,13 @@ class Snapshot:
         return problems
 
 
+def values_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` of two tensors' values wherever each lives (host or device)."""
+    if a.device != b.device:
+        a, b = a.cpu(), b.cpu()
+    return bool(torch.equal(a, b))
+
+
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False

@@ -33,7 +33,7 @@ from ..case import DEFAULT_IMPLEMENTATION, CheckCase
 from ..registry import NotApplicable, check, fail
 from ..spec import load_object
 from ._observe import compare_outputs
-from ._util import module_view
+from ._util import module_view, values_equal
 
 WORLD = 2
 #: The rendezvous timeout of the rank-failure scenario; a prompt failure takes milliseconds.
@@ -172,7 +172,7 @@ def _restored(pipeline: nn.Module, fresh: nn.Module, platform: Any) -> list[str]
     named += [(n, b) for n, b in module_view(pipeline).named_buffers(remove_duplicate=False) if b is not None]
     for n, t in named:
         w = want.get(n)
-        if w is None or t.shape != w.shape or t.dtype != w.dtype or not torch.equal(
+        if w is None or t.shape != w.shape or t.dtype != w.dtype or not values_equal(
                 t.detach().nan_to_num(), w.nan_to_num()):
             problems.append(f"{n} differs from a fresh build")
         elif platform.is_resident(t):
@@ -189,7 +189,7 @@ def _stats(backend: Any) -> dict[str, int]:
 
 def _allgather(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
     request = _request(case, rank)
-    reference = case.run(case.build(), request)
+    reference = case.run(case.build_resident(), request)
     pipeline = case.build()
     config = _config(case, "allgather", world)
     platform = case.platform()
@@ -230,7 +230,7 @@ def _allgather(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, A
 
 def _rank_local(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
     request = _request(case, rank)
-    reference = case.run(case.build(), request)
+    reference = case.run(case.build_resident(), request)
     pipeline = case.build()
     declared = getattr(getattr(pipeline, "_offload_plan", None), "resident_dit_paths", ())
     dit = {"resident_layers": 1} if declared else {}
@@ -284,7 +284,7 @@ def _waves(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
         obs[name]["blocks_loaded"] = backend.stats().swaps - before
     obs["equal_output"] = runner.run(request)
     backend.disable()
-    obs["reference"] = case.run(case.build(), request)
+    obs["reference"] = case.run(case.build_resident(), request)
     return obs
 
 
@@ -369,7 +369,7 @@ def _non_persistent_differences(pipeline: nn.Module, fresh: nn.Module) -> list[s
             got, w = module._buffers.get(name), want.get(full)
             if got is None or w is None:
                 problems.append(f"{full} is missing")
-            elif got.device.type == "meta" or not torch.equal(got, w):
+            elif got.device.type == "meta" or not values_equal(got, w):
                 problems.append(f"{full} differs from a fresh build")
     return problems
 

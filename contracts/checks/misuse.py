@@ -12,7 +12,7 @@ from torch import nn
 
 from ..registry import check, fail
 from ._observe import observe
-from ._util import module_view
+from ._util import module_view, values_equal
 from .lifecycle import BACKENDS
 
 _EDIT_SCALE = 1.25  # a power-of-two-free factor: every edited weight changes
@@ -57,7 +57,7 @@ def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
     """Weights edited inside ``backend.edit_weights()`` (``load_state_dict`` of scaled weights and
     an in-place ``mul_``) take effect exactly: the next generation equals an un-offloaded
     pipeline with the same edit, bit for bit, and ``disable()`` leaves the edited weights."""
-    edited_reference = case.build()
+    edited_reference = case.build_resident()
     _edit(module_view(edited_reference))
     want = case.run(edited_reference)
     want_state = module_view(edited_reference).state_dict()
@@ -113,7 +113,7 @@ def check_edits_through_data_are_exact_or_refused(case) -> None:
 
     original = case.reference()
     for how in ("in place", "assigned"):
-        edited_reference = case.build()
+        edited_reference = case.build_resident()
         _edit_through_data(module_view(edited_reference), how)
         want = case.run(edited_reference)
         pipeline = case.build()
@@ -290,7 +290,7 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
     wrong gradient.  The next generation is exact."""
     from offload_ref.discovery import get_submodule_path
 
-    reference = case.build()
+    reference = case.build_resident()
     paths = [c.path for c in case.resolve(reference).components
              if c.role in ("dit", "encoder") and c.selected and not c.on_demand]
     calls = _first_calls(case, reference, paths)
@@ -323,7 +323,7 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
             continue
         got = _grads(module)
         bad = [n for n in want[path] if (got[n] is None) != (want[path][n] is None) or (
-            want[path][n] is not None and not torch.equal(got[n], want[path][n]))]
+            want[path][n] is not None and not values_equal(got[n], want[path][n]))]
         if bad:
             fail(f"backward through offloaded {path} gave {len(bad)} wrong or NaN gradients "
                  f"(e.g. {bad[:3]}); refuse grad-mode forwards at forward time instead")
@@ -342,7 +342,7 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
                      f"inputs): {exc}")
             continue
         bad = [i for i, (g, w) in enumerate(zip(got_inputs, want_inputs))
-               if (g is None) != (w is None) or (w is not None and not torch.equal(g, w))]
+               if (g is None) != (w is None) or (w is not None and not values_equal(g, w))]
         if bad:
             fail(f"with frozen weights, backward through offloaded {path} gave wrong or NaN "
                  f"gradients for {len(bad)} of its inputs: autograd saved offloaded weights "
@@ -407,7 +407,7 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
     modules gets a clear error (or an exact output), and the first thread's generation stays
     exact; afterwards a single-threaded generation is exact again."""
     reference = case.reference()
-    threaded_reference = _in_thread(lambda: case.run(case.build()))
+    threaded_reference = _in_thread(lambda: case.run(case.build_resident()))
     pipeline = case.build()
     backend = case.backend()
     backend.enable(pipeline)

@@ -108,6 +108,10 @@ def _rank_main(rank: int, world: int, fn: Callable[..., Any], args: tuple, store
                        "LOCAL_WORLD_SIZE": str(world)})
     outcome: tuple = ("ok",)
     try:
+        from offload_ref.platform import simulated
+
+        # before any process group: torch looks its accelerator hooks up once per process
+        simulated.available()
         torch.set_num_threads(threads)
         store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
@@ -133,6 +137,9 @@ def _rank_main(rank: int, world: int, fn: Callable[..., Any], args: tuple, store
 
 
 def _read_result(path: Path) -> tuple | None:
+    from offload_ref.platform import simulated
+
+    simulated.available()  # a rank's result may hold simulated-accelerator tensors
     try:
         with open(path, "rb") as f:
             return pickle.load(f)

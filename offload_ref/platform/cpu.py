@@ -472,11 +472,17 @@ class CpuPlatform:
     tracks_accesses = True  # record_use / discard feed the stream-order checker
 
     def __init__(
-        self, *, race_amplifier: bool = False, seed: int = 0, max_delay_s: float = 0.002
+        self, *, race_amplifier: bool = False, seed: int = 0, max_delay_s: float = 0.002,
+        device: str | torch.device | None = None,
     ) -> None:
         if max_delay_s < 0:
             raise ValueError(f"max_delay_s must be >= 0, got {max_delay_s}")
-        self.device = torch.device("cpu")
+        # Note [Device storage on the simulated accelerator]: device storage (slots, resident
+        # weights) lives on the simulated accelerator when it is available, so a host tensor
+        # meeting a device weight is torch's same-device error, as on a GPU; ``device="cpu"``
+        # keeps the single-device mode (host and device both "cpu").
+        self.device = _storage_device(device)
+        self._device_type = self.device.type
         self.race_amplifier = race_amplifier
         self.max_delay_s = max_delay_s
         self.hazards: list[StreamOrderError] = []
@@ -501,7 +507,8 @@ class CpuPlatform:
         self._copy_names = itertools.count(1)
 
     def __repr__(self) -> str:
-        return f"CpuPlatform(race_amplifier={self.race_amplifier}, closed={self._closed})"
+        return (f"CpuPlatform(device={str(self.device)!r}, race_amplifier={self.race_amplifier}, "
+                f"closed={self._closed})")
 
     def __enter__(self) -> CpuPlatform:
         return self
@@ -678,7 +685,7 @@ class CpuPlatform:
             raise ValueError(f"empty: numel must be >= 0, got {numel}")
         # A zero-size tensor has no storage address; back it with one element so that every
         # allocation has a distinct ledger key, but count what was asked for.
-        backing = aligned_empty(max(numel, 1), dtype, self.alignment)
+        backing = aligned_empty(max(numel, 1), dtype, self.alignment, self.device)
         tensor = backing[:numel]
         if self.race_amplifier:
             _poison_(backing)  # uninitialized memory must not pass for weights by luck
@@ -799,7 +806,7 @@ class CpuPlatform:
                 target[other] = seq
 
     def _lookup(self, tensor: torch.Tensor) -> _Allocation | None:
-        if not tensor.is_cpu or tensor.is_sparse:
+        if tensor.device.type != self._device_type or tensor.is_sparse:
             return None
         try:
             key = tensor.untyped_storage().data_ptr()
@@ -813,7 +820,7 @@ class CpuPlatform:
             described = (
                 f"tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} on {tensor.device}"
             )
-            if tensor.device.type == "cpu" and not tensor.is_sparse:
+            if tensor.device.type in ("cpu", self._device_type) and not tensor.is_sparse:
                 described += f" (storage at 0x{tensor.untyped_storage().data_ptr():x})"
             raise ValueError(
                 f"{what}: the {described} is not device storage of this CpuPlatform; pass a tensor "
@@ -909,6 +916,27 @@ class CpuPlatform:
                 dst[start:stop].copy_(src[start:stop])
 
         return copy
+
+
+def _storage_device(device: str | torch.device | None) -> torch.device:
+    """Where a CPU platform keeps device storage: ``device`` when given (``"cpu"``, or a
+    simulated accelerator device ``"hpu:N"``), else the simulated accelerator's ``hpu:0`` when it
+    is available, else the CPU (Note [Device storage on the simulated accelerator])."""
+    if device is None:
+        from offload_ref.platform import simulated
+
+        return simulated.device(0) if simulated.available() else torch.device("cpu")
+    parsed = torch.device(device)
+    if parsed.type == "cpu":
+        return torch.device("cpu")
+    if parsed.type == "hpu":
+        from offload_ref.platform import simulated
+
+        simulated.load()  # raises, saying why, when it cannot be loaded
+        return torch.device("hpu", parsed.index or 0)
+    raise ValueError(
+        f"CpuPlatform: device must be 'cpu' or a simulated accelerator device 'hpu:N', got "
+        f"{str(device)!r}")
 
 
 def _plain_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:

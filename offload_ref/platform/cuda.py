@@ -1,5 +1,5 @@
-"""The CUDA platform: a thin layer over ``torch.cuda`` streams, events and the caching allocator,
-plus exact-size pinned host memory.
+"""The CUDA platform: the accelerator platform (torch.Stream, torch.Event, torch.accelerator) plus
+exact-size pinned host memory.
 
 Importing this module makes no CUDA call, so it imports on a CPU-only torch; constructing a
 :class:`CudaPlatform` needs CUDA.
@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import mmap
 
-import threading
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
+from .accelerator import AcceleratorPlatform
 from .base import aligned_empty
 
 __all__ = ["CudaPlatform"]
@@ -53,17 +51,15 @@ def page_aligned_buffer(numel: int, dtype: torch.dtype,
     return tensor, backing.data_ptr() + start, span
 
 
-class CudaPlatform:
-    """Streams, events and device storage of one CUDA device, through ``torch.cuda``.
+class CudaPlatform(AcceleratorPlatform):
+    """The accelerator platform on one CUDA device, plus what only CUDA has: exact-size pinned
+    host memory (``cudaHostRegister`` over whole pages of a private allocation).
 
-    Streams and events are plain ``torch.cuda.Stream`` / ``torch.cuda.Event`` objects, so they
-    work with ``torch.cuda.stream`` and any torch API that takes them.  ``record_use`` and
-    ``discard`` are no-ops: the hardware neither checks nor poisons (the CPU platform does)."""
+    Streams, events, copies and device storage are the accelerator platform's (``torch.Stream``,
+    ``torch.Event``, ``torch.accelerator``): the code that runs on the simulated accelerator in
+    CI."""
 
     name = "cuda"
-    pin_memory_supported = True
-    alignment = 256  # cuBLAS(Lt)'s preferred operand alignment (Note [Aligned layout], host.py)
-    tracks_accesses = False  # record_use / discard are no-ops
 
     def __init__(self, device: str | torch.device = "cuda") -> None:
         device = torch.device(device)
@@ -82,31 +78,20 @@ class CudaPlatform:
                 f"CUDA device {str(device)!r} does not exist: this process sees {count} CUDA "
                 f"device(s) (cuda:0 .. cuda:{count - 1})"
             )
-        self.device = device
-        self._lock = threading.Lock()
-        # data_ptr -> (tensor, nbytes): the registry keeps page-locked memory alive until
-        # host_free unregisters it (freeing registered memory would leave the pages locked).
-        # storage ptr -> (registered page address, requested bytes, the buffer)
-        self._pinned: dict[int, tuple[int, int, torch.Tensor]] = {}
+        super().__init__(device)
+        self.name = "cuda"
+        # storage ptr -> (registered page address, requested bytes, the buffer): the entry keeps
+        # page-locked memory alive until host_free unregisters it (freeing registered memory
+        # would leave the pages locked).
+        self._cuda_pinned: dict[int, tuple[int, int, torch.Tensor]] = {}
         self._pinned_total = 0
-        self._host: dict[int, int] = {}
-        self._live: dict[int, int] = {}  # device allocations from empty(): data_ptr -> nbytes
-
-    def __repr__(self) -> str:
-        return f"CudaPlatform(device={str(self.device)!r})"
-
-    def __enter__(self) -> CudaPlatform:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def close(self) -> None:
         """Unregister the pinned memory still registered (after the device is idle, since
         in-flight copies may read it).  The platform stays usable.  Idempotent."""
         with self._lock:
-            entries = list(self._pinned.items())
-            self._pinned.clear()
+            entries = list(self._cuda_pinned.items())
+            self._cuda_pinned.clear()
             self._pinned_total = 0
         if not entries:
             return
@@ -114,79 +99,6 @@ class CudaPlatform:
         cudart = torch.cuda.cudart()
         for _, (reg_ptr, _bytes, _tensor) in entries:
             cudart.cudaHostUnregister(reg_ptr)  # best effort: the tensors are being dropped anyway
-
-    # -- streams and events -------------------------------------------------------------------
-    def Stream(self, priority: int = 0) -> torch.cuda.Stream:  # noqa: N802
-        return torch.cuda.Stream(device=self.device, priority=priority)
-
-    def Event(self, enable_timing: bool = False) -> torch.cuda.Event:  # noqa: N802
-        return torch.cuda.Event(enable_timing=enable_timing)
-
-    def current_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
-
-    def stream(self, stream: torch.cuda.Stream | None) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    # -- work ---------------------------------------------------------------------------------
-    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Asynchronous with respect to the host when the host side is pinned."""
-        dst.copy_(src, non_blocking=True)
-
-    def fill(self, stream: torch.cuda.Stream, after: torch.cuda.Event,
-             pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], then: torch.cuda.Event) -> None:
-        """Note [One-call fills] (platform/base.py)."""
-        with torch.cuda.stream(stream):
-            stream.wait_event(after)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            then.record(stream)
-
-    def submit(self, fn: Callable[[], Any], *, reads: Sequence[torch.Tensor] = (),
-               writes: Sequence[torch.Tensor] = ()) -> None:
-        """Call ``fn`` now: the kernels it launches go to the stream the caller made current."""
-        fn()
-
-    def record_use(self, tensor: torch.Tensor) -> None:
-        """No-op: CUDA does not check stream order (see the CPU platform)."""
-
-    # -- device storage -----------------------------------------------------------------------
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat tensor from the caching allocator, on the current stream of the device."""
-        tensor = aligned_empty(numel, dtype, self.alignment, self.device)
-        if tensor.numel():
-            with self._lock:
-                self._live[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    def free(self, tensor: torch.Tensor) -> None:
-        """Forget ``tensor``; its memory returns to the caching allocator when the caller drops
-        its references.  The caller must have ordered every stream that used it before."""
-        if not self.is_resident(tensor):
-            raise ValueError(
-                f"free: the tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} on "
-                f"{tensor.device} is not device storage of {self!r}"
-            )
-        ptr = tensor.untyped_storage().data_ptr()
-        with self._lock:
-            found = self._live.pop(ptr, None)
-        if found is None and tensor.untyped_storage().nbytes():
-            raise ValueError(
-                f"free: the tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} "
-                f"(storage at 0x{ptr:x}) was not returned by empty() or was already freed"
-            )
-
-    def discard(self, tensor: torch.Tensor) -> None:
-        """No-op on CUDA (the CPU platform poisons dead storage)."""
-
-    def memory_allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
-
-    def is_resident(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cuda" and tensor.device.index == self.device.index
 
     # -- host storage -------------------------------------------------------------------------
     def host_empty(self, numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
@@ -214,7 +126,7 @@ class CudaPlatform:
         with self._lock:
             # The entry keeps the buffer alive while registered: freed-but-registered memory
             # would make a later registration at the same address fail.
-            self._pinned[tensor.untyped_storage().data_ptr()] = (reg_ptr, nbytes, tensor)
+            self._cuda_pinned[tensor.untyped_storage().data_ptr()] = (reg_ptr, nbytes, tensor)
             self._pinned_total += nbytes
         self._count_host(tensor, +1)
         return tensor
@@ -227,7 +139,7 @@ class CudaPlatform:
         self._count_host(tensor, -1)
         key = tensor.untyped_storage().data_ptr()
         with self._lock:
-            entry = self._pinned.pop(key, None)
+            entry = self._cuda_pinned.pop(key, None)
             if entry is not None:
                 self._pinned_total -= entry[1]
         if entry is None:

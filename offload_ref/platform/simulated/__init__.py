@@ -116,6 +116,24 @@ def _patch_manual_seed(module: ModuleType) -> None:
     torch.manual_seed = manual_seed
 
 
+class _DeviceContext:
+    """``torch.hpu.device(d)``: device ``d`` is current inside the block (torch's storage moves
+    and serialization enter it)."""
+
+    def __init__(self, device: torch.device | str | int | None) -> None:
+        if isinstance(device, int) or device is None:
+            self._index = device
+        else:
+            self._index = torch.device(device).index
+        self._context = torch.accelerator.device_index(self._index)
+
+    def __enter__(self) -> None:
+        self._context.__enter__()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._context.__exit__(*exc_info)
+
+
 def _device_module(module: ModuleType) -> ModuleType:
     """``torch.hpu``: torch imports it to initialize the device type lazily (``tensor.to``)."""
     device_module = ModuleType("torch.hpu", "offload-ref's simulated accelerator (see "
@@ -129,6 +147,7 @@ def _device_module(module: ModuleType) -> ModuleType:
     device_module.current_device = torch.accelerator.current_device_index  # type: ignore
     device_module.set_device = torch.accelerator.set_device_index  # type: ignore[attr-defined]
     device_module.synchronize = torch.accelerator.synchronize  # type: ignore[attr-defined]
+    device_module.device = _DeviceContext  # type: ignore[attr-defined]
 
     def manual_seed(seed: int) -> None:
         module.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)

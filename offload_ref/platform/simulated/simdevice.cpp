@@ -1116,6 +1116,13 @@ std::string init(int64_t device_count) {
         return std::make_unique<SimHooks>(args);
       });
   c10::SetAllocator(kDev, &g_allocator, /*priority=*/255);
+  if (!at::detail::getHPUHooks().hasHPU()) {
+    // torch creates its HPU hooks once, on first use: something asked for them (a
+    // torch.accelerator call, a process group) before this registration.
+    return "torch had already looked up its HPU hooks in this process before the simulated "
+           "accelerator loaded (a torch.accelerator call or a process group came first); load it "
+           "first: offload_ref.platform.simulated.load() at the start of the process";
+  }
   register_ops();
   g_initialized = true;
   return "";
