@@ -543,6 +543,10 @@ class LayerWiseOffloadBackend(OffloadBackend):
         self.registry.remove_all()
         for part in self._parts:
             part.remove_pending()
+        # Every streamed tensor's read rule goes, buffers included (unguard_rebinds forgets the
+        # parameters' only): an entry left behind would keep the refusal record, and through it
+        # the resident state's device storage, alive after disable().
+        forget_readable([t for ring in self.rings for g in ring.groups for t in g.tensors])
         self.platform.synchronize()
         for ring in self.rings:
             ring.release()
