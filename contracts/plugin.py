@@ -181,7 +181,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         out = io.StringIO()
         render([Row(**{k: v for k, v in r.items() if k in Row.__dataclass_fields__})
                 for r in rows], out=out, failures=False)
+        from offload_ref.contracts.report import kit_device_line
+
         terminalreporter.write_sep("=", "offload-ref conformance matrix")
+        terminalreporter.write(f"device: {kit_device_line()}\n")
         terminalreporter.write(out.getvalue())
     cuda = config.stash.get(_CUDA, None)
     if cuda and cuda["selected"] and not cuda["ran"]:

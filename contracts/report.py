@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from .registry import AREAS, doc_for
 
-__all__ = ["Row", "header", "render", "rows_from_results", "summary", "to_json"]
+__all__ = ["Row", "header", "kit_device_line", "render", "rows_from_results", "summary", "to_json"]
 
 #: outcomes that count as "nothing unexpected"
 _OK = ("passed", "xfailed")
@@ -70,6 +70,19 @@ def rows_from_results(results: Iterable[Any]) -> list[Row]:
     return rows
 
 
+def kit_device_line() -> str:
+    """Where the kit computes, in words: the simulated accelerator (placement checks on), or the
+    CPU alone and why (placement checks off)."""
+    from offload_ref.platform import simulated
+
+    reason = simulated.unavailable_reason()
+    if reason is None:
+        return ("hpu:0 (offload-ref's simulated accelerator; host memory on cpu) through "
+                "CpuPlatform, race amplifier on; placement checks ON")
+    return (f"cpu (CpuPlatform, race amplifier on; host and device are both the CPU); "
+            f"PLACEMENT CHECKS OFF: {reason}")
+
+
 def header(*, implementation: str = "offload_ref", pipelines: Mapping[str, str] | None = None,
            device: str | None = None, threads: int | None = None) -> dict[str, Any]:
     """What the report is about: versions, device, and what is under test."""
@@ -82,7 +95,7 @@ def header(*, implementation: str = "offload_ref", pipelines: Mapping[str, str] 
     except Exception:  # noqa: BLE001 - running from a source tree that is not installed
         kit = "unknown (not installed)"
     if device is None:
-        device = "cpu (CpuPlatform, race amplifier on)"
+        device = kit_device_line()
     return {
         "kit": kit,
         "torch": torch.__version__,

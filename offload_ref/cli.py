@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -114,6 +115,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     from offload_ref.contracts import report
 
+    if args.single_device:
+        os.environ["OFFLOAD_REF_SIM"] = "0"
+    from offload_ref.platform import simulated
+
+    simulated.available()  # first: torch looks its accelerator hooks up once per process
     specs, sources = _selection(args)
     checks = _check_ids(args)
     torch.set_num_threads(args.torch_threads)
@@ -236,6 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_check.add_argument("--torch-threads", type=int, default=1, metavar="N",
                          help="torch intra-op threads while checking (default 1: the built-in "
                               "pipelines are tiny, and thread hand-offs dominate their run time)")
+    p_check.add_argument("--single-device", action="store_true",
+                         help="run on the CPU alone (host and device both 'cpu'), as before the "
+                              "simulated accelerator: placement checks are off (the same as "
+                              "OFFLOAD_REF_SIM=0)")
     p_check.set_defaults(func=_cmd_check)
 
     p_plan = sub.add_parser("plan", help="explain the resolved topology of a pipeline")

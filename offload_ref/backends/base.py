@@ -404,6 +404,30 @@ def backend_of(pipeline: Any) -> OffloadBackend | None:
     return owner() if isinstance(owner, _Owner) else None
 
 
+def execution_device(pipeline: Any) -> torch.device:
+    """The device ``pipeline`` computes on: where its latents, noise and timesteps belong (what
+    diffusers' ``_execution_device`` answers).
+
+    While an offload backend owns the pipeline, the backend's device: a component that offload
+    parks on the host between its calls reports ``cpu`` there, so reading a component's
+    parameters for it is a placement bug (docs/model-authors.md#placement).  Otherwise the device
+    of the first parameter or buffer of the pipeline's modules (meta tensors skipped), or the CPU
+    for a pipeline that holds none."""
+    backend = backend_of(pipeline)
+    if backend is not None:
+        return backend.platform.device
+    if isinstance(pipeline, nn.Module):
+        modules = [pipeline]
+    else:
+        modules = [v for v in getattr(pipeline, "__dict__", {}).values()
+                   if isinstance(v, nn.Module)]
+    for module in modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor is not None and not tensor.is_meta:
+                return tensor.device
+    return torch.device("cpu")
+
+
 def _direct_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     out = [(n, t) for n, t in module._parameters.items() if t is not None]
     out += [(n, t) for n, t in module._buffers.items() if t is not None]

@@ -1,0 +1,90 @@
+"""Placement bugs (Contract P.1): each passes when host and device are both the CPU and fails on
+the default, the simulated accelerator, with torch's same-device error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from offload_ref import OffloadConfig, get_offload_backend
+from offload_ref.platform import CpuPlatform, simulated
+
+from offload_ref.fixtures._mmdit import LATENT_SIZE
+
+from placement_pipelines import build_adapter, make_inputs  # noqa: E402 (tests/ is on sys.path)
+
+ROOT = Path(__file__).resolve().parents[1]
+SAME_DEVICE = "Expected all tensors to be on the same device"
+needs_sim = pytest.mark.skipif(
+    not simulated.available(),
+    reason=f"the simulated accelerator is not available: {simulated.unavailable_reason()}")
+
+
+def _check(spec: str, strategy: str, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    return subprocess.run(
+        [sys.executable, "-m", "offload_ref.cli", "check", f"placement_pipelines:{spec}",
+         "--strategy", strategy, "--check", "check_offloaded_output_matches_reference_bitwise",
+         *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@needs_sim
+@pytest.mark.parametrize("spec,strategy", [("HOST_INPUTS", "layer_wise"),
+                                           ("DEVICE_FROM_OFFLOADED", "model_level")])
+def test_placement_bug_passes_on_one_device_and_fails_where_host_and_device_differ(
+        spec: str, strategy: str) -> None:
+    single = _check(spec, strategy, "--single-device")
+    assert single.returncode == 0, single.stdout + single.stderr
+    assert "PLACEMENT CHECKS OFF" in single.stdout
+    default = _check(spec, strategy)
+    assert default.returncode == 1, default.stdout + default.stderr
+    assert "placement checks ON" in default.stdout
+    assert SAME_DEVICE in default.stdout, default.stdout
+
+
+@needs_sim
+@pytest.mark.parametrize("strategy", ["model_level", "layer_wise"])
+def test_a_parameter_added_after_enable_meets_the_device_weights(strategy: str) -> None:
+    def generate(platform_device: str) -> None:
+        pipeline = build_adapter()
+        platform = CpuPlatform(device=platform_device)
+        backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+        backend.enable(pipeline)
+        try:
+            pipeline.adapter = nn.Linear(LATENT_SIZE, LATENT_SIZE)  # after enable, on the host
+            with torch.inference_mode():
+                pipeline(**make_inputs())
+        finally:
+            backend.disable()
+            platform.close()
+
+    generate("cpu")  # one device: passes silently
+    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+        generate("hpu:0")
+
+
+@needs_sim
+@pytest.mark.parametrize("strategy", ["model_level", "layer_wise"])
+def test_execution_device_is_the_backends_device_while_offloaded(strategy: str) -> None:
+    from offload_ref import execution_device
+    from offload_ref.contracts.case import move_to_device
+
+    pipeline = build_adapter()
+    assert execution_device(pipeline) == torch.device("cpu")
+    assert execution_device(move_to_device(build_adapter(), torch.device("hpu", 0))) == \
+        torch.device("hpu", 0)
+    platform = CpuPlatform(device="hpu:0")
+    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+    backend.enable(pipeline)
+    try:
+        assert execution_device(pipeline) == torch.device("hpu", 0)
+    finally:
+        backend.disable()
+        platform.close()
+    assert execution_device(pipeline) == torch.device("cpu")
