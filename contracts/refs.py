@@ -111,10 +111,14 @@ def takes_seed(func: Callable[..., Any], ref: str) -> bool:
 
 
 def call_unseeded(func: Callable[[], Any], seed: int) -> Any:
-    """``func()`` under ``torch.manual_seed(seed)``; the caller's RNG state is restored after."""
+    """``func()`` under ``torch.manual_seed(seed)``; the caller's RNG state (the host's and every
+    accelerator device's, which ``torch.manual_seed`` also reseeds) is restored after."""
     import torch
 
-    with torch.random.fork_rng(devices=[]):
+    accelerator = torch.accelerator.current_accelerator()
+    devices = range(torch.accelerator.device_count()) if accelerator is not None else []
+    with torch.random.fork_rng(devices=devices,
+                               device_type=accelerator.type if accelerator else "cuda"):
         torch.manual_seed(seed)
         return func()
 

@@ -31,7 +31,7 @@ class DeclaredDiTPipeline(SupportsComponentDiscovery, DiTPipeline):
 
 def build_dit(seed: int = 0) -> DeclaredDiTPipeline:
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.random.default_generator.manual_seed(seed)  # host only: builds on the host
         transformer = DiTTransformer2DModel(
             num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
             num_layers=3, sample_size=8, patch_size=2, num_embeds_ada_norm=1000,

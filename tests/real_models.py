@@ -42,7 +42,7 @@ TEXT_DIM = 32
 @contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.random.default_generator.manual_seed(seed)  # host only: builds on the host
         yield
 
 

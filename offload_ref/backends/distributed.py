@@ -43,9 +43,10 @@ Note [Gather tags]
     block from shards of different blocks, silently.  So on CPU tensors (gloo) every fill first
     gathers a tag of three int64s -- disable's or a generation's, the block index, the number of
     fills since enable -- and raises :class:`OffloadScheduleError` on every rank, naming each
-    rank's tag, before the data is gathered.  One more small collective per block; not done for
-    device tensors, where reading the tags back would stall the host on every block (NCCL runs
-    rely on the schedule rule above).
+    rank's tag, before the data is gathered.  One more small collective per block, done wherever
+    the group's collectives run on the host (gloo, whether the blocks are host tensors or live on
+    the simulated accelerator, whose memory is host memory); not done for NCCL, where reading the
+    tags back would stall the host on every block (NCCL runs rely on the schedule rule above).
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def _incomplete(where: str, exc: BaseException) -> RuntimeError:
         "peer rank probably failed, was stopped, or made other calls; every rank must make the "
         "same DiT calls.  This rank holds 1/world of each block and cannot rebuild its weights "
         "alone: restart every rank's pipeline")
+
+
+def _host_collectives(group: Any) -> bool:
+    """Whether ``group``'s collectives run on the host (gloo), whatever device their tensors are
+    on: reading a gathered tag back then stalls nothing (Note [Gather tags])."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group)).lower() == "gloo"
 
 
 def _all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any,
@@ -153,6 +162,7 @@ class AllGatherTransport(Transport):
         self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._sequence = 0  # fills issued since enable (Note [Gather tags])
         self._kind = 0  # 0: a generation's fills, 1: disable's
+        self._tagged = _host_collectives(group)  # Note [Gather tags]
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -214,7 +224,7 @@ class AllGatherTransport(Transport):
             _spans.stream_exit(platform, span)
             self.copied[s].record(ring.copy_stream)
         tag = None
-        if out.device.type == "cpu":  # Note [Gather tags]: CPU tensors (gloo) only
+        if self._tagged:  # Note [Gather tags]: host-run collectives (gloo) only
             self._sequence += 1
             tag = torch.tensor([self._kind, k, self._sequence], dtype=torch.int64)
         with platform.stream(self.comm_stream):

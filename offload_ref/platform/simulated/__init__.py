@@ -152,8 +152,38 @@ def _device_module(module: ModuleType) -> ModuleType:
     def manual_seed(seed: int) -> None:
         module.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
 
+    def index_of(device: torch.device | str | int) -> int:
+        if isinstance(device, int):
+            return device
+        device = torch.device(device)
+        if device.type != DEVICE_TYPE:
+            raise ValueError(f"{device} is not a device of offload-ref's simulated accelerator "
+                             f"(its devices are {DEVICE_TYPE}:0 ... "
+                             f"{DEVICE_TYPE}:{module.device_count() - 1})")
+        return torch.accelerator.current_device_index() if device.index is None else device.index
+
+    def get_rng_state(device: torch.device | str | int = DEVICE_TYPE) -> torch.Tensor:
+        return module.get_rng_state(index_of(device))
+
+    def set_rng_state(new_state: torch.Tensor,
+                      device: torch.device | str | int = DEVICE_TYPE) -> None:
+        module.set_rng_state(index_of(device), new_state.detach().to("cpu", torch.uint8))
+
+    def get_rng_state_all() -> list[torch.Tensor]:
+        return [module.get_rng_state(i) for i in range(module.device_count())]
+
+    def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+        for i, new_state in enumerate(new_states):
+            set_rng_state(new_state, i)
+
     device_module.manual_seed = manual_seed  # type: ignore[attr-defined]
     device_module.manual_seed_all = manual_seed  # type: ignore[attr-defined]
+    device_module.get_rng_state = get_rng_state  # type: ignore[attr-defined]
+    device_module.set_rng_state = set_rng_state  # type: ignore[attr-defined]
+    device_module.get_rng_state_all = get_rng_state_all  # type: ignore[attr-defined]
+    device_module.set_rng_state_all = set_rng_state_all  # type: ignore[attr-defined]
+    device_module.initial_seed = (  # type: ignore[attr-defined]
+        lambda: module.initial_seed(torch.accelerator.current_device_index()))
     return device_module
 
 

@@ -1144,6 +1144,30 @@ void manual_seed(uint64_t seed) {
 
 int64_t pinned_bytes() { return g_pinned.total(); }
 
+c10::DeviceIndex checked_index(int64_t device) {
+  TORCH_CHECK(device >= 0 && device < g_device_count.load(), "hpu:", device,
+              " does not exist: offload-ref's simulated accelerator has ", g_device_count.load(),
+              " devices (OFFLOAD_REF_SIM_DEVICES)");
+  return static_cast<c10::DeviceIndex>(device);
+}
+
+// torch.hpu.get_rng_state / set_rng_state (torch.random.fork_rng saves and restores them).
+at::Tensor get_rng_state(int64_t device) {
+  auto& generator = default_generators()[checked_index(device)];
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return at::Tensor(generator.get_state());
+}
+
+void set_rng_state(int64_t device, const at::Tensor& state) {
+  auto& generator = default_generators()[checked_index(device)];
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+uint64_t initial_seed(int64_t device) {
+  return default_generators()[checked_index(device)].current_seed();
+}
+
 }  // namespace simdev
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1152,5 +1176,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("capacity", &simdev::capacity);
   m.def("manual_seed", &simdev::manual_seed);
   m.def("pinned_bytes", &simdev::pinned_bytes);
+  m.def("get_rng_state", &simdev::get_rng_state);
+  m.def("set_rng_state", &simdev::set_rng_state);
+  m.def("initial_seed", &simdev::initial_seed);
   m.def("device_count", []() { return simdev::g_device_count.load(); });
 }
