@@ -52,6 +52,24 @@ def _run(pipeline: Any, request: dict[str, Any]) -> torch.Tensor:
         return pipeline(**request)
 
 
+def _resident(pipeline: Any) -> Any:
+    """``pipeline`` moved whole to the kit's device (the simulated accelerator where it loads):
+    an un-offloaded reference computes where the offloaded run does."""
+    from offload_ref.contracts.case import kit_device, move_to_device
+
+    return move_to_device(pipeline, kit_device())
+
+
+def _reference(request: dict[str, Any], name: str = FIXTURE,
+               edit: Callable[[Any], None] | None = None) -> torch.Tensor:
+    """The output of a fresh, un-offloaded ``name`` pipeline (edited by ``edit`` first) on the
+    kit's device."""
+    pipeline = _spec(name).build()
+    if edit is not None:
+        edit(pipeline)
+    return _run(_resident(pipeline), request)
+
+
 def _config(transfer: str = "allgather", world_size: int = 2) -> Any:
     from offload_ref import OffloadConfig
 
@@ -213,10 +231,10 @@ def _edit(pipeline: nn.Module) -> None:
 def _edit_weights(rank: int, world: int) -> dict[str, Any]:
     """edit_weights() under AllGather, identically on every rank."""
     request = _request(rank)
-    unedited = _run(_spec().build(), request)
-    reference_pipeline = _spec().build()
+    unedited = _reference(request)
+    reference = _reference(request, edit=_edit)
+    reference_pipeline = _spec().build()  # the edited host weights disable must restore
     _edit(reference_pipeline)
-    reference = _run(reference_pipeline, request)
     pipeline = _spec().build()
     backend = _backend(_config("allgather", world))
     backend.enable(pipeline)
@@ -261,7 +279,7 @@ def _enable_orders(rank: int, world: int) -> dict[str, Any]:
     if backend_a.is_enabled():
         obs["same_order_output"] = _run(a, request)
         backend_a.disable()
-    obs["same_order_reference"] = _run(_spec().build(), request)
+    obs["same_order_reference"] = _reference(request)
 
     # Two pipelines with one schedule, enabled in opposite orders: the digests agree.
     a1, a2 = _spec().build(), _spec().build()
@@ -296,7 +314,7 @@ def _asymmetric_config(rank: int, world: int) -> dict[str, Any]:
         request = _request(rank)
         obs["retry_output"] = _run(pipeline, request)
         good.disable()
-        obs["retry_reference"] = _run(_spec().build(), request)
+        obs["retry_reference"] = _reference(request)
     return obs
 
 
@@ -347,7 +365,7 @@ def _skipped_block(rank: int, world: int) -> dict[str, Any]:
     prefetched, skipped block did not wait for its gather (StreamOrderError here, a race on
     CUDA)."""
     request = _request(rank)
-    reference = _spec().build()
+    reference = _resident(_spec().build())
     plain = _run(reference, request)
     _skipping(reference.transformer.transformer_blocks, 1)
     skipped = _run(reference, request)
@@ -425,7 +443,7 @@ def three_ranks(rank: int, world: int, name: str = THREE_RANK_FIXTURE) -> dict[s
     request = _request(rank, name)
     fresh = _spec(name).build()
     block_bytes = _plan_block_bytes(fresh, _config("allgather", world))
-    reference = _run(fresh, request)
+    reference = _reference(request, name)
     pipeline = _spec(name).build()
     backend = _backend(_config("allgather", world))
     backend.enable(pipeline)
@@ -501,7 +519,8 @@ class MmapPipeline(nn.Module):
         self.transformer = MmapDit(n_blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.transformer(x)
+        # The DiT's resident norm says where it computes (its blocks may be parked on the host).
+        return self.transformer(x.to(self.transformer.norm.weight.device))
 
 
 def mmap_twin(n_blocks: int = MMAP_BLOCKS, seed: int = 0) -> MmapPipeline:
