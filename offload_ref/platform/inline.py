@@ -75,17 +75,18 @@ class _InlineEvent:
 
 
 class InlinePlatform(CpuPlatform):
-    """CPU device storage (the ledger of :class:`CpuPlatform`) with inline streams and free
-    events; see the module docstring."""
+    """The device storage of :class:`CpuPlatform` (its ledger; on the simulated accelerator
+    where it loads, or on the CPU with ``device="cpu"``) with inline streams and free events;
+    see the module docstring."""
 
     tracks_accesses = False  # record_use / discard are no-ops (nothing to check)
 
-    def __init__(self) -> None:
-        super().__init__(race_amplifier=False)
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        super().__init__(race_amplifier=False, device=device)
         self._inline_compute = _InlineStream("compute")
 
     def __repr__(self) -> str:
-        return f"InlinePlatform(closed={self._closed})"
+        return f"InlinePlatform(device={str(self.device)!r}, closed={self._closed})"
 
     def Stream(self, name: str | None = None) -> _InlineStream:  # noqa: N802
         return _InlineStream(name or "copy")

@@ -1,7 +1,9 @@
 """pytest-benchmark suite on the CPU platform: ``pytest tests/benchmarks --benchmark-only -n 0``.
 
 Under xdist (the normal test run) pytest-benchmark only executes each body once, which still
-checks that every strategy runs and matches the resident output.
+checks that every strategy runs and matches the resident output.  The timed platforms compute on
+the CPU, like the resident baseline and the peers (Note [Bench device] in offload_ref/bench.py);
+placement is checked by the rest of the suite, on the simulated accelerator.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def reference() -> torch.Tensor:
 def test_generation_time(benchmark, strategy: str, reference: torch.Tensor) -> None:
     pipeline = build_pipeline(0, CONFIG)
     inputs = make_inputs(0, CONFIG)
-    platform = CpuPlatform()
+    platform = CpuPlatform(device="cpu")
     backend = None
     if strategy != "resident":
         backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
@@ -89,7 +91,8 @@ def test_many_blocks_step_side_by_side(benchmark, variant: str,
     platform = None
     backend = None
     if variant.startswith("layerwise"):
-        platform = InlinePlatform() if variant == "layerwise_inline" else CpuPlatform()
+        platform = (InlinePlatform(device="cpu") if variant == "layerwise_inline"
+                    else CpuPlatform(device="cpu"))
         backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
         backend.enable(pipeline)
     elif variant != "resident":
@@ -118,7 +121,7 @@ def test_enable_time(benchmark, strategy: str) -> None:
     """enable() + disable() on the benchmark heavy configuration (enable_memcpy_ratio in
     ``offload-ref bench --json`` compares it to one memcpy)."""
     pipeline = build_pipeline(0, CONFIG)
-    platform = CpuPlatform()
+    platform = CpuPlatform(device="cpu")
     components = ("dit", "text_encoder") if strategy == "model_level" else ("dit",)
     backend = get_offload_backend(OffloadConfig(strategy=strategy, components=components),
                                   platform=platform)
