@@ -64,6 +64,13 @@ class Mutant:
     kills: frozenset[str]
     patch: Callable[[], Any] | None = None
     factory: Callable[..., Any] | None = None
+    placement_kills: frozenset[str] = frozenset()
+
+    def expected_kills(self, placement: bool) -> frozenset[str]:
+        """The checks this mutant fails: :attr:`kills`, plus :attr:`placement_kills` where host
+        and device differ (``placement``: the kit runs on the simulated accelerator or a GPU),
+        for a defect that leaves a tensor on the wrong device: one device hides it there."""
+        return self.kills | self.placement_kills if placement else self.kills
 
     def specs(self) -> list[Any]:
         from offload_ref.fixtures import get_spec
@@ -670,7 +677,8 @@ def _m(name: str, defect: str, scope: dict, *, patch: Any = None, factory: Any =
        **changes: Any) -> Mutant:
     impl = DEFAULT_IMPLEMENTATION.replace(name=name, **changes)
     return Mutant(name, defect, impl, kills=frozenset(KILLS[name]), patch=patch,
-                  factory=factory, **scope)
+                  factory=factory, placement_kills=frozenset(PLACEMENT_KILLS.get(name, ())),
+                  **scope)
 
 
 def _resolver(name: str, defect: str, resolve: Callable[..., Any]) -> Mutant:
@@ -1044,6 +1052,40 @@ KILLS: dict[str, set[str]] = {
 # A slot race surfaces the same way whichever event wait is missing: the stream-order checker
 # raises inside forward, so every check that runs a forward on a ring fails.
 KILLS["slot_reused_before_free"] = set(KILLS["missing_ready_wait"])
+
+# What one device hides: where host and device differ, a tensor the defect leaves on the wrong
+# device meets the other device's tensors in the next forward and raises torch's same-device
+# error, so every check that runs one fails too (Mutant.expected_kills).
+PLACEMENT_KILLS: dict[str, set[str]] = {
+    # The VAE parked on the host between calls: the latents are made on the device, then meet a
+    # host VAE; every check that generates under model level fails, not only the residency one.
+    "vae_offloaded": {
+        "check_cycles_do_not_grow_memory",
+        "check_disable_removes_every_trace",
+        "check_disable_restores_parameters_and_placement",
+        "check_enable_disable_cycles_match_the_reference",
+        "check_failed_enable_can_be_retried",
+        "check_model_level_swaps_move_component_bytes_host_to_device_only",
+        "check_offloaded_output_matches_reference_bitwise",
+        "check_offloaded_output_matches_reference_without_race_amplifier",
+        "check_offloaded_tensors_keep_their_alignment",
+        "check_pipeline_built_under_inference_mode_matches_reference",
+        "check_random_lifecycle_sequences_keep_invariants",
+        "check_second_enable_is_idempotent_and_exclusive",
+        "check_stats_match_what_the_platform_saw",
+        "check_views_keep_strides_and_sharing",
+    },
+    # Tensors left on the device after disable: the un-offloaded run after it mixes devices.
+    "disable_forgets_placement": {
+        "check_enable_disable_cycles_match_the_reference",
+    },
+    # The split model enables every component: after its failed enable, host tensors come back
+    # as views at another storage offset of the same bytes where host and device differ (on one
+    # device the check passes).
+    "delegation_drops_components": {
+        "check_split_model_failed_enable_calls_disable",
+    },
+}
 
 MUTANTS: tuple[Mutant, ...] = (
     # §A.8 (auto mode)
