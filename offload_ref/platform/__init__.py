@@ -38,8 +38,8 @@ _defaults_lock = threading.Lock()
 def _normalize(device: str | torch.device | None) -> torch.device:
     """The device a request names, with an accelerator's index resolved (so "cuda" and "cuda:0"
     share a platform when device 0 is current)."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None:  # CUDA's current device when there is one (cached under its index)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if not isinstance(device, (str, torch.device)):
         raise TypeError(
             f"get_platform: device must be None, a str or a torch.device, got "

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU checks, in one run on a CUDA machine (docs/benchmarks.md "GPU"): the cuda-marked tests,
+# every fixture x strategy through the accelerator platform, and the bench on the device.
+# Writes its logs to ${OUT:-/tmp/offload_ref_gpu}.  The simulated accelerator is not loaded
+# (OFFLOAD_REF_SIM=0): the device is the real one.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/offload_ref_gpu}
+mkdir -p "$out"
+export OFFLOAD_REF_SIM=0 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.txt" 2>&1 \
+  || { cat "$out/install.txt"; exit 1; }
+{ nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; } \
+  2>&1 | tee "$out/machine.txt"
+timeout 180 python3 -m pytest -p no:cacheprovider -q -m cuda -n 0 --offload-ref-require-cuda \
+  tests/test_platform_cuda.py 2>&1 | tail -25 | tee "$out/cuda_tests.txt"
+timeout 150 python3 ci/cuda_fixtures.py --device cuda:0 --repeats 5 2>&1 | tee "$out/cuda_fixtures.txt"
+timeout 120 python3 -m offload_ref.cli bench --device cuda --hidden 2048 --blocks 8 --tokens 2048 \
+  --steps 4 --repeats 5 2>&1 | tee "$out/bench_2048.txt"
