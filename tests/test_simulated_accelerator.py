@@ -215,6 +215,24 @@ def test_every_fixture_on_the_device_is_bit_exact_to_the_host(spec) -> None:
     assert _same(got, want), spec.name
 
 
+REAL = ("real_flux", "real_sd3", "real_wan")  # diffusers' own transformer classes, tiny
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_tiny_diffusers_pipelines_on_the_device_are_bit_exact_to_the_host(name: str) -> None:
+    """diffusers' Flux, SD3 and Wan transformers (with their text encoders and a VAE), whole on
+    the device against whole on the host: the device is the CPU's numerics, so any difference
+    the kit reports on these pipelines is offloading's, not the device's."""
+    pytest.importorskip("diffusers", reason="diffusers not installed")
+    pytest.importorskip("transformers", reason="transformers not installed")
+    from real_models import SPECS as REAL_SPECS  # tests/ is on sys.path
+
+    spec = next(s for s in REAL_SPECS if s.name == name)
+    want = _run(spec, spec.build())
+    got = _run(spec, move_to_device(spec.build(), DEV))
+    assert _same(got, want), name
+
+
 def _run(spec, pipeline):
     with torch.inference_mode():
         return pipeline(**spec.make_inputs())
