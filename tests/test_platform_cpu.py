@@ -19,6 +19,7 @@ from offload_ref.platform import (
     StreamOrderError,
     get_platform,
 )
+from device_helpers import DEVICE, host  # noqa: E402 (tests/ is on sys.path)
 
 _LAYERS = 8
 _WIDTH = 16
@@ -73,6 +74,7 @@ def _run_ring(
     the compute of layer i; a slot is refilled only after the compute that read it (free event)
     and read only after its copy (ready event, unless ``wait_ready`` is False: the bug)."""
     copy = platform.Stream()
+    x = x.to(platform.device)  # the activations live on the device, next to the slots
     numel = weights[0].numel()
     slots = [platform.empty(numel, weights[0].dtype) for _ in range(2)]
     ready = [platform.Event() for _ in range(2)]
@@ -115,7 +117,7 @@ def test_cpu_platform_satisfies_the_platform_protocol(platform: CpuPlatform) -> 
     assert isinstance(platform.current_stream(), Stream)
     assert isinstance(platform.Event(), Event)
     assert platform.name == "cpu"
-    assert platform.device == torch.device("cpu")
+    assert platform.device == DEVICE  # device storage on the simulated accelerator where it loads
     assert platform.pin_memory_supported is False
 
 
@@ -146,7 +148,7 @@ def test_worker_stream_runs_copies_in_issue_order(amplified: CpuPlatform) -> Non
         done.record()
     done.synchronize()
     assert log == [i * 100 + i for i in range(10)], "copies and work ran out of issue order"
-    torch.testing.assert_close(dst, sources[-1], rtol=0, atol=0, msg="last copy did not win")
+    torch.testing.assert_close(host(dst), sources[-1], rtol=0, atol=0, msg="last copy did not win")
 
 
 def test_event_completes_only_after_the_work_queued_before_it(platform: CpuPlatform) -> None:
@@ -167,7 +169,7 @@ def test_event_completes_only_after_the_work_queued_before_it(platform: CpuPlatf
     assert event.query() and copy.query()
     platform.current_stream().wait_event(event)
     platform.record_use(dst)
-    torch.testing.assert_close(dst, torch.ones(4), rtol=0, atol=0)
+    torch.testing.assert_close(host(dst), torch.ones(4), rtol=0, atol=0)
 
 
 def test_rerecording_an_event_resets_it(platform: CpuPlatform) -> None:
@@ -217,7 +219,7 @@ def test_worker_stream_waits_for_an_event_of_another_worker(platform: CpuPlatfor
     done.synchronize()
     platform.current_stream().wait_event(done)
     platform.record_use(out)
-    torch.testing.assert_close(out, torch.full((64,), 3.0), rtol=0, atol=0)
+    torch.testing.assert_close(host(out), torch.full((64,), 3.0), rtol=0, atol=0)
 
 
 def test_elapsed_time_measures_milliseconds_between_completions(platform: CpuPlatform) -> None:
@@ -261,7 +263,7 @@ def test_worker_failure_surfaces_at_synchronize_and_stops_the_stream(platform: C
         after.synchronize()
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         platform.current_stream().wait_event(after)
-    torch.testing.assert_close(dst, torch.zeros(4), rtol=0, atol=0, msg="work ran after a failure")
+    torch.testing.assert_close(host(dst), torch.zeros(4), rtol=0, atol=0, msg="work ran after a failure")
 
 
 def test_a_stream_waiting_on_a_failed_stream_fails_too(platform: CpuPlatform) -> None:
@@ -279,7 +281,7 @@ def test_ring_with_event_waits_matches_the_reference(amplified: CpuPlatform) -> 
     weights = _layer_weights()
     x = torch.randn(4, _WIDTH, generator=torch.Generator().manual_seed(1))
     out = _run_ring(amplified, weights, x, wait_ready=True, declare_reads=True)
-    torch.testing.assert_close(out, _reference(weights, x), rtol=0, atol=0, msg="ring != reference")
+    torch.testing.assert_close(host(out), _reference(weights, x), rtol=0, atol=0, msg="ring != reference")
     assert amplified.hazards == []
     assert amplified.memory_allocated() == 0
 
@@ -300,7 +302,7 @@ def test_missing_ready_wait_gives_a_wrong_output_under_the_race_amplifier(
     weights, x = _layer_weights(), torch.randn(4, _WIDTH)
     out = _run_ring(amplified, weights, x, wait_ready=False, declare_reads=False)
     reference = _reference(weights, x)
-    assert not torch.equal(out, reference), "a missing ready wait went unnoticed (passed by luck)"
+    assert not torch.equal(host(out), reference), "a missing ready wait went unnoticed (passed by luck)"
 
 
 def test_write_after_read_without_the_free_event_is_a_stream_order_error(
@@ -320,7 +322,7 @@ def test_write_after_read_without_the_free_event_is_a_stream_order_error(
     assert "'copy-1'" in message and "'compute'" in message and "last read" in message
     assert platform.hazards == [info.value]
     platform.synchronize()
-    torch.testing.assert_close(slot, torch.ones(16), rtol=0, atol=0, msg="the racy copy was issued")
+    torch.testing.assert_close(host(slot), torch.ones(16), rtol=0, atol=0, msg="the racy copy was issued")
 
     free = platform.Event()
     free.record()  # after the read: now the refill is ordered
@@ -360,7 +362,7 @@ def test_submitted_work_is_order_checked_like_a_copy(platform: CpuPlatform) -> N
         platform.record_use(slot)
     platform.current_stream().wait_stream(comm)
     platform.record_use(slot)
-    torch.testing.assert_close(slot, torch.tensor([1.0] * 4 + [2.0] * 4), rtol=0, atol=0)
+    torch.testing.assert_close(host(slot), torch.tensor([1.0] * 4 + [2.0] * 4), rtol=0, atol=0)
 
 
 def test_order_composes_through_a_chain_of_events(platform: CpuPlatform) -> None:
@@ -450,7 +452,7 @@ def test_no_poisoning_without_the_amplifier(platform: CpuPlatform) -> None:
     slot = platform.empty(8, torch.float32)
     slot.fill_(2.0)
     platform.discard(slot)
-    torch.testing.assert_close(slot, torch.full((8,), 2.0), rtol=0, atol=0)
+    torch.testing.assert_close(host(slot), torch.full((8,), 2.0), rtol=0, atol=0)
 
 
 # -- ledger ---------------------------------------------------------------------------------------
@@ -579,7 +581,7 @@ def test_batched_issue_never_stalls_a_wait_inside_the_stream_block() -> None:
                 time.sleep(0.001)
             platform.copy_(dst, src * 3)
             platform.synchronize()
-        assert torch.equal(dst, src * 3)
+        assert torch.equal(host(dst), src * 3)
         platform.free(dst)
 
 
@@ -621,8 +623,8 @@ def test_one_call_fill_is_exactly_the_generic_fill(amplifier: bool) -> None:
     assert generic_error is not None and one_call_error is not None
     assert str(one_call_error) == str(generic_error)
     torch.testing.assert_close(one_call, generic, rtol=0, atol=0)
-    torch.testing.assert_close(one_call[0], torch.ones(16), rtol=0, atol=0)
-    torch.testing.assert_close(one_call[1], torch.full((16,), 2.0), rtol=0, atol=0)
+    torch.testing.assert_close(host(one_call[0]), torch.ones(16), rtol=0, atol=0)
+    torch.testing.assert_close(host(one_call[1]), torch.full((16,), 2.0), rtol=0, atol=0)
 
 
 def test_one_call_fill_waits_for_the_free_event_of_another_stream() -> None:
@@ -640,7 +642,7 @@ def test_one_call_fill_waits_for_the_free_event_of_another_stream() -> None:
         assert not ready.query(), "the fill ran before the event it waits for"
         release.set()
         ready.synchronize()
-        assert torch.equal(slot, torch.ones(1 << 16))
+        assert torch.equal(host(slot), torch.ones(1 << 16))
         platform.free(slot)
 
 
