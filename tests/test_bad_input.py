@@ -14,10 +14,16 @@ import pytest
 import torch
 from torch import nn
 
-from offload_ref import OffloadConfig, SupportsComponentDiscovery, get_offload_backend
+from offload_ref import (
+    OffloadConfig,
+    SupportsComponentDiscovery,
+    execution_device,
+    get_offload_backend,
+)
 from offload_ref.config import LayerOptions, OffloadStrategy
 from offload_ref.plan import OffloadTopologyError, pipeline_state, resolve_offload_plan
 from offload_ref.platform import CpuPlatform
+from device_helpers import host  # noqa: E402 (tests/ is on sys.path)
 
 LAYER_WISE = OffloadStrategy.LAYER_WISE
 STRATEGIES = ("model_level", "layer_wise")
@@ -379,7 +385,8 @@ def test_slots_pipeline_with_dict_and_weakref_is_offloaded(strategy) -> None:
     backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=CpuPlatform())
     backend.enable(pipeline)
     assert backend.is_enabled()
-    torch.testing.assert_close(pipeline.transformer(pipeline.text_encoder(x)), want)
+    got = pipeline.transformer(pipeline.text_encoder(x.to(execution_device(pipeline))))
+    torch.testing.assert_close(host(got), want)  # computed on the device, read back
     backend.disable()
     assert not hasattr(pipeline, "_offload_ref_backend")
 
@@ -413,7 +420,8 @@ def test_non_weakrefable_pipeline_enable_is_clean_or_supported(strategy, make) -
             assert getattr(pipeline, "_offload_ref_backend", None) is None
         else:  # supported: it must work and undo exactly
             assert backend.is_enabled()
-            torch.testing.assert_close(pipeline.transformer(pipeline.text_encoder(x)), want)
+            got = pipeline.transformer(pipeline.text_encoder(x.to(execution_device(pipeline))))
+            torch.testing.assert_close(host(got), want)  # computed on the device, read back
             backend.disable()
             assert getattr(pipeline, "_offload_ref_backend", None) is None
     torch.testing.assert_close(pipeline.transformer(pipeline.text_encoder(x)), want)

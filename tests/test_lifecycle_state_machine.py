@@ -35,6 +35,7 @@ from offload_ref.fixtures import get_spec
 from offload_ref.backends import get_offload_backend
 from offload_ref.config import OffloadConfig, OffloadStrategy
 from offload_ref.platform import CpuPlatform
+from device_helpers import resident  # noqa: E402 (tests/ is on sys.path)
 
 _SETTINGS = settings(
     derandomize=True,
@@ -52,8 +53,9 @@ class _Shared:
     def __init__(self, spec_name: str) -> None:
         spec = get_spec(spec_name)
         self.inputs = spec.make_inputs()
-        with torch.inference_mode():
+        with torch.inference_mode():  # disabled the pipeline runs on the host, enabled on the device
             self.reference = spec.build()(**spec.make_inputs())
+            self.device_reference = resident(spec.build())(**spec.make_inputs())
         self.pipeline = spec.build()
         self.pristine = snapshot(self.pipeline, values=True)
         self.sharing = storage_groups(self.pipeline)
@@ -117,8 +119,10 @@ class _LifecycleMachine(RuleBasedStateMachine):
         self.ops.append("forward")
         with torch.inference_mode():
             out = self.pipeline(**self.shared.inputs)
+        want = (self.shared.device_reference if self.backend.is_enabled()
+                else self.shared.reference)
         torch.testing.assert_close(
-            out, self.shared.reference, rtol=0, atol=0,
+            out, want, rtol=0, atol=0,
             msg=lambda m: f"{self.where}: output differs from the un-offloaded reference: {m}")
 
     def _after_disable(self) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 from offload_ref import OffloadConfig, get_offload_backend
 from offload_ref.fixtures import get_spec
 from offload_ref.platform import CpuPlatform
+from device_helpers import host, resident  # noqa: E402 (tests/ is on sys.path)
 
 STRATEGIES = ("model_level", "layer_wise")
 
@@ -65,7 +66,7 @@ def test_copying_or_pickling_an_enabled_module_is_refused_by_name(strategy: str)
             _refused(lambda: copy.deepcopy(block), f"block 'transformer.{block_path}'")
         # The pipeline still runs and is exact afterwards: a refused copy changed nothing.
         fresh_spec, reference = _build()
-        assert torch.equal(_run(spec, pipeline), _run(fresh_spec, reference))
+        assert torch.equal(_run(spec, pipeline), _run(fresh_spec, resident(reference)))
     finally:
         backend.disable()
 
@@ -74,7 +75,7 @@ def test_copying_or_pickling_an_enabled_module_is_refused_by_name(strategy: str)
 def test_each_way_out_gives_an_exact_copy(strategy: str) -> None:
     spec, pipeline = _build()
     reference_spec, reference = _build()
-    expected = _run(reference_spec, reference)
+    expected = _run(reference_spec, resident(reference_spec.build()))  # on the device
     backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=CpuPlatform())
     backend.enable(pipeline)
     try:
@@ -85,7 +86,7 @@ def test_each_way_out_gives_an_exact_copy(strategy: str) -> None:
         buffer.seek(0)
         saved = torch.load(buffer)
         for key, value in _dit(reference).state_dict().items():
-            assert torch.equal(saved[key], value), key
+            assert torch.equal(host(saved[key]), value), key  # resident ones are on the device
         # Inside edit_weights() the pipeline is plain: a deep copy runs on its own.
         with backend.edit_weights() as plain:
             copied = copy.deepcopy(plain)

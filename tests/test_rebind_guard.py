@@ -21,6 +21,7 @@ from offload_ref import OffloadConfig, OffloadWeightEditError, get_offload_backe
 from offload_ref.backends.base import OffloadEnableError
 from offload_ref.fixtures import get_spec
 from offload_ref.platform import CpuPlatform
+from device_helpers import resident as resident_pipeline  # noqa: E402 (tests/ is on sys.path)
 
 STRATEGIES = ("model_level", "layer_wise")
 
@@ -58,7 +59,7 @@ def test_guarded_tensors_keep_their_kind_and_give_plain_results(strategy: str) -
         assert type(out) is torch.Tensor
         w = next(pipeline.parameters())
         assert type(w * 2) is torch.Tensor and type(w.data) is torch.Tensor
-        assert torch.equal(out, _run(spec, spec.build()))
+        assert torch.equal(out, _run(spec, resident_pipeline(spec.build())))
     finally:
         backend.disable()
     assert _plain(pipeline)
@@ -78,9 +79,11 @@ def test_assigning_data_is_refused_naming_the_tensor_and_changes_nothing(strateg
         with pytest.raises(OffloadWeightEditError):
             pipeline.to(torch.float64)  # nn.Module._apply assigns .data
         assert {p.dtype for p in pipeline.parameters()} == {torch.float32}
-        pipeline.to("cpu")  # a no-op conversion assigns each tensor to itself: allowed
+        # A no-op conversion assigns each tensor to itself: allowed.  (Its dtype, not a device:
+        # the resident tensors are on the device, the offloaded ones' masters on the host.)
+        pipeline.to(torch.float32)
         w.data = w.data  # the same view: allowed
-        assert torch.equal(_run(spec, pipeline), _run(spec, spec.build()))
+        assert torch.equal(_run(spec, pipeline), _run(spec, resident_pipeline(spec.build())))
     finally:
         backend.disable()
 
@@ -211,7 +214,7 @@ def test_reads_of_streamed_data_between_forwards_are_refused_and_half_edits_are_
     merge was left half-applied.  A pure read is refused and forgotten; a read refused after
     resident weights were edited makes the next generation refuse the half-applied edit."""
     spec, pipeline, backend = _enabled("layer_wise")
-    reference = _run(spec, spec.build())
+    reference = _run(spec, resident_pipeline(spec.build()))
     try:
         _run(spec, pipeline)
         streamed = [t for r in backend.rings for g in r.groups for t in g.tensors]
