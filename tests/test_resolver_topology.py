@@ -23,10 +23,12 @@ from offload_ref import (
     OffloadPlan,
     OffloadTopologyError,
     SupportsComponentDiscovery,
+    execution_device,
     get_offload_backend,
     resolve_offload_plan,
 )
 from offload_ref.platform import CpuPlatform
+from device_helpers import host  # noqa: E402 (tests/ is on sys.path)
 
 DIM = 8
 
@@ -78,14 +80,34 @@ class _Encoder(nn.Module):
         return self.final_norm(h)
 
 
-class _StagedEncoder(_Encoder):
-    """An encoder whose residency the pipeline manages (it records the calls)."""
+class _Staged:
+    """Residency the pipeline manages: ``load_to_device`` moves what the module owns (its
+    ``_owned()`` parts) to the device the pipeline computes on (set by the pipeline before each
+    call); ``offload_to_cpu`` puts the host tensors back; both are recorded."""
+
+    execution_device = torch.device("cpu")
+
+    def _owned(self) -> list[nn.Module]:
+        return [self]
 
     def load_to_device(self) -> None:
         self.lifecycle.append("load")
+        self._parked = [(p, p.data) for m in self._owned() for p in m.parameters()]
+        for module in self._owned():
+            module.to(self.execution_device)  # keeps the Parameters, assigns their .data
 
     def offload_to_cpu(self) -> None:
         self.lifecycle.append("offload")
+        for parameter, on_host in self._parked:
+            parameter.data = on_host
+
+
+class _StagedEncoder(_Staged, _Encoder):
+    """An encoder whose residency the pipeline manages; its blocks are the backend's to stream
+    when declared (then ``load_to_device`` moves the rest)."""
+
+    def _owned(self) -> list[nn.Module]:
+        return [self.embed, self.final_norm]
 
 
 class _Vae(nn.Module):
@@ -97,16 +119,10 @@ class _Vae(nn.Module):
         return torch.tanh(self.conv(x))
 
 
-class _StagedVae(_Vae):
+class _StagedVae(_Staged, _Vae):
     def __init__(self) -> None:
         super().__init__()
         self.lifecycle: list[str] = []
-
-    def load_to_device(self) -> None:
-        self.lifecycle.append("load")
-
-    def offload_to_cpu(self) -> None:
-        self.lifecycle.append("offload")
 
 
 class _Pipe(nn.Module, SupportsComponentDiscovery):
@@ -124,7 +140,11 @@ class _Pipe(nn.Module, SupportsComponentDiscovery):
         self.vae = vae()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = execution_device(self)
+        x = x.to(device)  # inputs go where the pipeline computes
         staged = [m for m in (self.text_encoder, self.vae) if hasattr(m, "load_to_device")]
+        for module in staged:
+            module.execution_device = device
         if self.text_encoder in staged:
             self.text_encoder.load_to_device()
         cond = self.text_encoder(x)
@@ -153,8 +173,9 @@ def _inputs() -> torch.Tensor:
 
 
 def _run(pipe: nn.Module) -> torch.Tensor:
+    """One call, its output read back to the host (enabled, the pipeline computes on the device)."""
     with torch.inference_mode():
-        return pipe(_inputs())
+        return host(pipe(_inputs()))
 
 
 def _own_tensors(module: nn.Module, nested: nn.Module) -> list[torch.Tensor]:
@@ -428,6 +449,7 @@ class _KindsPipe(_Pipe):
         self.image_encoder = _Encoder()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(execution_device(self))
         cond = self.text_encoder(x) + self.image_encoder(x)
         return self.vae(self.backbone.dit(cond))
 
