@@ -45,13 +45,15 @@ class _CorruptsOneBlock(BlockRing):
 
 
 class _LeavesOneBlockOnPlaceholders(BlockRing):
-    """Block BROKEN is loaded into its slot but its tensors stay bound to the placeholders, so
-    its modules read NaN stand-ins."""
+    """Block BROKEN is loaded into its slot but its tensors stay bound to NaN placeholders, so
+    its modules read NaN stand-ins.  The stand-ins are the ring's placeholders copied to the
+    device: the ring's own are host tensors, which a forward on the device cannot read at all
+    where host and device differ (torch's same-device error, not NaN)."""
 
     def before(self, k, frame=None):
         super().before(k, frame)
         if k == BROKEN:
-            self._rebind(k, self._placeholder_views(k))
+            self._rebind(k, [v.to(self.platform.device) for v in self._placeholder_views(k)])
 
 
 def _block_path(pipeline: str = "flux2") -> str:

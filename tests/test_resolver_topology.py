@@ -28,7 +28,7 @@ from offload_ref import (
     resolve_offload_plan,
 )
 from offload_ref.platform import CpuPlatform
-from device_helpers import host  # noqa: E402 (tests/ is on sys.path)
+from device_helpers import resident  # noqa: E402 (tests/ is on sys.path)
 
 DIM = 8
 
@@ -173,9 +173,9 @@ def _inputs() -> torch.Tensor:
 
 
 def _run(pipe: nn.Module) -> torch.Tensor:
-    """One call, its output read back to the host (enabled, the pipeline computes on the device)."""
+    """One call, on the device the pipeline computes on (references: the pipeline resident)."""
     with torch.inference_mode():
-        return host(pipe(_inputs()))
+        return pipe(_inputs())
 
 
 def _own_tensors(module: nn.Module, nested: nn.Module) -> list[torch.Tensor]:
@@ -192,7 +192,7 @@ def _no_hooks(pipe: nn.Module) -> bool:
 
 @pytest.mark.parametrize("strategy", ["model_level", "layer_wise"])
 def test_resident_nested_in_the_dit_stays_on_the_device(strategy: str) -> None:
-    reference = _run(_build())
+    reference = _run(resident(_build()))
     pipe = _build()
     dit, embed = pipe.backbone.dit, pipe.backbone.dit.time_embed
     platform = CpuPlatform(race_amplifier=True)
@@ -367,7 +367,7 @@ def test_every_enable_topology_error_comes_from_the_resolver(name, make, config,
 ])
 def test_vae_selection_reuses_the_declared_lifecycle(strategy: str, components: tuple) -> None:
     plan_decl = OffloadPlan(on_demand_component_paths=("vae",))
-    reference = _run(_build(lambda: _Pipe(vae=_StagedVae), _offload_plan=plan_decl))
+    reference = _run(resident(_build(lambda: _Pipe(vae=_StagedVae), _offload_plan=plan_decl)))
     pipe = _build(lambda: _Pipe(vae=_StagedVae), _offload_plan=plan_decl)
     config = OffloadConfig(strategy=strategy, components=components)
     plan = resolve_offload_plan(pipe, config)
@@ -406,7 +406,7 @@ def test_on_demand_encoder_streams_its_rings_and_keeps_its_lifecycle() -> None:
     plan_decl = OffloadPlan(encoder_block_attrs={"text_encoder": ("blocks",)},
                             on_demand_component_paths=("text_encoder",))
     make = lambda: _build(lambda: _Pipe(encoder=_StagedEncoder), _offload_plan=plan_decl)  # noqa: E731
-    reference = _run(make())
+    reference = _run(resident(make()))
     pipe = make()
     config = OffloadConfig(strategy="layer_wise", components=("dit", "text_encoder"))
     encoder = pipe.text_encoder
@@ -455,7 +455,7 @@ class _KindsPipe(_Pipe):
 
 
 def test_image_encoder_stays_resident_when_only_text_encoder_is_selected() -> None:
-    reference = _run(_build(_KindsPipe))
+    reference = _run(resident(_build(_KindsPipe)))
     pipe = _build(_KindsPipe)
     config = OffloadConfig(strategy="model_level", components=("dit", "text_encoder"))
     plan = resolve_offload_plan(pipe, config)

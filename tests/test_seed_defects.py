@@ -16,7 +16,7 @@ from offload_ref import (
     get_offload_backend,
 )
 from offload_ref.platform import CpuPlatform
-from device_helpers import host  # noqa: E402 (tests/ is on sys.path)
+from device_helpers import on_device, resident  # noqa: E402 (tests/ is on sys.path)
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +95,7 @@ def test_failed_model_level_load_releases_its_device_buffers(exc: BaseException)
     assert backend.loaded_components() == ()
     assert not any(platform.is_resident(p) for p in pipeline.text_encoder.parameters())
     with torch.inference_mode():
-        assert torch.equal(host(pipeline(x)), host(reference))  # the next generation recovers
+        assert torch.equal(pipeline(x), on_device(reference))  # the next generation recovers
     backend.disable()
     assert platform.memory_allocated() == 0
     platform.close()
@@ -279,7 +279,7 @@ def test_fallback_scan_deduplicates_a_module_found_under_two_names() -> None:
         warnings.simplefilter("ignore")
         backend.enable(pipeline)
     with torch.inference_mode():
-        assert torch.equal(host(pipeline(x)), host(reference))
+        assert torch.equal(pipeline(x), on_device(reference))
     backend.disable()
     platform.close()
 
@@ -408,25 +408,26 @@ def test_pipeline_built_under_inference_mode_works_enabled_and_after_disable(str
 
     spec = get_spec("flux2")
     with torch.inference_mode():
-        reference = spec.build()(**spec.make_inputs())
+        reference = spec.build()(**spec.make_inputs())  # on the host, for the disabled pipeline
+        on_the_device = resident(spec.build())(**spec.make_inputs())  # for the enabled one
         pipeline = spec.build()
     ids = {n: id(t) for n, t in pipeline.state_dict(keep_vars=True).items()}
     platform = CpuPlatform(race_amplifier=True)
     backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
     backend.enable(pipeline)
     with torch.inference_mode():
-        assert torch.equal(host(pipeline(**spec.make_inputs())), host(reference))
+        assert torch.equal(pipeline(**spec.make_inputs()), on_the_device)
     with torch.no_grad():  # outside inference mode too
-        assert torch.equal(host(pipeline(**spec.make_inputs())), host(reference))
+        assert torch.equal(pipeline(**spec.make_inputs()), on_the_device)
     backend.disable()
     after = pipeline.state_dict(keep_vars=True)
     assert {n: id(t) for n, t in after.items()} == ids  # the same Parameter objects
     assert all(t.is_inference() for t in after.values() if t.numel())
     with torch.inference_mode():
-        assert torch.equal(host(pipeline(**spec.make_inputs())), host(reference))
+        assert torch.equal(pipeline(**spec.make_inputs()), reference)
     backend.enable(pipeline)  # and again
     with torch.inference_mode():
-        assert torch.equal(host(pipeline(**spec.make_inputs())), host(reference))
+        assert torch.equal(pipeline(**spec.make_inputs()), on_the_device)
     backend.disable()
     assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
     platform.close()
@@ -455,4 +456,4 @@ def test_failed_enable_restores_inference_tensors_exactly(strategy) -> None:
     assert {n: (id(t), t.data_ptr()) for n, t in after.items()} == before
     assert all(t.is_inference() for t in after.values() if t.numel())
     with torch.inference_mode():
-        assert torch.equal(host(pipeline(**spec.make_inputs())), host(reference))
+        assert torch.equal(pipeline(**spec.make_inputs()), reference)  # both on the host

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 from offload_ref import OffloadConfig, get_offload_backend
 from offload_ref.fixtures.many_blocks import build_pipeline, make_input
 from offload_ref.platform import CpuPlatform, InlinePlatform
+from device_helpers import resident  # noqa: E402 (tests/ is on sys.path)
 
 BLOCKS = 32
 
@@ -54,18 +55,19 @@ def _platform(name: str) -> CpuPlatform:
 
 @pytest.mark.parametrize("platform_name", ["cpu", "inline"])
 def test_layerwise_steady_state_allocates_no_tensor_per_block(platform_name: str) -> None:
-    resident, offloaded = build_pipeline(0, BLOCKS), build_pipeline(0, BLOCKS)
+    # The resident model: the whole pipeline on the device the offloaded one computes on.
+    whole, offloaded = resident(build_pipeline(0, BLOCKS)), build_pipeline(0, BLOCKS)
     x = make_input(0)
     platform = _platform(platform_name)
     backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
     backend.enable(offloaded)
     try:
         with torch.inference_mode():
-            reference = resident(x)
+            reference = whole(x)
             for _ in range(2):  # warm-up: first fills, placeholders, the predictor learns
                 assert torch.equal(offloaded(x), reference)
         platform.synchronize()
-        base = _count(lambda: resident(x))
+        base = _count(lambda: whole(x))
         counted = _count(lambda: (offloaded(x), platform.synchronize()))
         extra = {op: n - base.allocations.get(op, 0) for op, n in counted.allocations.items()
                  if n != base.allocations.get(op, 0)}
