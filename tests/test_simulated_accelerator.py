@@ -182,6 +182,30 @@ def test_unavailable_accelerator_falls_back_to_cpu_and_says_why() -> None:
     assert out == ["False", "OFFLOAD_REF_SIM=0 turns it off", "cpu"]
 
 
+def test_a_build_killed_mid_way_never_leaves_the_next_load_waiting(tmp_path) -> None:
+    """A build cut off by Ctrl-C or a kill leaves torch's build baton (a plain ``lock`` file)
+    behind; before, every later process waited on it forever.  The cached build is imported
+    without the baton, and a build takes an flock that dies with its process."""
+    import shutil
+
+    from offload_ref.platform.simulated import _cache_dir
+
+    built = _cache_dir() / "offload_ref_simdevice.so"
+    assert built.is_file()
+    env = {**os.environ, "OFFLOAD_REF_SIM_CACHE": str(tmp_path)}
+    code = ("from offload_ref.platform import simulated; "
+            "print(simulated._cache_dir()); print(simulated.available())")
+    folder = subprocess.run([sys.executable, "-c", "from offload_ref.platform import simulated;"
+                             " print(simulated._cache_dir())"], env={**env, "OFFLOAD_REF_SIM": "0"},
+                            capture_output=True, text=True, check=True).stdout.strip()
+    os.makedirs(folder)
+    shutil.copy(built, folder)
+    open(os.path.join(folder, "lock"), "w").close()  # the killed build's baton
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.splitlines()
+    assert out == [folder, "True"]
+
+
 # -- the platforms on it ---------------------------------------------------------------------------
 
 

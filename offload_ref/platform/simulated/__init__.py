@@ -187,6 +187,59 @@ def _device_module(module: ModuleType) -> ModuleType:
     return device_module
 
 
+_NAME = "offload_ref_simdevice"
+
+
+def _import_built(folder: Path) -> ModuleType | None:
+    """The extension already built in ``folder`` (keyed by torch version and source hash), or
+    None when there is none or it does not import (a build cut off mid-link)."""
+    import importlib.util
+
+    built = folder / f"{_NAME}.so"
+    if not built.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(_NAME, built)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError):
+        return None
+    return module
+
+
+def _built_extension() -> ModuleType:
+    """Import the cached build, or build it.  A process that builds holds an exclusive
+    ``flock`` on ``build.lock``, which the kernel releases when the process ends however it
+    ends, so a build interrupted by Ctrl-C or a kill never leaves the next process waiting
+    (torch's own build baton, a plain file, would: it is removed here under the flock)."""
+    import fcntl
+
+    folder = _cache_dir()
+    module = _import_built(folder)
+    if module is not None:
+        return module
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes wait for one build
+        try:
+            module = _import_built(folder)  # built by the process we waited for
+            if module is not None:
+                return module
+            (folder / "lock").unlink(missing_ok=True)  # a stale baton of a killed build
+            from torch.utils import cpp_extension
+
+            return cpp_extension.load(
+                name=_NAME,
+                sources=[str(_SOURCE)],
+                build_directory=str(folder),
+                extra_cflags=["-O2", "-std=c++17"],
+                verbose=False,
+            )
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def load() -> ModuleType:
     """Build (once, cached) and register the simulated accelerator; returns the extension.
 
@@ -200,17 +253,7 @@ def load() -> ModuleType:
         reason = _refusal()
         if reason is None:
             try:
-                from torch.utils import cpp_extension
-
-                folder = _cache_dir()
-                folder.mkdir(parents=True, exist_ok=True)
-                module = cpp_extension.load(
-                    name="offload_ref_simdevice",
-                    sources=[str(_SOURCE)],
-                    build_directory=str(folder),
-                    extra_cflags=["-O2", "-std=c++17"],
-                    verbose=False,
-                )
+                module = _built_extension()
                 reason = module.init(_device_count()) or None
             except SimulatedAcceleratorUnavailable as exc:
                 reason = str(exc)
