@@ -17,7 +17,7 @@ from offload_ref import (
 )
 from offload_ref.fixtures import get_spec
 from offload_ref.platform import CpuPlatform
-from device_helpers import host, resident  # noqa: E402 (tests/ is on sys.path)
+from device_helpers import host, on_device, resident  # noqa: E402 (tests/ is on sys.path)
 
 
 @pytest.mark.parametrize("name,strategy", [("flux2", "layer_wise"), ("flux2", "model_level"),
@@ -85,18 +85,22 @@ class _Pipe(nn.Module, SupportsComponentDiscovery):
         return self.head(self.transformer(self.text_encoder(x)))
 
 
+def _pipe(tie_head: bool) -> _Pipe:
+    torch.manual_seed(0)
+    return _Pipe(tie_head)
+
+
 @pytest.mark.parametrize("tie_head", [False, True])
 def test_nested_block_calls_and_tied_heads_stay_exact(tie_head: bool) -> None:
-    torch.manual_seed(0)
-    pipeline, x = _Pipe(tie_head), torch.randn(2, 8)
+    pipeline, x = _pipe(tie_head), torch.randn(2, 8)
     with torch.inference_mode():
-        reference = pipeline(x)
+        reference = resident(_pipe(tie_head))(x)  # the same weights, whole on the device
     platform = CpuPlatform(race_amplifier=True)
     backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
     backend.enable(pipeline)
     for _ in range(3):
         with torch.inference_mode():
-            assert torch.equal(host(pipeline(x)), reference)
+            assert torch.equal(pipeline(x), reference)
     assert not platform.hazards
     backend.disable()
     platform.close()
@@ -155,7 +159,7 @@ def test_a_block_submodule_called_outside_its_block_reads_its_weights(prefetch: 
     # prefetched (its copy may be in flight) or not materialized at all (prefetch off).
     x, labels = torch.randn(2, 16), torch.tensor([1, 7])
     with torch.inference_mode():
-        reference = _submodule_pipe()(x, labels)
+        reference = resident(_submodule_pipe())(x, labels)
     platform = CpuPlatform(race_amplifier=True)
     backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
     if not prefetch:
@@ -166,7 +170,7 @@ def test_a_block_submodule_called_outside_its_block_reads_its_weights(prefetch: 
         for _ in range(3):
             with torch.inference_mode():
                 out = pipe(x, labels)
-            assert torch.equal(host(out), reference)
+            assert torch.equal(out, reference)
         backend.disable()
     assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
     platform.close()
@@ -181,7 +185,7 @@ def _enabled_submodule_pipe(**call: int) -> tuple:
     backend) for the part-hook tests."""
     x, labels = torch.randn(2, 16), torch.tensor([1, 7])
     with torch.inference_mode():
-        reference = _submodule_pipe()(x, labels, **call)
+        reference = resident(_submodule_pipe())(x, labels, **call)
     platform = CpuPlatform(race_amplifier=True)
     backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
     pipe = _submodule_pipe()
@@ -215,13 +219,13 @@ def test_an_outside_part_call_leaves_no_post_hook_behind_even_when_interrupted()
     assert enabled == len(pipe.transformer.blocks)  # the blocks' own post-hooks, no part's
     with torch.inference_mode():
         for _ in range(2):
-            assert torch.equal(host(pipe(x, labels)), reference)
+            assert torch.equal(pipe(x, labels), reference)
             assert _forward_hooks(pipe) == enabled
         interrupt.armed = True
         with pytest.raises(KeyboardInterrupt):
             pipe(x, labels)
         assert _forward_hooks(emb) == 1  # the interrupted call's post-hook never ran
-        assert torch.equal(host(pipe(x, labels)), reference)
+        assert torch.equal(pipe(x, labels), reference)
         assert _forward_hooks(pipe) == enabled  # found stale at the next call, and removed
         interrupt.armed = True
         with pytest.raises(KeyboardInterrupt):
@@ -230,8 +234,8 @@ def test_an_outside_part_call_leaves_no_post_hook_behind_even_when_interrupted()
     backend.disable()
     assert _forward_hooks(pipe) == 0
     assert not emb._forward_pre_hooks
-    with torch.inference_mode():
-        assert torch.equal(host(pipe(x, labels)), reference)
+    with torch.inference_mode():  # disabled: on the host again
+        assert torch.equal(pipe(x, labels), host(reference))
     assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
     platform.close()
 
@@ -248,7 +252,7 @@ def test_parts_carry_a_permanent_post_hook_where_torch_would_not_run_a_one_shot(
     assert _forward_hooks(pipe) == len(pipe.transformer.blocks) + parts
     with torch.inference_mode():
         for _ in range(3):
-            assert torch.equal(host(pipe(x, labels)), reference)
+            assert torch.equal(pipe(x, labels), reference)
     backend.disable()
     assert _forward_hooks(pipe) == 0
     platform.close()
@@ -283,7 +287,7 @@ def test_another_threads_call_of_a_block_part_is_refused_and_leaves_the_outside_
         assert inside.wait(10)
         try:
             with torch.inference_mode():
-                emb(labels)
+                emb(on_device(labels))
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             errors.append(exc)
         finally:
@@ -297,11 +301,11 @@ def test_another_threads_call_of_a_block_part_is_refused_and_leaves_the_outside_
         out = pipe(x, labels, steps=1)  # one pass: no later block call recovers a lost finish
     thread.join(10)
     assert len(errors) == 1 and isinstance(errors[0], OffloadConcurrencyError), errors
-    assert torch.equal(host(out), reference)
+    assert torch.equal(out, reference)
     assert backend.rings[0].running == []  # the outside call was finished by its own post-hook
     assert _forward_hooks(pipe) == enabled
     with torch.inference_mode():
-        assert torch.equal(host(pipe(x, labels, steps=1)), reference)
+        assert torch.equal(pipe(x, labels, steps=1), reference)
     handle.remove()
     backend.disable()
     assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
@@ -328,7 +332,7 @@ def test_an_outside_part_call_that_raises_surfaces_its_own_error() -> None:
         with pytest.raises(ValueError, match="the model's own error"):
             pipe(x, labels)
         for _ in range(2):
-            assert torch.equal(host(pipe(x, labels)), reference)
+            assert torch.equal(pipe(x, labels), reference)
     assert _forward_hooks(pipe) == enabled + 1  # the hook fail_outside added
     handle.remove()
     backend.disable()
@@ -384,7 +388,7 @@ def test_an_interrupted_call_of_a_part_used_only_outside_its_block_recovers() ->
     # for that call, got called with the wrong arguments).
     x = torch.randn(2, 16)
     with torch.inference_mode():
-        reference = _head_pipe()(x)
+        reference = resident(_head_pipe())(x)
     platform = CpuPlatform(race_amplifier=True)
     backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
     pipe = _head_pipe()
@@ -400,13 +404,13 @@ def test_an_interrupted_call_of_a_part_used_only_outside_its_block_recovers() ->
     handle = head.register_forward_pre_hook(interrupt)  # runs after the part hook
     enabled = _forward_hooks(pipe)
     with torch.inference_mode():
-        assert torch.equal(host(pipe(x)), reference)
+        assert torch.equal(pipe(x), reference)
         armed["on"] = True
         with pytest.raises(KeyboardInterrupt):
             pipe(x)
         assert _forward_hooks(head) == 1  # the interrupted call's post-hook stayed
         for _ in range(3):
-            assert torch.equal(host(pipe(x)), reference)
+            assert torch.equal(pipe(x), reference)
             assert _forward_hooks(pipe) == enabled
     handle.remove()
     backend.disable()

@@ -21,7 +21,7 @@ from offload_ref.backends import groups as groups_module
 from offload_ref.fixtures import get_spec
 from offload_ref.hooks import HookRegistry, hook_names
 from offload_ref.platform import CpuPlatform
-from device_helpers import host  # noqa: E402 (tests/ is on sys.path)
+from device_helpers import resident  # noqa: E402 (tests/ is on sys.path)
 
 pytestmark = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                                 reason="SIGINT is delivered to the main thread only")
@@ -65,14 +65,14 @@ def _plain(pipeline: nn.Module) -> None:
 def _recovered(backend, platform: CpuPlatform, pipeline: nn.Module,
                reference: torch.Tensor) -> None:
     """After the interrupted call: disabled, plain, nothing held, exact, and it can be offloaded
-    again exactly (``reference``: the output on the host; enabled, the pipeline computes on the
-    device, read back to compare)."""
+    again exactly (``reference``: the output on the host, for the disabled pipeline; enabled, it
+    computes on the device and matches the whole pipeline there)."""
     assert not backend.is_enabled()
     _plain(pipeline)
     assert platform.memory_allocated() == 0 and platform.host_allocated() == 0
-    assert torch.equal(_run(pipeline), reference)
+    assert torch.equal(_run(pipeline), reference)  # both on the host
     backend.enable(pipeline)
-    assert torch.equal(host(_run(pipeline)), reference)
+    assert torch.equal(_run(pipeline), _run(resident(SPEC.build())))  # both on the device
     backend.disable()
 
 

@@ -18,7 +18,7 @@ import offload_ref.platform.cpu as cpu_platform
 from offload_ref import OffloadConfig, get_offload_backend
 from offload_ref.fixtures import get_spec
 from offload_ref.platform import CpuPlatform, StreamOrderError
-from device_helpers import host  # noqa: E402 (tests/ is on sys.path)
+from device_helpers import resident  # noqa: E402 (tests/ is on sys.path)
 
 
 def _generate(spec, pipeline) -> torch.Tensor:
@@ -27,8 +27,9 @@ def _generate(spec, pipeline) -> torch.Tensor:
 
 
 def _reference(spec) -> torch.Tensor:
-    """The un-offloaded output, on the host: runs on the device are read back to compare."""
-    return _generate(spec, spec.build())
+    """The un-offloaded output: the whole pipeline on the device, where an offloaded run
+    computes (compared there, bit for bit)."""
+    return _generate(spec, resident(spec.build()))
 
 
 def _interrupt_inside(block: nn.Module) -> None:
@@ -56,7 +57,7 @@ def test_interrupts_inside_blocks_leave_the_ring_exact_and_prefetching() -> None
 
     def recoveries_of_one_generation() -> int:
         before = backend.stats().sync_recoveries
-        assert torch.equal(host(_generate(spec, pipeline)), reference)
+        assert torch.equal(_generate(spec, pipeline), reference)
         return backend.stats().sync_recoveries - before
 
     clean = [recoveries_of_one_generation() for _ in range(2)]
@@ -115,12 +116,16 @@ class _Pipe(nn.Module, offload_ref.SupportsComponentDiscovery):
         return self.transformer(self.text_encoder(x))
 
 
+def _pipe() -> _Pipe:
+    torch.manual_seed(0)
+    return _Pipe()
+
+
 @pytest.mark.parametrize("where", [1, 3], ids=["outer", "nested"])
 def test_an_interrupt_inside_a_nested_block_call_recovers(where: int) -> None:
-    torch.manual_seed(0)
-    pipeline, x = _Pipe(), torch.randn(2, 8)
+    pipeline, x = _pipe(), torch.randn(2, 8)
     with torch.inference_mode():
-        reference = pipeline(x)
+        reference = resident(_pipe())(x)  # the same weights, whole on the device
     platform = CpuPlatform(race_amplifier=True)
     backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
     backend.enable(pipeline)
@@ -130,7 +135,7 @@ def test_an_interrupt_inside_a_nested_block_call_recovers(where: int) -> None:
             pipeline(x)
         for _ in range(2):
             with torch.inference_mode():
-                assert torch.equal(host(pipeline(x)), reference)
+                assert torch.equal(pipeline(x), reference)
     assert not platform.hazards
     backend.disable()
     assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
@@ -183,7 +188,7 @@ def _interrupt_everywhere(generate, reference: torch.Tensor, positions: int,
     """Interrupt ``generate()`` at ``positions`` line events spread over the offloader's work
     of one generation; after each, a generation must be exact and ``check(where)`` pass."""
     with _LineInterrupter(None) as counter:
-        assert torch.equal(host(generate()), reference)
+        assert torch.equal(generate(), reference)
     total = counter.count
     assert total > positions
     interrupted = 0
@@ -201,7 +206,7 @@ def _interrupt_everywhere(generate, reference: torch.Tensor, positions: int,
                 out = generate()
             except StreamOrderError as exc:
                 pytest.fail(f"{where}: {exc}")
-            assert torch.equal(host(out), reference), where
+            assert torch.equal(out, reference), where
             check(where)
     assert interrupted >= positions * 9 // 10
 
@@ -274,7 +279,7 @@ def test_an_interrupted_model_level_offload_leaks_no_device_buffer() -> None:
     with pytest.raises(KeyboardInterrupt):
         _generate(spec, pipeline)
     platform.discard = real
-    assert torch.equal(host(_generate(spec, pipeline)), reference)
+    assert torch.equal(_generate(spec, pipeline), reference)
     backend.disable()
     assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
     platform.close()
@@ -303,7 +308,7 @@ def test_an_interrupted_enable_leaks_nothing_and_can_be_retried(strategy: str) -
         assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0), steps[k]
     backend.fault_injector = None
     backend.enable(pipeline)
-    assert torch.equal(host(_generate(spec, pipeline)), reference)
+    assert torch.equal(_generate(spec, pipeline), reference)
     backend.disable()
     platform.close()
 
@@ -340,7 +345,7 @@ def test_a_copy_stream_fault_surfaces_and_a_re_enable_starts_clean(monkeypatch) 
     assert (platform.memory_allocated(), platform.host_allocated()) == (0, 0)
     backend.enable(pipeline)
     for _ in range(2):
-        assert torch.equal(host(_generate(spec, pipeline)), reference)
+        assert torch.equal(_generate(spec, pipeline), reference)
     backend.disable()
     platform.close()
 
@@ -354,7 +359,7 @@ def test_an_interrupt_at_any_line_of_an_outside_part_call_is_recovered() -> None
 
     x, labels = torch.randn(2, 16), torch.tensor([1, 7])
     with torch.inference_mode():
-        reference = _submodule_pipe()(x, labels)
+        reference = resident(_submodule_pipe())(x, labels)
     platform = CpuPlatform(race_amplifier=True, max_delay_s=0.0005)
     backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
     pipeline = _submodule_pipe()
@@ -393,7 +398,7 @@ def test_an_interrupt_right_after_registering_a_one_shot_leaks_no_hook() -> None
         pipeline(x, labels)
     assert interrupter.at is not None  # it fired on that line
     with torch.inference_mode():
-        assert torch.equal(host(pipeline(x, labels)), reference)
+        assert torch.equal(pipeline(x, labels), reference)
     assert _forward_hooks(pipeline) == enabled
     backend.disable()
     assert _forward_hooks(pipeline) == 0
