@@ -7,6 +7,7 @@ pipeline left half offloaded."""
 
 from __future__ import annotations
 
+import copy
 import types
 import warnings
 
@@ -23,7 +24,7 @@ from offload_ref import (
 from offload_ref.config import LayerOptions, OffloadStrategy
 from offload_ref.plan import OffloadTopologyError, pipeline_state, resolve_offload_plan
 from offload_ref.platform import CpuPlatform
-from device_helpers import host  # noqa: E402 (tests/ is on sys.path)
+from device_helpers import on_device, resident  # noqa: E402 (tests/ is on sys.path)
 
 LAYER_WISE = OffloadStrategy.LAYER_WISE
 STRATEGIES = ("model_level", "layer_wise")
@@ -381,12 +382,13 @@ def test_unset_slot_is_a_missing_declaration() -> None:
 def test_slots_pipeline_with_dict_and_weakref_is_offloaded(strategy) -> None:
     pipeline = _OwnableSlotsPipe()
     x = torch.randn(2, 4)
-    want = pipeline.transformer(pipeline.text_encoder(x))
+    twin = resident(copy.deepcopy(pipeline))  # the reference of the offloaded run
+    want = twin.transformer(twin.text_encoder(on_device(x)))
     backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=CpuPlatform())
     backend.enable(pipeline)
     assert backend.is_enabled()
     got = pipeline.transformer(pipeline.text_encoder(x.to(execution_device(pipeline))))
-    torch.testing.assert_close(host(got), want)  # computed on the device, read back
+    torch.testing.assert_close(got, want)
     backend.disable()
     assert not hasattr(pipeline, "_offload_ref_backend")
 
@@ -403,7 +405,9 @@ def test_non_weakrefable_pipeline_enable_is_clean_or_supported(strategy, make) -
     the first mutation, and can be retried (here: by a supported pipeline kind)."""
     pipeline = make()
     x = torch.randn(2, 4)
-    want = pipeline.transformer(pipeline.text_encoder(x))
+    want = pipeline.transformer(pipeline.text_encoder(x))  # on the host, for the disabled one
+    twin = resident(copy.deepcopy(pipeline))  # the reference of the offloaded run
+    want_on_device = twin.transformer(twin.text_encoder(on_device(x)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SimpleNamespace declares nothing: the scan warns
         before = _state(pipeline)
@@ -421,7 +425,7 @@ def test_non_weakrefable_pipeline_enable_is_clean_or_supported(strategy, make) -
         else:  # supported: it must work and undo exactly
             assert backend.is_enabled()
             got = pipeline.transformer(pipeline.text_encoder(x.to(execution_device(pipeline))))
-            torch.testing.assert_close(host(got), want)  # computed on the device, read back
+            torch.testing.assert_close(got, want_on_device)
             backend.disable()
             assert getattr(pipeline, "_offload_ref_backend", None) is None
     torch.testing.assert_close(pipeline.transformer(pipeline.text_encoder(x)), want)
