@@ -959,6 +959,39 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // torch's composite sdpa takes the math path on any device other than the CPU, which is not
 // bit-equal to CPU's flash kernel.  So sdpa runs CPU's own sdpa on the same bytes, with a
 // backward that reruns CPU's forward and backward (exactly what the CPU computes).
+// CPU's sdpa on the device tensors' bytes, its output copied to device memory.
+at::Tensor sdpa_on_device(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& mask, double dropout_p,
+                          bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  c10::DeviceIndex index = q.device().index();
+  auto host = [](const at::Tensor& t) { return is_dev(t) ? cpu_alias(t) : t; };
+  std::optional<at::Tensor> host_mask;
+  if (mask.has_value()) host_mask = host(*mask);
+  at::Tensor out = at::scaled_dot_product_attention(host(q), host(k), host(v), host_mask,
+                                                    dropout_p, is_causal, scale, enable_gqa);
+  return to_device(out, index);
+}
+
+// The same as an opaque operator, offload_ref_sim::sdpa, with a Meta kernel: tracing
+// (torch.compile's fake tensors) cannot enter CPU's kernel on device bytes, so a traced sdpa
+// records this operator, which then runs CPU's kernel, bit-exact, when the graph runs.
+at::Tensor sdpa_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                     std::optional<double> scale, bool enable_gqa) {
+  std::vector<int64_t> sizes = q.sizes().vec();
+  sizes.back() = v.size(-1);
+  return at::empty(sizes, q.options());
+}
+
+at::Tensor sdpa_opaque(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                       std::optional<double> scale, bool enable_gqa) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("offload_ref_sim::sdpa", "")
+                       .typed<decltype(sdpa_meta)>();
+  return op.call(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
+}
+
 struct SdpaFunction : public torch::autograd::Function<SdpaFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
                             const at::Tensor& k, const at::Tensor& v,
@@ -975,13 +1008,7 @@ struct SdpaFunction : public torch::autograd::Function<SdpaFunction> {
     } else {
       ctx->save_for_backward({q, k, v});
     }
-    c10::DeviceIndex index = q.device().index();
-    auto host = [](const at::Tensor& t) { return is_dev(t) ? cpu_alias(t) : t; };
-    std::optional<at::Tensor> host_mask;
-    if (mask.has_value()) host_mask = host(*mask);
-    at::Tensor out = at::scaled_dot_product_attention(host(q), host(k), host(v), host_mask,
-                                                      dropout_p, is_causal, scale, enable_gqa);
-    return to_device(out, index);
+    return sdpa_on_device(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -1051,6 +1078,12 @@ at::Tensor sdpa_autograd(const at::Tensor& q, const at::Tensor& k, const at::Ten
     return at::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale,
                                             enable_gqa);
   }
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    if (t->key_set().has(c10::DispatchKey::Python)) {
+      // fake or functional tensors (tracing): the opaque operator, no autograd through it
+      return sdpa_opaque(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
+    }
+  }
   return SdpaFunction::apply(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
 }
 
@@ -1087,6 +1120,20 @@ void register_ops() {
     aten->impl(name, torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
   libraries().push_back(std::move(aten));
+
+  auto sim = std::make_unique<torch::Library>(torch::Library::DEF, "offload_ref_sim",
+                                              std::nullopt, __FILE__, __LINE__);
+  sim->def("sdpa(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float dropout_p, "
+           "bool is_causal, float? scale, bool enable_gqa) -> Tensor");
+  libraries().push_back(std::move(sim));
+  auto sim_device = std::make_unique<torch::Library>(torch::Library::IMPL, "offload_ref_sim",
+                                                     kKey, __FILE__, __LINE__);
+  sim_device->impl("sdpa", TORCH_FN(sdpa_on_device));
+  libraries().push_back(std::move(sim_device));
+  auto sim_meta = std::make_unique<torch::Library>(
+      torch::Library::IMPL, "offload_ref_sim", c10::DispatchKey::Meta, __FILE__, __LINE__);
+  sim_meta->impl("sdpa", TORCH_FN(sdpa_meta));
+  libraries().push_back(std::move(sim_meta));
 
   auto autograd = std::make_unique<torch::Library>(
       torch::Library::IMPL, "aten", c10::DispatchKey::AutogradHPU, __FILE__, __LINE__);
