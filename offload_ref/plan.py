@@ -586,6 +586,13 @@ class _Resolver:
                      for path, module in group]
         for prefix, root in roots:
             for name, t in named_tensors(root, ""):
+                if isinstance(t, nn.parameter.UninitializedTensorMixin):
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: tensor {prefix + name!r} is uninitialized (a lazy "
+                        f"module such as nn.LazyLinear that has not run yet): its size is not "
+                        "known, so no host master or device slot can be planned.  Run one "
+                        "forward of the pipeline (or of that module) before enabling offload"
+                    )
                 if t.layout is not torch.strided:
                     layout = str(t.layout)
                     kind = "sparse" if t.is_sparse or "sparse" in layout else "non-strided"

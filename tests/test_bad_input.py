@@ -429,3 +429,36 @@ def test_non_weakrefable_pipeline_enable_is_clean_or_supported(strategy, make) -
             backend.disable()
             assert getattr(pipeline, "_offload_ref_backend", None) is None
     torch.testing.assert_close(pipeline.transformer(pipeline.text_encoder(x)), want)
+
+
+class _LazyDit(nn.Module):
+    _layerwise_offload_blocks_attrs = ["blocks"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.LazyLinear(4), nn.Linear(4, 4)])
+
+
+class _LazyPipe(nn.Module):
+    _dit_modules = ["transformer"]
+    _encoder_modules = ["text_encoder"]
+    _vae_modules: list[str] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_encoder = nn.Linear(3, 3)
+        self.transformer = _LazyDit()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_uninitialized_lazy_parameter_is_a_topology_error_naming_it(strategy) -> None:
+    """Before: torch's raw ValueError from deep inside the resolver (issue 22, class 8)."""
+    pipeline = _LazyPipe()
+    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=CpuPlatform())
+    with pytest.raises(OffloadTopologyError,
+                       match=r"'transformer\.blocks\.0\.weight' is uninitialized.*one forward"):
+        backend.enable(pipeline)
+    assert not backend.is_enabled()
+    pipeline.transformer.blocks[0](torch.zeros(1, 3))  # one forward: now it can be offloaded
+    backend.enable(pipeline)
+    backend.disable()
