@@ -38,6 +38,22 @@ class AdapterPipeline(StableDiffusion3Pipeline):
         return out if adapter is None else out + adapter(out)
 
 
+class AttachesAdapterInItsCall(AdapterPipeline):
+    """Attaches its ``adapter`` during its first call, while offload is enabled."""
+
+    def predict(self, latents: torch.Tensor, sigma: float, step: int, cond: Any) -> torch.Tensor:
+        if "adapter" not in self._modules:
+            adapter = torch.nn.Linear(latents.shape[-1], latents.shape[-1])
+            with torch.no_grad():
+                adapter.weight.fill_(0.01), adapter.bias.zero_()
+            self.adapter = adapter.to(latents.device)
+        return super().predict(latents, sigma, step, cond)
+
+
+def build_attaches_adapter(seed: int = 0) -> AttachesAdapterInItsCall:
+    return build(AttachesAdapterInItsCall, seed)
+
+
 def _spec(name: str, cls: str) -> PipelineSpec:
     return PipelineSpec(name=name, factory=f"{__name__}:build_{cls}",
                         inputs=f"{__name__}:make_inputs",

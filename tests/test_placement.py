@@ -88,3 +88,23 @@ def test_execution_device_is_the_backends_device_while_offloaded(strategy: str) 
         backend.disable()
         platform.close()
     assert execution_device(pipeline) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("strategy", ["model_level", "layer_wise"])
+def test_the_kit_names_a_module_attached_during_a_call(strategy: str) -> None:
+    """Before: the views check crashed with KeyError on the new tensor (issue 22, class 4)."""
+    import warnings
+
+    from offload_ref.contracts import PipelineSpec
+    from offload_ref.contracts.runner import run_checks
+
+    spec = PipelineSpec(name="attaches_adapter",
+                        factory="placement_pipelines:build_attaches_adapter",
+                        inputs="placement_pipelines:make_inputs", strategies=(strategy,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = run_checks([spec], checks=["check_views_keep_strides_and_sharing"],
+                             include_global=False)
+    assert [r.outcome for r in results] == ["failed"], [(r.outcome, r.message) for r in results]
+    assert "adapter.bias was added after enable()" in results[0].message
+    assert "edit_weights()" in results[0].message

@@ -159,10 +159,21 @@ def check_views_keep_strides_and_sharing(case) -> None:
     backend.enable(pipeline)
     problems: list[str] = []
 
+    added: set[str] = set()
+
     def compare(moment: str, modules: list[tuple[str, nn.Module]] | None = None) -> None:
         for name, t in _named(pipeline):
             if t.numel() == 0 or (modules is not None and not any(
                     name.startswith(p + ".") for p, _ in modules)):
+                continue
+            if name not in meta:  # made by the pipeline after enable(): no backend saw it
+                if name not in added:
+                    added.add(name)
+                    problems.append(
+                        f"{moment}: {name} was added after enable() (an adapter attached during "
+                        "a call?): the backend never saw it, so it stays where it was made and "
+                        "is neither offloaded nor restored; attach it inside `with "
+                        "backend.edit_weights(): ...`, or before enable()")
                 continue
             if not platform.is_resident(t) and (t.stride() == (0,) * t.dim() and t.dim()):
                 continue  # a placeholder of a block that is not materialized
