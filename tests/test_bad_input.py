@@ -449,6 +449,9 @@ class _LazyPipe(nn.Module):
         self.text_encoder = nn.Linear(3, 3)
         self.transformer = _LazyDit()
 
+    def forward(self) -> torch.Tensor:  # never reaches the lazy block: it stays uninitialized
+        return self.text_encoder(torch.ones(1, 3, device=self.text_encoder.weight.device))
+
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_an_uninitialized_lazy_parameter_is_a_topology_error_naming_it(strategy) -> None:
@@ -462,3 +465,26 @@ def test_an_uninitialized_lazy_parameter_is_a_topology_error_naming_it(strategy)
     pipeline.transformer.blocks[0](torch.zeros(1, 3))  # one forward: now it can be offloaded
     backend.enable(pipeline)
     backend.disable()
+
+
+def test_a_pipeline_enable_rejects_untouched_is_not_blamed_on_the_offloader() -> None:
+    """Before: each rollback check asked "does the backend use a Transaction?" of a pipeline
+    the resolver rejected before any mutation (issue 22): the author's topology, not the
+    offloader's defect.  Now: not applicable, with the resolver's own message."""
+    from offload_ref.contracts import PipelineSpec
+    from offload_ref.contracts.runner import run_checks
+
+    spec = PipelineSpec(name="lazy", factory="test_bad_input:_LazyPipe",
+                        inputs="test_bad_input:_no_inputs", strategies=("layer_wise",))
+    results = run_checks([spec], checks=["check_failed_enable_restores_the_pipeline",
+                                         "check_failed_enable_releases_memory_and_chains_the_cause",
+                                         "check_failed_enable_can_be_retried"],
+                         include_global=False)
+    assert len(results) == 3
+    for r in results:
+        assert r.outcome == "not_applicable", (r.outcome, r.message)
+        assert "Transaction" not in r.message and "is uninitialized" in r.message
+
+
+def _no_inputs(seed: int = 0) -> dict:
+    return {}

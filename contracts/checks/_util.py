@@ -147,6 +147,9 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 def snapshot(pipeline: nn.Module, *, values: bool = False) -> Snapshot:
     tensors, vals = {}, {}
     for name, t in _named_tensors(pipeline):
+        if isinstance(t, nn.parameter.UninitializedTensorMixin):  # a lazy module before its run
+            tensors[name] = (id(t), "uninitialized")
+            continue
         tensors[name] = (id(t), str(t.device), t.untyped_storage().data_ptr() if t.numel() else 0,
                          t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
         if values:
@@ -163,7 +166,7 @@ def storage_groups(pipeline: nn.Module) -> list[tuple[str, ...]]:
     """Names of tensors grouped by shared storage (groups of two or more)."""
     groups: dict[tuple, list[str]] = {}
     for name, t in _named_tensors(pipeline):
-        if t.numel():
+        if not isinstance(t, nn.parameter.UninitializedTensorMixin) and t.numel():
             groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(name)
     return sorted(tuple(sorted(g)) for g in groups.values() if len(g) > 1)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from ..registry import check, fail
+from ..registry import check, fail, not_applicable
 from ._util import (
     collected,
     hook_residue,
@@ -31,6 +31,7 @@ def _dry_run_steps(case: Any) -> tuple[list[str], BaseException | None]:
     fail on its own (a module that refuses hooks, say): then the steps are those up to and
     including the failing one, and the rollback contracts hold for that failure as well."""
     pipeline = case.build()
+    before = snapshot(pipeline)
     backend = case.backend()
     steps: list[str] = []
     backend.fault_injector = lambda index, label: steps.append(label)
@@ -43,6 +44,17 @@ def _dry_run_steps(case: Any) -> tuple[list[str], BaseException | None]:
         backend.disable()
     finally:
         backend.fault_injector = None
+    if not steps and natural is not None:
+        # Rejected before its first mutation (a resolver error names the pipeline's topology):
+        # nothing to roll back, and no step to inject a fault at.  That is the author's to fix,
+        # not the offloader's, provided the rejection really changed nothing.
+        problems = before.diff(snapshot(pipeline)) + hook_residue(pipeline)
+        if problems:
+            fail(f"enable on {type(pipeline).__name__} failed before its first recorded "
+                 f"mutation step ({type(natural).__name__}: {natural}) yet changed the "
+                 f"pipeline: {problems[:4]}")
+        not_applicable(f"enable rejects this pipeline before changing anything "
+                       f"({type(natural).__name__}: {natural}); there is nothing to roll back")
     if not steps:
         fail(f"enable on {type(pipeline).__name__} went through no mutation step; the kit "
              "cannot inject faults (does the backend use a Transaction?)")
