@@ -338,7 +338,12 @@ def check_layerwise_keeps_at_most_two_blocks_resident(case) -> None:
         case.run(pipeline)
     backend.disable()
     if len({c for c in calls}) < len(streamed):
-        fail(f"only {len(set(calls))} of {len(streamed)} streamed blocks ran")
+        silent = [p for p, _ in blocks if p not in set(calls)]
+        fail(f"only {len(set(calls))} of {len(streamed)} streamed blocks ran through their "
+             f"forward hooks; never: {silent[:4]}{' ...' if len(silent) > 4 else ''}.  A block "
+             "the pipeline calls as `block.forward(...)` (not `block(...)`) bypasses the hooks "
+             "that load its weights, so it computes with whatever its tensors are bound to; "
+             "call the module itself (or the block was skipped in this generation)")
     if problems:
         fail(f"layerwise residency violated: {sorted(set(problems))[:6]}")
 
