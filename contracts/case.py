@@ -35,6 +35,12 @@ def kit_device() -> torch.device:
     return simulated.device(0) if simulated.available() else torch.device("cpu")
 
 
+def on_kit_device(pipeline: Any) -> Any:
+    """``pipeline`` moved whole to :func:`kit_device` (:func:`move_to_device`): an un-offloaded
+    reference that computes where the offloaded runs do."""
+    return move_to_device(pipeline, kit_device())
+
+
 def move_to_device(pipeline: Any, device: torch.device) -> Any:
     """Move every parameter and buffer of ``pipeline`` (an ``nn.Module`` or a plain object holding
     modules) to ``device`` in place, storage by storage: tensors that share a storage still share

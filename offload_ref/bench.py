@@ -537,7 +537,8 @@ def run_peers(*, blocks: int = 64, hidden: int = 512, heavy_blocks: int = 8, tok
     for model, (build, n, call) in models.items():
         pipes = {name: build() for name in ("resident", "layerwise_inline", "layerwise_cpu",
                                             *peers)}
-        platforms = {"layerwise_inline": InlinePlatform(device="cpu"), "layerwise_cpu": _bench_platform()}
+        platforms = {"layerwise_inline": InlinePlatform(device="cpu"),
+                     "layerwise_cpu": _bench_platform()}
         backends: list[Any] = []
         try:
             _enable_layerwise(pipes, platforms, backends)

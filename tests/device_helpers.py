@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from offload_ref.contracts.case import kit_device, move_to_device
+from offload_ref.contracts.case import kit_device, on_kit_device
 
 __all__ = ["DEVICE", "SIMULATED", "host", "on_device", "resident"]
 
@@ -25,7 +25,7 @@ SIMULATED: bool = DEVICE.type != "cpu"
 def resident(pipeline: Any) -> Any:
     """``pipeline`` moved whole to :data:`DEVICE` in place (storage by storage, keeping address
     phases): the reference an offloaded run must match bit for bit."""
-    return move_to_device(pipeline, DEVICE)
+    return on_kit_device(pipeline)
 
 
 def on_device(value: Any) -> Any:

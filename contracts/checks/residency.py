@@ -337,9 +337,10 @@ def check_layerwise_keeps_at_most_two_blocks_resident(case) -> None:
     with observe(blocks, before) as calls:
         case.run(pipeline)
     backend.disable()
-    if len({c for c in calls}) < len(streamed):
-        silent = [p for p, _ in blocks if p not in set(calls)]
-        fail(f"only {len(set(calls))} of {len(streamed)} streamed blocks ran through their "
+    ran = set(calls)
+    if len(ran) < len(streamed):
+        silent = [p for p, _ in blocks if p not in ran]
+        fail(f"only {len(ran)} of {len(streamed)} streamed blocks ran through their "
              f"forward hooks; never: {silent[:4]}{' ...' if len(silent) > 4 else ''}.  A block "
              "the pipeline calls as `block.forward(...)` (not `block(...)`) bypasses the hooks "
              "that load its weights, so it computes with whatever its tensors are bound to; "

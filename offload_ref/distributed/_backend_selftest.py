@@ -52,22 +52,16 @@ def _run(pipeline: Any, request: dict[str, Any]) -> torch.Tensor:
         return pipeline(**request)
 
 
-def _resident(pipeline: Any) -> Any:
-    """``pipeline`` moved whole to the kit's device (the simulated accelerator where it loads):
-    an un-offloaded reference computes where the offloaded run does."""
-    from offload_ref.contracts.case import kit_device, move_to_device
-
-    return move_to_device(pipeline, kit_device())
-
-
 def _reference(request: dict[str, Any], name: str = FIXTURE,
                edit: Callable[[Any], None] | None = None) -> torch.Tensor:
     """The output of a fresh, un-offloaded ``name`` pipeline (edited by ``edit`` first) on the
     kit's device."""
+    from offload_ref.contracts.case import on_kit_device
+
     pipeline = _spec(name).build()
     if edit is not None:
         edit(pipeline)
-    return _run(_resident(pipeline), request)
+    return _run(on_kit_device(pipeline), request)
 
 
 def _config(transfer: str = "allgather", world_size: int = 2) -> Any:
@@ -365,7 +359,9 @@ def _skipped_block(rank: int, world: int) -> dict[str, Any]:
     prefetched, skipped block did not wait for its gather (StreamOrderError here, a race on
     CUDA)."""
     request = _request(rank)
-    reference = _resident(_spec().build())
+    from offload_ref.contracts.case import on_kit_device
+
+    reference = on_kit_device(_spec().build())
     plain = _run(reference, request)
     _skipping(reference.transformer.transformer_blocks, 1)
     skipped = _run(reference, request)
