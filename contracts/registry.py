@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import difflib
+import re
 from collections.abc import Iterable
 
 __all__ = ["ALL_STRATEGIES", "AREAS", "CATALOGUE", "DOCS", "CheckFailure", "CheckInfo",
@@ -181,12 +182,19 @@ def check(
                 func.__module__, func.__qualname__):
             raise ValueError(f"duplicate check id {name}: {func.__module__}.{func.__qualname__} "
                              f"and {known.func.__module__}.{known.func.__qualname__}")
-        doc = (func.__doc__ or "").strip().splitlines()
         CATALOGUE[name] = CheckInfo(name, func, section, scope, tuple(strategies), applies,
-                                    doc[0] if doc else "", needs)
+                                    first_sentence(func.__doc__ or ""), needs)
         return func
 
     return register
+
+
+def first_sentence(doc: str) -> str:
+    """The first sentence of a docstring, its lines joined (a check's contract line): up to the
+    first period followed by a space or the end, or the first paragraph."""
+    paragraph = " ".join(doc.strip().split("\n\n", 1)[0].split())
+    match = re.search(r"\.(\s|$)", paragraph)
+    return paragraph[: match.start() + 1] if match else paragraph
 
 
 def applicability(info: CheckInfo, spec: Any, strategy: str) -> str | None:
