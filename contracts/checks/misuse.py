@@ -4,6 +4,7 @@ record autograd, call from a second thread -- is served exactly or refused loudl
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -430,8 +431,15 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
     with observe([(path, module)], pause):
         thread = threading.Thread(target=first, name="offload-ref-first", daemon=True)
         thread.start()
-        if not entered.wait(timeout=30):
+        deadline = time.monotonic() + 30
+        while not entered.wait(timeout=0.05) and thread.is_alive() and \
+                time.monotonic() < deadline:
+            pass
+        if not entered.is_set():
             release.set()
+            thread.join(timeout=30)
+            if "error" in result:  # its generation failed before it got there: say how
+                raise result["error"]
             fail(f"the first thread never reached {path}")
         try:
             second = case.run(pipeline)
