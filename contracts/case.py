@@ -17,6 +17,7 @@ from offload_ref.platform import CpuPlatform
 from offload_ref.backends.base import backend_of
 
 from .diagnosis import Run, diagnose
+from .placement import Owners
 from .spec import PipelineSpec
 
 #: Generations a case remembers for a diagnosis (a check compares the latest ones).
@@ -181,10 +182,9 @@ class CheckCase:
             which = "output under test" if got_run is None else "reference output"
             return (f"\n  diagnosis: not run (the {which} was not produced by case.run(), so the "
                     "kit cannot rerun it)")
-        return diagnose(got_run, want_run, rebuild=self.build, make_inputs=self.inputs,
+        return diagnose(got_run, want_run, rebuild=self.build_resident, make_inputs=self.inputs,
                         resident=lambda t, pipe=got_run.pipeline: self._resident(pipe, t),
-                        enabled=lambda p: backend_of(p) is not None,
-                        blocks=self._block_paths)
+                        enabled=lambda p: backend_of(p) is not None, owners=self._owners)
 
     def _run_of(self, output: Any) -> Run | None:
         if self._reference_run is not None and self._reference_run.output is output:
@@ -198,9 +198,12 @@ class CheckCase:
         platforms = [platform] if platform is not None else self._platforms
         return any(p.is_resident(tensor) for p in platforms)
 
-    def _block_paths(self) -> list[str]:
-        plan = resolve_offload_plan(self.build(), self.config())
-        return [p for c in plan.components for s in c.stacks for p in s.block_paths]
+    def _owners(self, pipeline: Any) -> Owners:
+        """The offloaded components and streamed blocks of ``pipeline``: its backend's plan, or
+        (a backend without one) the plan the kit resolves for this case."""
+        plan = getattr(backend_of(pipeline), "plan", None)
+        return Owners.of(plan if plan is not None else
+                         resolve_offload_plan(self.build(), self.config()))
 
     # -- offloader ------------------------------------------------------------------------------
 

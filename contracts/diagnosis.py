@@ -15,6 +15,7 @@ Nothing here runs unless a comparison has already failed: the passing path pays 
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,9 +23,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from .outputs import leaves
+from .placement import (Owners, PlacementWatch, Read, _storage_key, cached_tensors, named_modules,
+                        watching)
 
 __all__ = ["Run", "diagnose", "leaf_difference", "named_modules", "nan_where_reference_has_none"]
 
@@ -134,32 +136,6 @@ class Run:
         return cls(output, ref, inputs, fresh)
 
 
-def named_modules(pipeline: Any) -> list[tuple[str, nn.Module]]:
-    """Every module of ``pipeline`` once (a module reachable at several paths: its first), with
-    its dotted path (``""``: the pipeline itself when it is a module)."""
-    if isinstance(pipeline, nn.Module):
-        return list(pipeline.named_modules())
-    out, seen = [], set()
-    for name, value in vars(pipeline).items():
-        if isinstance(value, nn.Module):
-            for p, m in value.named_modules():
-                if id(m) not in seen:
-                    seen.add(id(m))
-                    out.append((f"{name}.{p}" if p else name, m))
-    return out
-
-
-def _named_tensors(pipeline: Any) -> dict[int, str]:
-    """id(parameter or buffer) -> its first dotted path in ``pipeline``."""
-    out: dict[int, str] = {}
-    for path, module in named_modules(pipeline):
-        for registry in ("_parameters", "_buffers"):
-            for name, t in module.__dict__.get(registry, {}).items():
-                if t is not None:
-                    out.setdefault(id(t), f"{path}.{name}" if path else name)
-    return out
-
-
 def _label(path: str) -> str:
     return path or "the pipeline"
 
@@ -207,145 +183,55 @@ class _Call:
     output: list[tuple[str, Any]] = field(default_factory=list)
 
 
-@dataclass
-class _Read:
-    tensor: str
-    reader: str
-    number: int
-
-
-def _flatten_tensors(value: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _flatten_tensors(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _flatten_tensors(v, out)
-
-
-class _ReadWatch(TorchFunctionMode):
-    """Records every parameter or buffer of the pipeline passed to a torch function while a
-    module's own forward runs (not the offloader's hook work around it) and the platform says it
-    is not device storage."""
-
-    def __init__(self, tensors: dict[int, str], resident: Callable[[torch.Tensor], bool],
-                 current: Callable[[], tuple[str, int] | None]) -> None:
-        super().__init__()
-        self.tensors, self.resident, self.current = tensors, resident, current
-        self.reads: list[_Read] = []
-        self._seen: set[tuple[str, str, int]] = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        where = self.current()
-        if where is not None and getattr(func, "__name__", "") not in ("__get__", "__set__"):
-            found: list[torch.Tensor] = []
-            _flatten_tensors(args, found)
-            _flatten_tensors(kwargs, found)
-            for t in found:
-                path = self.tensors.get(id(t))
-                if path is not None and t.numel() and not self.resident(t):
-                    key = (path, where[0], where[1])
-                    if key not in self._seen:
-                        self._seen.add(key)
-                        self.reads.append(_Read(path, where[0], where[1]))
-        return func(*args, **kwargs)
-
-
 def _traced_run(pipeline: Any, inputs: dict[str, Any],
-                resident: Callable[[torch.Tensor], bool] | None) -> tuple[Any, list[_Call],
-                                                                          list[_Read]]:
+                resident: Callable[[torch.Tensor], bool] | None, owners: Owners = Owners(),
+                ) -> tuple[Any, list[_Call], PlacementWatch]:
     """Run ``pipeline(**inputs)`` with hooks on every module: each call's inputs and output in
-    completion order (an inner module completes before its parent), and, with ``resident``,
-    every off-device read of a pipeline tensor by a module's own forward."""
-    modules = named_modules(pipeline)
+    completion order (an inner module completes before its parent), and a
+    :class:`~offload_ref.contracts.placement.PlacementWatch` over the run (with ``resident``:
+    every off-device read of a pipeline tensor by a module's own forward or the pipeline's
+    code; always: the random draws)."""
     calls: list[_Call] = []
-    counts: dict[str, int] = {}
-    # A module's window is open from our pre-hook (after the offloader's) to our first post-hook
-    # (before the offloader's): the offloader's own hook work is outside every window.
-    stack: list[tuple[str, int] | None] = [None]
     pending: dict[int, list[_Call]] = {}
-    handles = []
 
-    def enter_call(mod, args, kwargs):
-        stack.append(None)  # the offloader's pre-hooks run now: no module window
-
-    def pre(mod, args, kwargs, path):
-        counts[path] = counts.get(path, 0) + 1
-        call = _Call(path, counts[path], type(mod).__name__, _snapshot((args, kwargs)))
+    def on_pre(mod: nn.Module, path: str, number: int, args: Any, kwargs: Any) -> None:
+        call = _Call(path, number, type(mod).__name__, _snapshot((args, kwargs)))
         pending.setdefault(id(mod), []).append(call)
-        stack[-1] = (path, counts[path])
 
-    def post(mod, args, kwargs, output):
+    def on_post(mod: nn.Module, output: Any) -> None:
         open_calls = pending.get(id(mod))
         if open_calls:
             call = open_calls.pop()
             call.output = _snapshot(output)
             calls.append(call)
-        stack[-1] = None  # the offloader's post-hooks run next
 
-    def leave_call(mod, args, kwargs, output):
-        if len(stack) > 1:
-            stack.pop()
-
-    for path, module in modules:
-        handles.append(module.register_forward_pre_hook(enter_call, prepend=True,
-                                                        with_kwargs=True))
-        handles.append(module.register_forward_pre_hook(
-            lambda m, a, k, path=path: pre(m, a, k, path), with_kwargs=True))
-        handles.append(module.register_forward_hook(post, prepend=True, with_kwargs=True))
-        handles.append(module.register_forward_hook(leave_call, with_kwargs=True,
-                                                    always_call=True))
-    watch = None
-    try:
-        with torch.inference_mode():
-            if resident is not None:
-                watch = _ReadWatch(_named_tensors(pipeline), resident,
-                                   lambda: stack[-1] if len(stack) > 1 else ("", 0))
-                with watch:
-                    output = pipeline(**inputs)
-            else:
-                output = pipeline(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return output, calls, (watch.reads if watch is not None else [])
+    with torch.inference_mode(), watching(pipeline, resident, owners, on_pre=on_pre,
+                                          on_post=on_post) as watch:
+        output = pipeline(**inputs)
+    return output, calls, watch
 
 
 # -- the diagnosis ------------------------------------------------------------------------------
 
 
-def _block_of(path: str, blocks: list[str]) -> str | None:
-    for b in blocks:
-        if path.startswith(b + "."):
-            return b
-    return None
-
-
-def _describe_reads(reads: list[_Read], blocks: list[str], limit: int = 4) -> str:
+def _describe_reads(reads: list[Read], limit: int = 4) -> str:
     parts = []
     for r in reads[:limit]:
         reader = f"{_label(r.reader)} (call {r.number})" if r.number else "the pipeline's own code"
-        block = _block_of(r.tensor, blocks)
-        if block is not None:
-            parts.append(f"{r.tensor} was read by {reader} while its block {block} was not "
-                         f"loaded (a placeholder, not device storage)")
-        else:
-            parts.append(f"{r.tensor} was read by {reader} while it was not on the device")
+        parts.append(f"{r.tensor} was read by {reader} at {r.line} while it was {r.state}")
     more = f"; and {len(reads) - limit} more" if len(reads) > limit else ""
     return "; ".join(parts) + more
 
 
 def diagnose(got: Run, want: Run, *, rebuild: Callable[[], Any],
              make_inputs: Callable[[], dict[str, Any]], resident: Callable[[torch.Tensor], bool],
-             enabled: Callable[[Any], bool], blocks: Callable[[], list[str]]) -> str:
+             enabled: Callable[[Any], bool], owners: Callable[[Any], Owners]) -> str:
     """The diagnosis of a parity failure between the runs ``got`` and ``want``, as message lines.
 
     ``rebuild`` builds a fresh reference pipeline (used when ``want``'s pipeline is gone or was
     the case's reference), ``resident`` says whether a tensor is device storage, ``enabled``
-    whether a pipeline is offloaded now, ``blocks`` the declared block paths."""
+    whether a pipeline is offloaded now, ``owners`` the offloaded components and streamed blocks
+    of a pipeline."""
     pipeline = got.pipeline() if got.pipeline is not None else None
     if pipeline is None:
         return "\n  diagnosis: not run (the pipeline under test is no longer alive)"
@@ -356,10 +242,15 @@ def diagnose(got: Run, want: Run, *, rebuild: Callable[[], Any],
             reference = rebuild()
         want_inputs = want.inputs if want.inputs is not None else make_inputs()
         got_inputs = got.inputs if got.inputs is not None else make_inputs()
-        want_out, want_calls, _ = _traced_run(reference, want_inputs, None)
+        want_out, want_calls, want_watch = _traced_run(reference, want_inputs, None)
         watching = enabled(pipeline)
-        got_out, got_calls, reads = _traced_run(pipeline, got_inputs,
-                                                resident if watching else None)
+        known = Owners()
+        try:
+            known = owners(pipeline)
+        except Exception:  # noqa: BLE001 - only the wording depends on it
+            pass
+        got_out, got_calls, got_watch = _traced_run(pipeline, got_inputs,
+                                                    resident if watching else None, known)
     except Exception as exc:  # noqa: BLE001 - the failure itself is already established
         return (f"\n  diagnosis: the rerun with hooks on every module raised "
                 f"{type(exc).__name__}: {exc}")
@@ -379,24 +270,65 @@ def diagnose(got: Run, want: Run, *, rebuild: Callable[[], Any],
                 "state the first run left behind), so no module is named")
     text, first = _first_divergence(got_calls, want_calls)
     lines.append(text)
+    lines += _placement_lines(pipeline, got_watch, want_watch)
+    reads = got_watch.reads
     # The reads of the first diverging call (and the modules inside it) come first.
     reads.sort(key=lambda r: 0 if first is not None and r.number and (r.reader, r.number) == first
                else 1)
     nan = nan_where_reference_has_none(got_out, want_out) or nan_where_reference_has_none(
         got.output, want.output)
     if watching and reads and nan:
-        names = []
-        try:
-            names = blocks()
-        except Exception:  # noqa: BLE001 - only the wording depends on it
-            pass
         lines.append("NaN under offloading where the reference has none; tensors read outside "
-                     "their block: " + _describe_reads(reads, names))
+                     "their block: " + _describe_reads(reads))
     elif nan:
         lines.append("NaN under offloading where the reference has none; no pipeline tensor "
                      "was read while off the device" if watching else
                      "NaN under offloading where the reference has none")
     return "".join(f"\n  diagnosis: {line}" for line in lines)
+
+
+def _placement_lines(pipeline: Any, got: PlacementWatch, want: PlacementWatch) -> list[str]:
+    """Placement causes of a difference that raised nothing: a random draw from a generator on
+    another device than the reference's, and tensors kept on modules that view storage the
+    offloader manages (a ring slot, a component's device copy)."""
+    lines = []
+    for g, w in zip(got.draws, want.draws):
+        if (g.generator, g.device) != (w.generator, w.device):
+            def gen(d: Any) -> str:
+                return "the default generator" if d.generator is None else \
+                    f"a generator on {d.generator}"
+            text = (f"placement: the random draw {g.what} at {g.line} used {gen(g)} (result on "
+                    f"{g.device}) in the run under test, but {gen(w)} (result on {w.device}) in the "
+                    "un-offloaded reference: the noise depends on where the weights are")
+            if got.device_reads:
+                r = got.device_reads[0]
+                text += (f"; the device came from {r.line}, which read {r.tensor}.device -> "
+                         f"{r.device} ({r.state})")
+            lines.append(text + ". Fix: draw noise from a host generator "
+                         "(torch.Generator(\"cpu\").manual_seed(seed)) and move it to the "
+                         "execution device (offload_ref.execution_device(pipeline))")
+            break
+    for path, t in cached_tensors(pipeline):
+        key = _storage_key(t)
+        if id(t) in got.tensors or key is None or key not in got.storages:
+            continue
+        holder = path.rsplit(".", 1)[0]
+        inside = [p for p, (offset, numel) in got.storages[key].items()
+                  if offset <= t.storage_offset() < offset + max(numel, 1)]
+        viewed = max(inside or list(got.storages[key]),
+                     key=lambda p: len(os.path.commonprefix([p, holder])))
+        def owner(p: str) -> str:
+            return got.owners.block(p) or p.rsplit(".", 1)[0]
+        others = sorted({owner(p) for p in inside} - {owner(viewed)})
+        also = (f" (the same device memory also held {', '.join(others[:3])} during the run)"
+                if others else "")
+        lines.append(f"placement: {path} is a tensor kept on a module across calls, a view of "
+                     f"the device storage {viewed} was bound to during a call{also}: the "
+                     "offloader reuses that memory for other weights (a ring slot) or frees it "
+                     "after the call, so later calls read whatever it holds then. Fix: do not "
+                     "keep views of weights on a module; take them inside forward on every "
+                     "call")
+    return lines
 
 
 def _first_divergence(got_calls: list[_Call], want_calls: list[_Call]

@@ -6,10 +6,12 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from offload_ref.config import OffloadStrategy
 
 from .case import DEFAULT_IMPLEMENTATION, CheckCase, Implementation
+from .placement import diagnose_device_error, is_device_error
 from .preflight import failed_preflight
 from .registry import (CATALOGUE, CheckFailure, CheckInfo, CheckNotApplicable, applicability,
                        closest, strategy_names)
@@ -197,8 +199,27 @@ def run_case(info: CheckInfo, spec: PipelineSpec | None, strategy: str | None,
     case = CheckCase(spec, OffloadStrategy(strategy) if strategy else None, impl)
     try:
         info.func(case)
+    except Exception as exc:
+        if spec is not None and strategy is not None and is_device_error(str(exc)):
+            # Once per (spec, strategy, implementation): the same cause fails many checks.
+            key = (spec, strategy, impl)
+            if key not in _PLACEMENT_DIAGNOSES:
+                _PLACEMENT_DIAGNOSES[key] = diagnose_device_error(
+                    CheckCase(spec, OffloadStrategy(strategy), impl))
+            exc.add_note(_PLACEMENT_DIAGNOSES[key].lstrip("\n"))
+        raise
     finally:
         case.close()
+
+
+#: (spec, strategy, implementation) -> the placement diagnosis of its device errors.
+_PLACEMENT_DIAGNOSES: dict[tuple[Any, str, Any], str] = {}
+
+
+def message_of(exc: BaseException) -> str:
+    """``str(exc)`` followed by the notes the kit added (a diagnosis)."""
+    notes = getattr(exc, "__notes__", None) or ()
+    return "\n".join([str(exc), *notes])
 
 
 def run_checks(
@@ -244,10 +265,11 @@ def run_checks(
         except CheckNotApplicable as exc:
             outcome, message = "not_applicable", str(exc)
         except CheckFailure as exc:
-            outcome, message = ("xfailed", f"expected: {xfail}") if xfail else ("failed", str(exc))
+            outcome, message = (("xfailed", f"expected: {xfail}") if xfail else
+                                ("failed", message_of(exc)))
         except Exception as exc:  # an error is a failure too, never an expected one
-            tb = "".join(traceback.format_exception(exc)[-3:])
-            outcome, message = "error", f"{type(exc).__name__}: {exc}\n{tb}"
+            tb = "".join(traceback.format_tb(exc.__traceback__)[-2:])
+            outcome, message = "error", f"{type(exc).__name__}: {message_of(exc)}\n{tb}"
         else:
             outcome, message = ("xpassed", f"expected to fail: {xfail}") if xfail else (
                 "passed", "")

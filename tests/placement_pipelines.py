@@ -4,13 +4,20 @@ fails with torch's same-device error."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
+from offload_ref import execution_device
 from offload_ref.contracts import PipelineSpec
-from offload_ref.fixtures._common import build, prompt_inputs
-from offload_ref.fixtures.sd3 import StableDiffusion3Pipeline
+from offload_ref.fixtures._common import (TextEncoder, build, modulate, patchify, prompt_inputs,
+                                          timesteps, unpatchify)
+from offload_ref.fixtures._mmdit import JointTransformerBlock
+from offload_ref.fixtures.sd3 import (CLIP_DIM, TIED_BLOCK, SD3Transformer2DModel,
+                                      StableDiffusion3Pipeline)
 
 
 class HostInputsPipeline(StableDiffusion3Pipeline):
@@ -78,3 +85,271 @@ def make_inputs(seed: int = 0) -> dict[str, Any]:
 
 HOST_INPUTS = _spec("host_inputs", "host_inputs")
 DEVICE_FROM_OFFLOADED = _spec("device_from_offloaded", "device_from_offloaded")
+
+
+# -- one pipeline per class of placement bug (issue 22) -----------------------------------------
+# Each computes exactly like StableDiffusion3Pipeline when host and device are one device, and
+# breaks (or silently changes) a generation where they differ.  BUGS maps a name to the class and
+# the strategies under which it breaks a GPU generation.
+
+
+class _Encoder(TextEncoder):
+    """A text encoder with a second entry point, as transformers' ``get_text_features``."""
+
+    def encode(self, input_ids: torch.Tensor) -> Any:
+        return self.forward(input_ids)
+
+
+class _CachingBlock(JointTransformerBlock):
+    """Keeps a view of its own weight on the module after its first call (class 5)."""
+
+    def forward(self, hidden: torch.Tensor, context: torch.Tensor, temb: torch.Tensor,
+                rope: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if "gate_row" not in self.__dict__:
+            self.gate_row = self.img_mod.weight[0]  # a view of a streamed weight, kept
+        context, hidden = super().forward(hidden, context, temb, rope)
+        return context, hidden + 0.01 * self.gate_row[: hidden.shape[-1]]
+
+
+class _Transformer(SD3Transformer2DModel):
+    """SD3's DiT with its block loop written out, so that each bug below can change one line."""
+
+    def __init__(self, block: type[nn.Module] = JointTransformerBlock) -> None:
+        super().__init__()
+        if block is not JointTransformerBlock:
+            self.transformer_blocks = nn.ModuleList(block() for _ in self.transformer_blocks)
+            tied = self.transformer_blocks[TIED_BLOCK].attn.to_q.weight
+            self.register_buffer("tied_view", tied.data[1], persistent=False)
+
+    def run_block(self, block: nn.Module, *args: Any) -> Any:
+        return block(*args)
+
+    def after_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.context_embedder(encoder_hidden_states)
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                timestep: torch.Tensor, **extra: Any) -> torch.Tensor:
+        hidden = self.embed_image(hidden_states)
+        context = self.embed_context(encoder_hidden_states)
+        temb = self.embed_time(timestep, **extra)
+        for block in self.transformer_blocks:
+            context, hidden = self.run_block(block, hidden, context, temb)
+        hidden = self.after_blocks(hidden)
+        shift, scale = self.norm_out_mod(F.silu(temb))[:, None].chunk(2, dim=-1)
+        return self.proj_out(modulate(self.norm_out(hidden), shift, scale))
+
+
+class Base(StableDiffusion3Pipeline):
+    """Correct: SD3's pipeline with the DiT above and encoders with an ``encode`` method."""
+
+    transformer_class: type[nn.Module] = _Transformer
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = self.transformer_class()
+        self.text_encoder = _Encoder(CLIP_DIM, pooled_dim=CLIP_DIM)
+
+
+class Correct(Base):
+    """Correct, with every placement decision spelled out: the execution device from
+    ``offload_ref.execution_device``, noise from a host generator then moved."""
+
+    def execution_device(self) -> torch.device:
+        return execution_device(self)
+
+    @torch.no_grad()
+    def forward(self, *, generator_seed: int, num_inference_steps: int, **inputs: Any
+                ) -> torch.Tensor:
+        device = self.execution_device()
+        cond = self.encode(device, **inputs)
+        host = torch.Generator("cpu").manual_seed(generator_seed)
+        latents = torch.randn(self.latent_shape, generator=host).to(device)
+        for step in range(num_inference_steps):
+            sigma, nxt = 1 - step / num_inference_steps, 1 - (step + 1) / num_inference_steps
+            latents = latents + (nxt - sigma) * self.predict(latents, sigma, step, cond)
+        return self.vae(latents)
+
+
+class Guidance(Base):
+    """Correct: classifier-free guidance, so every block runs twice per step."""
+
+    def predict(self, latents: torch.Tensor, sigma: float, step: int, cond: Any) -> torch.Tensor:
+        uncond = {k: torch.zeros_like(v) for k, v in cond.items()}
+        c = super().predict(latents, sigma, step, cond)
+        u = super().predict(latents, sigma, step, uncond)
+        return u + 2.0 * (c - u)
+
+
+# 1. the execution device taken from an offloaded component
+
+class DeviceFromBlockWeight(Base):
+    def execution_device(self) -> torch.device:
+        return self.transformer.transformer_blocks[-1].attn.to_q.weight.device
+
+
+class DeviceFromFirstComponent(Base):
+    def execution_device(self) -> torch.device:
+        return next(self.text_encoder.parameters()).device
+
+
+class DiffusersStyleDevice(Base):
+    """diffusers' ``DiffusionPipeline.device``: the first component's first parameter."""
+
+    @property
+    def device(self) -> torch.device:
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "transformer", "vae"):
+            for p in getattr(self, name).parameters():
+                return p.device
+        return torch.device("cpu")
+
+    def execution_device(self) -> torch.device:
+        return self.device
+
+
+# 2. a weight of an offloaded component read outside its forward
+
+class AddsDitBiasToContext(Base):
+    def encode(self, device: torch.device, **inputs: Any) -> dict[str, Any]:
+        cond = super().encode(device, **inputs)
+        bias = self.transformer.context_embedder.bias
+        cond["encoder_hidden_states"] = cond["encoder_hidden_states"] + 0.1 * bias
+        return cond
+
+
+class _BackReferenceTransformer(_Transformer):
+    def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        table = self._text_encoder.embed_tokens.weight  # through an unregistered back reference
+        return super().embed_context(encoder_hidden_states) + 0.1 * table[:2].flatten()
+
+
+class DitReadsEncoderTable(Base):
+    transformer_class = _BackReferenceTransformer
+
+    def __init__(self) -> None:
+        super().__init__()
+        object.__setattr__(self.transformer, "_text_encoder", self.text_encoder)
+
+
+# 3. a component run through an entry point other than its forward
+
+class EncodesThroughEntryPoint(Base):
+    def encode(self, device: torch.device, *, prompt_ids: torch.Tensor) -> dict[str, Any]:
+        ids = prompt_ids.to(device)
+        clip_l, pooled_l = self.text_encoder.encode(ids)  # the bug: not text_encoder(ids)
+        clip_g, pooled_g = self.text_encoder_2(ids)
+        t5 = self.text_encoder_3(ids)
+        context = torch.cat([torch.cat([clip_l, clip_g], dim=-1), t5], dim=1)
+        return {"encoder_hidden_states": context,
+                "pooled_projections": torch.cat([pooled_l, pooled_g], dim=-1)}
+
+
+class CallsTransformerForward(Base):
+    def predict(self, latents: torch.Tensor, sigma: float, step: int, cond: Any) -> torch.Tensor:
+        height, width = latents.shape[-2:]
+        out = self.transformer.forward(patchify(latents),  # the bug: not self.transformer(...)
+                                       timestep=timesteps(sigma, latents.device), **cond)
+        return unpatchify(out, height, width)
+
+
+# 5. a tensor cached across calls
+
+class _ViewCachingTransformer(_Transformer):
+    def __init__(self) -> None:
+        super().__init__(_CachingBlock)
+
+
+class CachesWeightView(Base):
+    transformer_class = _ViewCachingTransformer
+
+
+class _TableCachingTransformer(_Transformer):
+    """Caches a position table (as RoPE tables are) as a plain attribute on its first call."""
+
+    def embed_image(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if "table" not in self.__dict__:
+            n = hidden_states.shape[1]
+            self.table = torch.arange(n, device=hidden_states.device)[:, None] / n
+        return super().embed_image(hidden_states) + 0.1 * self.table
+
+
+class CachesTable(Base):
+    transformer_class = _TableCachingTransformer
+
+
+# 6. a generator on an offloaded component's device
+
+class GeneratorOnComponentDevice(Base):
+    @torch.no_grad()
+    def forward(self, *, generator_seed: int, num_inference_steps: int, **inputs: Any
+                ) -> torch.Tensor:
+        device = self.execution_device()
+        cond = self.encode(device, **inputs)
+        gen_device = next(self.transformer.parameters()).device  # the bug
+        generator = torch.Generator(gen_device).manual_seed(generator_seed)
+        latents = torch.randn(self.latent_shape, generator=generator, device=gen_device)
+        latents = latents.to(device)
+        for step in range(num_inference_steps):
+            sigma, nxt = 1 - step / num_inference_steps, 1 - (step + 1) / num_inference_steps
+            latents = latents + (nxt - sigma) * self.predict(latents, sigma, step, cond)
+        return self.vae(latents)
+
+
+# 7. blocks that run without their hooks
+
+class _ForwardCallTransformer(_Transformer):
+    def run_block(self, block: nn.Module, *args: Any) -> Any:
+        return block.forward(*args)  # the bug: bypasses the block's hooks
+
+
+class CallsBlockForward(Base):
+    transformer_class = _ForwardCallTransformer
+
+
+class _PartAfterLoopTransformer(_Transformer):
+    def after_blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.transformer_blocks[-1].norm(hidden)  # the bug: a block part, after the loop
+
+
+class CallsBlockPartAfterLoop(Base):
+    transformer_class = _PartAfterLoopTransformer
+
+
+ML, LW = ("model_level",), ("layer_wise",)
+BOTH = ML + LW
+#: name -> (class, the strategies under which it breaks a GPU generation; empty: correct)
+PIPELINES: dict[str, tuple[type[nn.Module], tuple[str, ...]]] = {
+    "correct": (Correct, ()),
+    "guidance": (Guidance, ()),
+    "device_from_offloaded": (DeviceFromOffloadedComponentPipeline, ML),
+    "device_from_block_weight": (DeviceFromBlockWeight, BOTH),
+    "device_from_first_component": (DeviceFromFirstComponent, ML),
+    "diffusers_style_device": (DiffusersStyleDevice, ML),
+    "adds_dit_bias_to_context": (AddsDitBiasToContext, ML),
+    "dit_reads_encoder_table": (DitReadsEncoderTable, ML),
+    "encodes_through_entry_point": (EncodesThroughEntryPoint, ML),
+    "calls_transformer_forward": (CallsTransformerForward, ML),
+    "caches_weight_view": (CachesWeightView, LW),
+    "caches_table": (CachesTable, BOTH),
+    "generator_on_component_device": (GeneratorOnComponentDevice, ML),
+    "calls_block_forward": (CallsBlockForward, LW),
+    "calls_block_part_after_loop": (CallsBlockPartAfterLoop, LW),
+}
+
+
+def build_named(name: str, seed: int = 0) -> nn.Module:
+    return build(PIPELINES[name][0], seed)
+
+
+def spec_of(name: str, strategies: tuple[str, ...] = BOTH) -> PipelineSpec:
+    """The kit's spec for ``PIPELINES[name]`` (factories bound through this module)."""
+    return PipelineSpec(name=name, factory=f"{__name__}:build_{name}",
+                        inputs=f"{__name__}:make_inputs", strategies=strategies)
+
+
+def __getattr__(attr: str) -> Any:  # build_<name> for every PIPELINES entry
+    if attr.startswith("build_") and attr[len("build_"):] in PIPELINES:
+        return functools.partial(build_named, attr[len("build_"):])
+    raise AttributeError(attr)

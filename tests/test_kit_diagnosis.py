@@ -88,8 +88,9 @@ def test_nan_names_the_tensor_read_outside_its_block() -> None:
     result = _run(_LeavesOneBlockOnPlaceholders)
     assert result.outcome == "failed", result.message
     block = _block_path()
-    m = re.search(r"(" + re.escape(block) + r"\.\S+) was read by (\S+) \(call \d+\) while its "
-                  r"block " + re.escape(block) + " was not loaded", result.message)
+    m = re.search(r"(" + re.escape(block) + r"\.\S+) was read by (\S+) \(call \d+\) at \S+ in "
+                  r"\w+ while it was a placeholder: block " + re.escape(block) + r" was not loaded",
+                  result.message)
     assert m, result.message
     tensor, reader = m.groups()
     assert tensor.endswith((".weight", ".bias")) and tensor.startswith(reader + "."), m.groups()

@@ -170,3 +170,173 @@ def _forward_calls_spec():
 
 
 FORWARD_CALLS = _forward_calls_spec()  # the spec the CLI loads
+
+
+# -- issue 22: every class of placement bug fails with its cause named --------------------------
+
+PARITY = "check_offloaded_output_matches_reference_bitwise"
+CYCLES = "check_enable_disable_cycles_match_the_reference"
+RESIDENCY = "check_layerwise_keeps_at_most_two_blocks_resident"
+
+#: pipeline (tests/placement_pipelines.py) -> (strategy, the check, what its message must say)
+CAUSES = {
+    "device_from_offloaded": ("model_level", PARITY, [
+        "read transformer.position_embedding.device -> cpu", "parked on the host",
+        "offload_ref.execution_device(pipeline)"]),
+    "device_from_block_weight": ("layer_wise", PARITY, [
+        "transformer.transformer_blocks.2.attn.to_q.weight.device -> cpu",
+        "a placeholder: block transformer.transformer_blocks.2 was not loaded",
+        "offload_ref.execution_device(pipeline)"]),
+    "device_from_first_component": ("model_level", PARITY, [
+        "in execution_device read text_encoder.embed_tokens.weight.device -> cpu",
+        "parked on the host: text_encoder was not loaded"]),
+    "diffusers_style_device": ("model_level", PARITY, [
+        "in device read text_encoder.embed_tokens.weight.device -> cpu"]),
+    "adds_dit_bias_to_context": ("model_level", PARITY, [
+        "transformer.context_embedder.bias belongs to transformer",
+        "read by the pipeline's own code at tests/placement_pipelines.py",
+        "read a component's weights only inside its own forward"]),
+    "dit_reads_encoder_table": ("model_level", PARITY, [
+        "text_encoder.embed_tokens.weight belongs to text_encoder",
+        "read by module transformer (call 1)", "object.__setattr__"]),
+    "encodes_through_entry_point": ("model_level", PARITY, [
+        "the forward hook of text_encoder never fired", "text_encoder.encode(...)",
+        'backend.use_component("text_encoder")']),
+    "calls_transformer_forward": ("model_level", PARITY, [
+        "the forward hook of transformer never fired", "transformer.forward(...)",
+        'backend.use_component("transformer")']),
+    "caches_weight_view": ("layer_wise", PARITY, [
+        "transformer.transformer_blocks.0.gate_row is a tensor kept on a module across calls",
+        "transformer.transformer_blocks.0.img_mod.weight", "take them inside forward"]),
+    "caches_table": ("model_level", CYCLES, [
+        "transformer.table is a tensor the pipeline keeps on a module as a plain attribute",
+        "made on hpu:0 by generation 1", "register_buffer"]),
+    "generator_on_component_device": ("model_level", PARITY, [
+        "used a generator on cpu", "a generator on hpu:0", "position_embedding.device -> cpu",
+        'torch.Generator("cpu")']),
+    "calls_block_forward": ("layer_wise", RESIDENCY, [
+        "transformer.transformer_blocks.0 ran through transformer.transformer_blocks.0.forward"
+        "(...)", "which bypasses its hooks", "call the block itself, block(...)"]),
+}
+
+
+def _results(name: str, strategies: tuple[str, ...], checks: list[str] | None):
+    import warnings
+
+    from offload_ref.contracts.runner import run_checks
+    from placement_pipelines import spec_of
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_checks([spec_of(name, strategies)], checks=checks, include_global=False)
+
+
+def test_every_bug_class_is_listed() -> None:
+    from placement_pipelines import PIPELINES
+
+    assert set(CAUSES) | {"calls_block_part_after_loop"} == {
+        n for n, (_, broken) in PIPELINES.items() if broken}
+
+
+@needs_sim
+@pytest.mark.parametrize("name", sorted(CAUSES))
+def test_a_placement_bug_fails_with_its_cause_and_fix(name: str) -> None:
+    strategy, check, says = CAUSES[name]
+    [result] = _results(name, (strategy,), [check])
+    assert result.outcome in ("failed", "error"), (result.outcome, result.message)
+    for text in says:
+        assert text in result.message, (text, result.message)
+
+
+@needs_sim
+@pytest.mark.parametrize("name", ["correct", "guidance"])
+def test_correct_pipelines_pass_the_whole_kit(name: str) -> None:
+    """Execution device from offload_ref.execution_device, noise from a host generator, every
+    component through __call__; and one whose blocks run twice per step (guidance)."""
+    results = _results(name, ("model_level", "layer_wise"), None)
+    bad = [(str(r.id), r.message[:400]) for r in results if not r.ok]
+    assert not bad, bad
+    assert sum(r.outcome == "passed" for r in results) > 60
+
+
+@needs_sim
+def test_the_diagnosis_runs_once_per_cause_and_is_printed_once() -> None:
+    """One bug fails many checks; the diagnosis runs once and the report prints it once, then
+    lists the other cases it failed."""
+    import io
+
+    import offload_ref.contracts.runner as runner
+    from offload_ref.contracts.report import render, rows_from_results
+
+    calls = []
+    real = runner.diagnose_device_error
+    runner._PLACEMENT_DIAGNOSES.clear()
+    try:
+        runner.diagnose_device_error = lambda case: calls.append(1) or real(case)
+        results = _results("calls_transformer_forward", ("model_level",),
+                           [PARITY, CYCLES, "check_second_disable_is_a_noop"])
+    finally:
+        runner.diagnose_device_error = real
+    failing = [r for r in results if r.outcome in ("failed", "error")]
+    assert len(failing) >= 2 and len(calls) == 1, (len(failing), calls)
+    assert all("the forward hook of transformer never fired" in r.message for r in failing)
+    out = io.StringIO()
+    render(rows_from_results(results), out=out)
+    text = out.getvalue()
+    assert text.count("the forward hook of transformer never fired") == 1, text
+    assert "the same diagnosis in" in text and "reproduce: offload-ref check" in text, text
+
+
+class _SkipsOneLoad:
+    """A deliberately broken model-level backend: its hook never loads text_encoder_3."""
+
+    @staticmethod
+    def make_backend(config, platform):
+        from offload_ref.backends.model_level import ModelLevelOffloadBackend
+
+        class Broken(ModelLevelOffloadBackend):
+            def _activate(self, comp):
+                if comp.path != "text_encoder_3":
+                    super()._activate(comp)
+
+        return Broken(config, platform=platform)
+
+
+@needs_sim
+def test_an_offloader_that_does_not_load_is_blamed_not_the_pipeline() -> None:
+    """The diagnosis must not send an author after a bug of the offloader under test."""
+    import warnings
+
+    from offload_ref.contracts.case import DEFAULT_IMPLEMENTATION
+    from offload_ref.contracts.runner import run_checks
+    from placement_pipelines import spec_of
+
+    impl = DEFAULT_IMPLEMENTATION.replace(name="skips_one_load",
+                                          make_backend=_SkipsOneLoad.make_backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        [result] = run_checks([spec_of("correct", ("model_level",))], checks=[PARITY],
+                              include_global=False, impl=impl)
+    assert result.outcome == "error", result.message
+    assert "text_encoder_3 was called through its hooks, yet" in result.message, result.message
+    assert "an offloader defect, not the pipeline's" in result.message
+    assert "Fix:" not in result.message.split("diagnosis: cause:", 1)[1]
+
+
+@needs_sim
+def test_a_block_part_called_after_the_loop_is_named_where_the_offloader_hooks_only_blocks(
+        monkeypatch) -> None:
+    """offload-ref serves a part called on its own through the part's hooks (Note [Block parts]
+    in ring.py; diffusers' DiT does it), so its residency check passes it; an offloader that
+    hooks only the block computes with placeholders there, and the diagnosis says why."""
+    from offload_ref.backends import layerwise
+
+    [passing] = _results("calls_block_part_after_loop", ("layer_wise",), [RESIDENCY, ])
+    assert passing.outcome == "passed", passing.message
+    monkeypatch.setattr(layerwise, "_block_parts", lambda block, blocks: [])
+    [result] = _results("calls_block_part_after_loop", ("layer_wise",), [PARITY])
+    assert result.outcome == "error", result.message
+    for text in ("the hooks of block transformer.transformer_blocks.2 did not run",
+                 "its part transformer.transformer_blocks.2.norm was called on its own",
+                 "call the block itself"):
+        assert text in result.message, (text, result.message)

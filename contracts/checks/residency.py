@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -303,6 +305,55 @@ def check_layerwise_materializes_only_block_zero_between_passes(case) -> None:
     backend.disable()
 
 
+@contextmanager
+def _parts_outside_their_block(blocks: list[tuple[str, nn.Module]]) -> Iterator[list[str]]:
+    """Yields a list that names each block of ``blocks`` whose parts ran inside a method of the
+    block called directly (``block.forward(...)``) rather than inside its ``__call__``, with the
+    line that called it."""
+    from ..placement import entry_point
+
+    outside: list[str] = []
+    active: dict[int, int] = {}
+    seen: set[str] = set()
+    handles = []
+
+    def enter(block: nn.Module, *_: Any) -> None:
+        active[id(block)] = active.get(id(block), 0) + 1
+
+    def leave(block: nn.Module, *_: Any) -> None:
+        active[id(block)] = active.get(id(block), 1) - 1
+
+    def part_runs(path: str, block_path: str, block: nn.Module) -> None:
+        if active.get(id(block), 0) > 0 or block_path in seen:
+            return
+        entry = entry_point(block)
+        # A part called on its own (diffusers' DiT runs transformer_blocks[0].norm1.emb after
+        # its loop) is served by its part hooks (Note [Block parts] in ring.py): not a defect.
+        if entry is None:
+            return
+        seen.add(block_path)
+        if entry[0] == "forward":
+            outside.append(f"{block_path} ran through {block_path}.forward(...) (called at "
+                           f"{entry[1]}), which bypasses its hooks")
+        else:
+            outside.append(f"{block_path} ran through its method {entry[0]}() (called at "
+                           f"{entry[1]}), not through {block_path}(...)")
+
+    try:
+        for block_path, block in blocks:
+            handles.append(block.register_forward_pre_hook(enter))
+            handles.append(block.register_forward_hook(leave, always_call=True))
+            for name, part in block.named_modules():
+                if part is not block and (part._parameters or part._buffers):
+                    handles.append(part.register_forward_pre_hook(
+                        lambda m, a, p=f"{block_path}.{name}", bp=block_path, b=block:
+                        part_runs(p, bp, b)))
+        yield outside
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @check("F.2", strategies=LAYER_BACKENDS)
 def check_layerwise_keeps_at_most_two_blocks_resident(case) -> None:
     """While block k runs it is resident, at most two blocks of its ring are, and device bytes
@@ -334,9 +385,15 @@ def check_layerwise_keeps_at_most_two_blocks_resident(case) -> None:
 
     blocks = [(p, b) for s in rings for p, b in zip(s.block_paths[s.resident_head:],
                                                      s.streamed_blocks)]
-    with observe(blocks, before) as calls:
+    with observe(blocks, before) as calls, _parts_outside_their_block(blocks) as outside:
         case.run(pipeline)
     backend.disable()
+    if outside:
+        fail("a streamed block ran without its hooks: " + "; ".join(outside[:3]) + ". "
+             "Offloaders that load a block in its hooks (diffusers' group offloading, "
+             "accelerate's hooks) compute there with placeholders or host weights; offload-ref "
+             "loads it synchronously from its parts' hooks, with no prefetch. Fix: call the "
+             "block itself, block(...)")
     ran = set(calls)
     if len(ran) < len(streamed):
         silent = [p for p, _ in blocks if p not in ran]
