@@ -217,7 +217,7 @@ def _traced_run(pipeline: Any, inputs: dict[str, Any],
 def _describe_reads(reads: list[Read], limit: int = 4) -> str:
     parts = []
     for r in reads[:limit]:
-        reader = f"{_label(r.reader)} (call {r.number})" if r.number else "the pipeline's own code"
+        reader = f"{r.reader} (call {r.number})" if r.reader else "the pipeline's own code"
         parts.append(f"{r.tensor} was read by {reader} at {r.line} while it was {r.state}")
     more = f"; and {len(reads) - limit} more" if len(reads) > limit else ""
     return "; ".join(parts) + more
@@ -265,6 +265,13 @@ def diagnose(got: Run, want: Run, *, rebuild: Callable[[], Any],
             return ("\n  diagnosis: not run: the pipeline under test was no longer offloaded "
                     "when the difference was found (the check had disabled it), and a rerun "
                     "without offload matched the reference, so no module is named")
+        outside = [r for r in got_watch.reads if "outside its block's call" in r.state]
+        if outside:
+            return ("\n  diagnosis: a rerun of the pipeline under test matched the reference, "
+                    "but it read streamed block tensors outside their block's call, whose values "
+                    "depend on the ring's timing: " + _describe_reads(outside) + ". Fix: read a "
+                    "block's weights only inside its forward (call the block, or compute what "
+                    "you need from it inside it)")
         return ("\n  diagnosis: a rerun of the pipeline under test with hooks on every module "
                 "matched the reference: the difference did not reproduce (timing-dependent, or "
                 "state the first run left behind), so no module is named")

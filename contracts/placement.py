@@ -227,6 +227,19 @@ def code_line() -> str:
     return _where(frame)
 
 
+def _offloader_calls() -> bool:
+    """Whether the torch call being watched comes from offload-ref's own code (its hooks may
+    run after the kit's window hooks: a hook registered during a call comes last)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "") or ""
+        if not (name == "torch" or name.startswith("torch.") or name == __name__):
+            return name.startswith("offload_ref.") and not name.startswith(
+                ("offload_ref.fixtures", "offload_ref.contracts"))
+        frame = frame.f_back
+    return False
+
+
 def _where(frame: FrameType) -> str:
     filename = frame.f_code.co_filename
     cwd = os.getcwd().rstrip(os.sep) + os.sep
@@ -255,8 +268,8 @@ def entry_point(module: nn.Module) -> tuple[str, str] | None:
     frame = (named or frames)[-1]
     name = frame.f_code.co_name
     caller = frame.f_back
-    while caller is not None and _is_library(caller):
-        caller = caller.f_back
+    while caller is not None and (_is_library(caller) or caller.f_locals.get("self") is module):
+        caller = caller.f_back  # past torch, offload-ref and the module's own decorators
     return name, (_where(caller) if caller is not None else "?")
 
 
@@ -436,7 +449,7 @@ class PlacementWatch(TorchFunctionMode):
                 attr = getattr(getattr(func, "__self__", None), "__name__", "attribute")
                 self._guarded(lambda: self._note_output(f".{attr}", [args[0]], {}, out))
             return out
-        if where is None:  # the offloader's own hook work
+        if where is None or _offloader_calls():  # the offloader's own work
             return func(*args, **kwargs)
         found: list[torch.Tensor] = []
         _flatten(args, found)
@@ -491,18 +504,29 @@ class PlacementWatch(TorchFunctionMode):
         if path is None or self.resident is None:
             return
         if self.resident(t):
-            if self.owners.block(path) or self.owners.component(path) in self.owners.swapped:
+            block = self.owners.block(path)
+            if block or self.owners.component(path) in self.owners.swapped:
                 key = _storage_key(t)  # storage the offloader reuses or frees
                 if key is not None:
                     self.storages.setdefault(key, {}).setdefault(
                         path, (t.storage_offset(), t.numel()))
+            module = self.modules.get(block) if block else None
+            if module is not None and not self.windows.active(module) and \
+                    not _within(where[0], block) and t.numel():
+                # device storage now, but only by the ring's timing: a slot loaded or being
+                # prefetched, which the block's hooks alone make safe to read
+                self._add_read(path, where, "bound to a ring slot outside its block's call (its "
+                                            "value depends on what the ring had loaded then)")
             return
         if not t.numel():
             return
+        self._add_read(path, where, self._state(path, t))
+
+    def _add_read(self, path: str, where: tuple[str, int], state: str) -> None:
         key = (path, where[0], where[1])
         if key not in self._read_keys:
             self._read_keys.add(key)
-            self.reads.append(Read(path, where[0], where[1], code_line(), self._state(path, t)))
+            self.reads.append(Read(path, where[0], where[1], code_line(), state))
 
     def _note_output(self, name: str, found: list[torch.Tensor], kwargs: dict[str, Any],
                      out: Any) -> None:

@@ -219,6 +219,15 @@ class AddsDitBiasToContext(Base):
         return cond
 
 
+class ReadsFirstBlockWeight(Base):
+    """Reads a streamed block's weight from the pipeline's code: under layerwise it is bound to
+    whatever the ring holds then (block 0 is being prefetched for the next step)."""
+
+    def predict(self, latents: torch.Tensor, sigma: float, step: int, cond: Any) -> torch.Tensor:
+        bias = self.transformer.transformer_blocks[0].img_mod.bias[: latents.shape[1]]
+        return super().predict(latents, sigma, step, cond) + 0.01 * bias[:, None, None]
+
+
 class _BackReferenceTransformer(_Transformer):
     def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
         table = self._text_encoder.embed_tokens.weight  # through an unregistered back reference
@@ -329,6 +338,7 @@ PIPELINES: dict[str, tuple[type[nn.Module], tuple[str, ...]]] = {
     "diffusers_style_device": (DiffusersStyleDevice, ML),
     "adds_dit_bias_to_context": (AddsDitBiasToContext, ML),
     "dit_reads_encoder_table": (DitReadsEncoderTable, ML),
+    "reads_first_block_weight": (ReadsFirstBlockWeight, BOTH),
     "encodes_through_entry_point": (EncodesThroughEntryPoint, ML),
     "calls_transformer_forward": (CallsTransformerForward, ML),
     "caches_weight_view": (CachesWeightView, LW),

@@ -199,6 +199,9 @@ CAUSES = {
     "dit_reads_encoder_table": ("model_level", PARITY, [
         "text_encoder.embed_tokens.weight belongs to text_encoder",
         "read by module transformer (call 1)", "object.__setattr__"]),
+    "reads_first_block_weight": ("layer_wise", PARITY, [
+        "transformer.transformer_blocks.0.img_mod.bias was read by the pipeline's own code at "
+        "tests/placement_pipelines.py", "bound to a ring slot outside its block's call"]),
     "encodes_through_entry_point": ("model_level", PARITY, [
         "the forward hook of text_encoder never fired", "text_encoder.encode(...)",
         'backend.use_component("text_encoder")']),
