@@ -313,6 +313,28 @@ class SDPipeline(_Pipeline):
         return self.unet(latents, t, encoder_hidden_states=cond["seq"], return_dict=False)[0]
 
 
+# -- encoders called the way SD3 and SDXL call them: output_hidden_states=True -----------------
+# transformers (5.x) then installs forward hooks on the encoder's layers on the first such call:
+# the model's own lazy state, which no offloader may be blamed for (issue 23).
+
+
+class SD3HiddenStatesPipeline(SD3Pipeline):
+    """SD3's own encoding: CLIP's penultimate hidden states next to T5's, CLIP's pooled output."""
+
+    def encode(self, ids):
+        clip = self.text_encoder(ids, output_hidden_states=True)
+        t5 = self.text_encoder_3(ids, output_hidden_states=True)
+        seq = torch.cat([clip.hidden_states[-2], t5.last_hidden_state], dim=1)
+        return {"pooled": clip.pooler_output, "seq": seq}
+
+
+class SDXLStylePipeline(SDPipeline):
+    """SDXL's encoding: the penultimate hidden states of CLIP as cross-attention context."""
+
+    def encode(self, ids):
+        return {"seq": self.text_encoder(ids, output_hidden_states=True).hidden_states[-2]}
+
+
 # -- specs -----------------------------------------------------------------------------------------
 
 
@@ -332,6 +354,8 @@ build_sd3 = _builder(SD3Pipeline)
 build_sd3_slg = _builder(type("SD3SLGPipeline", (SD3Pipeline,), {"slg_layers": (1,)}))
 build_wan = _builder(WanPipeline)
 build_sd = _builder(SDPipeline)
+build_sd3_hidden_states = _builder(SD3HiddenStatesPipeline)
+build_sdxl_style = _builder(SDXLStylePipeline)
 
 _HERE = __name__
 SPECS = [
@@ -344,5 +368,9 @@ SPECS = [
         ("real_sd3_slg", "build_sd3_slg", "SD3 with skip-layer guidance (diffusers skip_layers)"),
         ("real_wan", "build_wan", "diffusers WanTransformer3DModel + UMT5"),
         ("real_sd", "build_sd", "diffusers UNet2DConditionModel + CLIP"),
+        ("real_sd3_hidden_states", "build_sd3_hidden_states",
+         "SD3 encoding its prompt as SD3 does (output_hidden_states=True: lazy model hooks)"),
+        ("real_sdxl_style", "build_sdxl_style",
+         "UNet with CLIP's penultimate hidden states (output_hidden_states=True), as SDXL"),
     ]
 ]

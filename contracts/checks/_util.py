@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from collections.abc import Callable, Iterator
@@ -157,9 +158,23 @@ def snapshot(pipeline: nn.Module, *, values: bool = False) -> Snapshot:
     dict_keys = {path: tuple(sorted(d)) for path, d in _attribute_dicts(pipeline)}
     hooks = {}
     for path, module in module_view(pipeline).named_modules(remove_duplicate=False):
-        hooks[path] = (len(module._forward_pre_hooks), len(module._forward_hooks))
+        hooks[path] = (tuple(sorted(map(hook_name, module._forward_pre_hooks.values()))),
+                       tuple(sorted(map(hook_name, module._forward_hooks.values()))))
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     return Snapshot(tensors, vals, dict_keys, hooks, distributed)
+
+
+def hook_name(hook: Any) -> str:
+    """Who registered a hook, as ``module.qualname`` of its function (a bound method: of its
+    class; a ``functools.partial``: of the function it wraps)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    owner = getattr(hook, "__self__", None)
+    if owner is not None and not isinstance(owner, type):
+        hook = getattr(hook, "__func__", hook)
+    module = getattr(hook, "__module__", None) or type(hook).__module__
+    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+    return f"{module}.{name}"
 
 
 def storage_groups(pipeline: nn.Module) -> list[tuple[str, ...]]:

@@ -191,9 +191,16 @@ def check_enable_disable_cycles_match_the_reference(case) -> None:
 
 @check("C", strategies=BACKENDS)
 def check_disable_removes_every_trace(case) -> None:
-    """After disable: no hook, registry or _offload_ref_* attribute; hooks are collected."""
+    """After disable: no hook, registry or _offload_ref_* attribute; hooks are collected.
+
+    The baseline is a pipeline that ran the same generation without offloading, not the
+    pipeline before enable: models change themselves on their first call (transformers installs
+    output-capturing hooks on the first ``output_hidden_states=True`` call; pipelines cache
+    tables), and those are not the offloader's traces."""
     pipeline = case.build()
-    before = snapshot(pipeline)
+    plain = case.build()
+    case.run(plain)  # un-offloaded, on the host: the model's own lazy state
+    expected = snapshot(plain)
     backend = case.backend()
     backend.enable(pipeline)
     case.run(pipeline)
@@ -202,12 +209,19 @@ def check_disable_removes_every_trace(case) -> None:
     problems = [f"hook left: {h}" for h in hook_residue(pipeline)]
     problems += [f"attribute left: {a}" for a in offload_attributes(pipeline)]
     after = snapshot(pipeline)
-    for path in sorted(before.hooks):
-        if before.hooks[path] != after.hooks.get(path):
-            problems.append(f"{path or '<root>'}: forward hooks {before.hooks[path]} -> "
-                            f"{after.hooks.get(path)}")
-        if set(before.dict_keys[path]) != set(after.dict_keys.get(path, ())):
-            problems.append(f"{path or '<root>'}: attributes changed")
+    for path in sorted(expected.hooks):
+        if expected.hooks[path] != after.hooks.get(path):
+            pre, post = after.hooks.get(path, ((), ()))
+            extra = sorted(set(pre + post) - set(expected.hooks[path][0] +
+                                                expected.hooks[path][1]))
+            problems.append(f"{path or '<root>'}: forward hooks {after.hooks.get(path)}, "
+                            f"where an un-offloaded run leaves {expected.hooks[path]}"
+                            + (f" (registered by {extra})" if extra else ""))
+        added = set(after.dict_keys.get(path, ())) - set(expected.dict_keys[path])
+        removed = set(expected.dict_keys[path]) - set(after.dict_keys.get(path, ()))
+        if added or removed:
+            problems.append(f"{path or '<root>'}: attributes added {sorted(added)}, removed "
+                            f"{sorted(removed)} (against an un-offloaded run)")
     alive = collected(refs)
     if alive:
         problems.append(f"{len(alive)} hook object(s) still alive after disable: {alive[:3]}")
