@@ -23,7 +23,7 @@ from .outputs import OutputStructureError, leaves
 from .refs import RefError, takes_seed
 from .spec import PipelineSpec, _seeded, load_object
 
-__all__ = ["failed_preflight", "preflight"]
+__all__ = ["failed_preflight", "preflight", "unresolved_strategies"]
 
 #: spec -> its problems; keyed by the spec itself (held here), so an id is never reused.
 _CACHE: dict[PipelineSpec, list[str]] = {}
@@ -133,6 +133,40 @@ def failed_preflight(specs: Iterable[PipelineSpec]) -> dict[PipelineSpec, list[s
         problems = preflight(spec)
         if problems:
             out[spec] = problems
+    return out
+
+
+#: spec -> {strategy: why its plan does not resolve}
+_UNRESOLVED: dict[PipelineSpec, dict[str, str]] = {}
+
+
+def unresolved_strategies(spec: PipelineSpec) -> dict[str, str]:
+    """The strategies ``spec`` claims whose plan the resolver rejects for the kit's own selection
+    (every component the strategy can offload), each with the resolver's message: one root cause
+    (an undeclared block list, ...) that would otherwise fail, or crash, every check of that
+    strategy.  Computed once per spec; a spec failing :func:`preflight` is not resolved."""
+    if spec not in _UNRESOLVED:
+        _UNRESOLVED[spec] = {} if preflight(spec) else _resolve_each(spec)
+    return dict(_UNRESOLVED[spec])
+
+
+def _resolve_each(spec: PipelineSpec) -> dict[str, str]:
+    from offload_ref.config import OffloadStrategy
+    from offload_ref.plan import OffloadTopologyError
+
+    from .case import CheckCase
+
+    out = {}
+    for strategy in spec.strategies:
+        case = CheckCase(spec, OffloadStrategy(strategy))
+        try:
+            case.resolve(case.build())
+        except OffloadTopologyError as exc:
+            out[strategy] = " ".join(str(exc).split())
+        except Exception:  # noqa: BLE001 - not a topology verdict: the checks will say
+            pass
+        finally:
+            case.close()
     return out
 
 

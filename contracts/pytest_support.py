@@ -12,7 +12,7 @@ import pytest
 from .case import DEFAULT_IMPLEMENTATION, Implementation
 from .registry import AREAS, CheckFailure, CheckInfo, CheckNotApplicable, doc_for
 from .runner import (CaseId, expected_failures_for, failed_preflight, plan_cases,
-                     preflight_message, run_case)
+                     preflight_message, run_case, unresolved_cases, unresolved_message)
 from .spec import PipelineSpec
 
 __all__ = ["BoundCheck", "check_params", "parametrize_with_checks"]
@@ -73,17 +73,21 @@ class _PlanningError(BoundCheck):
 
 
 class _PreflightFailure:
-    """The test body of a spec that failed its preflight: fails with the problem lines."""
+    """The test body of a spec that failed its preflight (or whose plan does not resolve under
+    ``strategy``): fails with the problem lines."""
 
-    def __init__(self, spec: PipelineSpec, problems: Sequence[str]) -> None:
-        self.message = preflight_message(spec, problems)
-        self.id = CaseId("preflight", spec.name, None)
+    def __init__(self, spec: PipelineSpec, problems: Sequence[str],
+                 strategy: str | None = None) -> None:
+        self.message = (preflight_message(spec, problems) if strategy is None else
+                        unresolved_message(spec, strategy, problems[0]))
+        self.id = CaseId("preflight", spec.name, strategy)
 
     def __call__(self) -> None:
         raise CheckFailure(self.message)
 
     def report_fields(self) -> dict[str, Any]:
-        return {"check": "preflight", "section": "", "pipeline": self.id.spec, "strategy": None,
+        return {"check": "preflight", "section": "", "pipeline": self.id.spec,
+                "strategy": self.id.strategy,
                 "repro": "", "title": "the spec is usable by the kit"}
 
     def __repr__(self) -> str:
@@ -107,6 +111,9 @@ def check_params(
     params = [pytest.param(_PreflightFailure(spec, problems), id=f"preflight-{spec.name}",
                            marks=[pytest.mark.contract])
               for spec, problems in failed_preflight(specs).items()]
+    params += [pytest.param(_PreflightFailure(spec, [why], strategy),
+                            id=f"preflight-{spec.name}-{strategy}", marks=[pytest.mark.contract])
+               for spec, strategy, why in unresolved_cases(specs, strategies)]
     for planned in plan_cases(specs, checks=checks, strategies=strategies,
                               include_global=include_global):
         info, spec, strategy = planned.info, planned.spec, planned.strategy

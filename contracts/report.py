@@ -184,14 +184,21 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
         w(line + "\n")
 
     not_applicable: dict[tuple[str, str], list[str]] = {}
+    not_run: dict[str, list[str]] = {}  # one root cause (preflight) kept many checks from running
     for r in rows:
         if r.outcome == "not_applicable":
             where = f"{r.pipeline}/{r.strategy}" if r.pipeline else "-"
-            not_applicable.setdefault((r.check, r.message.strip()), []).append(where)
-    if not_applicable:
-        w(f"\nnot applicable ({sum(len(v) for v in not_applicable.values())} cases):\n")
+            if r.message.strip().startswith("not run:"):
+                not_run.setdefault(r.message.strip(), []).append(r.check)
+            else:
+                not_applicable.setdefault((r.check, r.message.strip()), []).append(where)
+    if not_applicable or not_run:
+        count = sum(len(v) for v in not_applicable.values()) + sum(map(len, not_run.values()))
+        w(f"\nnot applicable ({count} cases):\n")
         for (check_id, reason), where in sorted(not_applicable.items()):
             w(f"  {check_id} on {', '.join(sorted(where))}\n    not applicable: {reason}\n")
+        for reason, checks in sorted(not_run.items()):
+            w(f"  {len(checks)} check(s): {reason}\n")
 
     bad = [r for r in rows if r.outcome in _BAD] if failures else []
     # One root cause (a pipeline the strategy rejects, a module refusing hooks) fails many

@@ -12,7 +12,7 @@ from offload_ref.config import OffloadStrategy
 
 from .case import DEFAULT_IMPLEMENTATION, CheckCase, Implementation
 from .placement import diagnose_device_error, is_device_error
-from .preflight import failed_preflight
+from .preflight import failed_preflight, unresolved_strategies
 from .registry import (CATALOGUE, CheckFailure, CheckInfo, CheckNotApplicable, applicability,
                        closest, strategy_names)
 from .spec import PipelineSpec
@@ -130,6 +130,11 @@ def plan_cases(
                     continue
                 if not spec.supports(strategy):
                     continue
+                if strategy in unresolved_strategies(spec):
+                    cases.append(PlannedCase(info, spec, strategy, (
+                        f"not run: the {strategy} plan of {spec.name} does not resolve "
+                        f"(preflight-{spec.name}-{strategy} says why)")))
+                    continue
                 try:
                     reason = applicability(info, spec, strategy)
                 except Exception as exc:  # noqa: BLE001 - the pipeline broke the kit's probe
@@ -185,6 +190,22 @@ def expected_failures_for(specs: Sequence[PipelineSpec],
     if empty:
         raise ValueError(f"expected_failures: the reason of {empty} must be a non-empty string")
     return expected
+
+
+def unresolved_cases(specs: Sequence[PipelineSpec], strategies: Iterable[str] | None = None
+                     ) -> list[tuple[PipelineSpec, str, str]]:
+    """``(spec, strategy, why)`` for each strategy a spec claims (among ``strategies``) whose
+    plan does not resolve (:func:`~.preflight.unresolved_strategies`)."""
+    allowed = None if strategies is None else set(strategy_names(strategies, "strategies"))
+    return [(spec, strategy, why) for spec in sorted(specs, key=lambda s: s.name)
+            for strategy, why in unresolved_strategies(spec).items()
+            if allowed is None or strategy in allowed]
+
+
+def unresolved_message(spec: PipelineSpec, strategy: str, why: str) -> str:
+    """The one result of a spec whose plan does not resolve under ``strategy``."""
+    return (f"the {strategy} plan of {spec.name} does not resolve: {why}\nthe {strategy} checks "
+            f"of {spec.name} were not run (they would all fail on this one cause)")
 
 
 def preflight_message(spec: PipelineSpec, problems: Sequence[str]) -> str:
@@ -243,6 +264,9 @@ def run_checks(
     results = [CheckResult(CaseId("preflight", spec.name, None, sources.get(spec)), "error",
                            preflight_message(spec, problems))
                for spec, problems in failed_preflight(specs).items()]
+    results += [CheckResult(CaseId("preflight", spec.name, strategy, sources.get(spec)), "error",
+                            unresolved_message(spec, strategy, why))
+                for spec, strategy, why in unresolved_cases(specs, strategies)]
     planned = plan_cases(specs, checks=checks, strategies=strategies,
                          include_global=include_global)
     total = len(results) + len(planned)

@@ -335,6 +335,13 @@ class SDXLStylePipeline(SDPipeline):
         return {"seq": self.text_encoder(ids, output_hidden_states=True).hidden_states[-2]}
 
 
+class SD3UndeclaredBlocksPipeline(SD3Pipeline):
+    """An author's slip: the DiT's blocks are not declared (fine for model level, not for
+    layerwise).  Not in SPECS: tests/test_kit_preflight.py checks it has one root cause."""
+
+    _offload_plan = OffloadPlan(encoder_block_attrs=SD3Pipeline._offload_plan.encoder_block_attrs)
+
+
 # -- specs -----------------------------------------------------------------------------------------
 
 
@@ -356,6 +363,7 @@ build_wan = _builder(WanPipeline)
 build_sd = _builder(SDPipeline)
 build_sd3_hidden_states = _builder(SD3HiddenStatesPipeline)
 build_sdxl_style = _builder(SDXLStylePipeline)
+build_sd3_undeclared_blocks = _builder(SD3UndeclaredBlocksPipeline)
 
 _HERE = __name__
 SPECS = [

@@ -293,3 +293,32 @@ def test_plain_pipeline_state_includes_undeclared_module_attributes() -> None:
         assert all(platform.is_resident(t) for t in pipeline.guidance_embedder.parameters())
     finally:
         backend.disable()
+
+
+def test_a_strategy_whose_plan_does_not_resolve_is_one_root_cause_not_a_crash() -> None:
+    """Undeclared DiT blocks: model level runs every check; layerwise reports the resolver's
+    message once and runs none of its checks (before: 37 failures, kit crashes among them)."""
+    import io
+    import warnings
+
+    from offload_ref.contracts import PipelineSpec
+    from offload_ref.contracts.report import render, rows_from_results
+    from offload_ref.contracts.runner import run_checks
+
+    spec = PipelineSpec(name="undeclared_blocks", factory="real_models:build_sd3_undeclared_blocks",
+                        inputs="real_models:make_inputs", strategies=("model_level", "layer_wise"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = run_checks([spec], include_global=False)
+    bad = [r for r in results if not r.ok]
+    assert [str(r.id) for r in bad] == ["preflight-undeclared_blocks-layer_wise"], [
+        (str(r.id), r.message[:200]) for r in bad]
+    assert "has no streamable layerwise-offload blocks" in bad[0].message
+    assert "OffloadPlan(block_attrs=" in bad[0].message
+    layerwise = [r for r in results if r.id.strategy == "layer_wise" and r.id.check != "preflight"]
+    assert layerwise and all(r.outcome == "not_applicable" and "does not resolve" in r.message
+                             for r in layerwise)
+    assert any(r.outcome == "passed" for r in results if r.id.strategy == "model_level")
+    out = io.StringIO()
+    render(rows_from_results(results), out=out)
+    assert out.getvalue().count("has no streamable layerwise-offload blocks") == 1, out.getvalue()

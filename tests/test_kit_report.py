@@ -42,22 +42,43 @@ _ONE_BLOCK = dataclasses.replace(get_spec("qwen_image"), name="one_block",
                                  strategies=("layer_wise",))
 
 
+# A one-block DiT's layerwise plan does not resolve: one preflight error, its checks not run
+# (tests/test_kit_preflight.py).  The tests below need a check that does not apply to a pipeline
+# that resolves: the two block checks, asked here for more blocks than qwen_image has.
+_FEW_BLOCKS = dataclasses.replace(get_spec("qwen_image"), name="few_blocks",
+                                  strategies=("layer_wise",))
+
+
+@pytest.fixture
+def more_blocks_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from offload_ref.contracts.checks._util import dit_has_blocks
+    from offload_ref.contracts.runner import load_catalogue
+
+    load_catalogue()
+    for check_id in (_TWO_BLOCKS, _SKIP):
+        monkeypatch.setitem(CATALOGUE, check_id, dataclasses.replace(
+            CATALOGUE[check_id], applies=dit_has_blocks(99),
+            needs="a DiT with 99 or more declared blocks"))
+
+
 # -- item 7: not applicable, with the reason ---------------------------------------------------
 
 
-def test_a_check_that_does_not_apply_is_reported_with_its_reason_not_dropped() -> None:
-    results = run_checks([_ONE_BLOCK], checks=[_TWO_BLOCKS, _SKIP], include_global=False)
+def test_a_check_that_does_not_apply_is_reported_with_its_reason_not_dropped(
+        more_blocks_needed: None) -> None:
+    results = run_checks([_FEW_BLOCKS], checks=[_TWO_BLOCKS, _SKIP], include_global=False)
     outcomes = {r.id.check: (r.outcome, r.message) for r in results}
     assert set(outcomes) == {_TWO_BLOCKS, _SKIP}, outcomes
     outcome, reason = outcomes[_TWO_BLOCKS]
     assert outcome == "not_applicable", outcomes
-    assert "2 or more declared blocks" in reason and "transformer has 1" in reason, reason
+    assert "99 or more declared blocks" in reason and "transformer has " in reason, reason
     assert outcomes[_SKIP][0] == "not_applicable", outcomes
     assert all(r.ok for r in results)
 
 
-def test_pytest_route_shows_a_not_applicable_case_as_a_skip_with_its_reason() -> None:
-    params = {p.id: p for p in check_params([_ONE_BLOCK], checks=[_TWO_BLOCKS],
+def test_pytest_route_shows_a_not_applicable_case_as_a_skip_with_its_reason(
+        more_blocks_needed: None) -> None:
+    params = {p.id: p for p in check_params([_FEW_BLOCKS], checks=[_TWO_BLOCKS],
                                             include_global=False)}
     (param,) = params.values()
     skips = [m for m in param.marks if m.name == "skip"]
@@ -72,7 +93,7 @@ def test_a_check_body_can_find_it_does_not_apply(monkeypatch: pytest.MonkeyPatch
     info = CheckInfo("check_kit_test_body_not_applicable", check_kit_test_body_not_applicable,
                      "F.1", strategies=("layer_wise",))
     monkeypatch.setitem(CATALOGUE, info.id, info)
-    (result,) = run_checks([_ONE_BLOCK], checks=[info.id], include_global=False)
+    (result,) = run_checks([_FEW_BLOCKS], checks=[info.id], include_global=False)
     assert (result.outcome, result.message) == ("not_applicable",
                                                 "the pipeline has no audio branch")
 
@@ -91,10 +112,10 @@ def test_an_applies_probe_that_raises_is_an_error_of_that_case_only() -> None:
     info = dataclasses.replace(CATALOGUE[_TWO_BLOCKS], applies=broken, needs="something")
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(CATALOGUE, _TWO_BLOCKS, info)
-        planned = plan_cases([_ONE_BLOCK, get_spec("flux2")], checks=[_TWO_BLOCKS, _BITWISE],
+        planned = plan_cases([_FEW_BLOCKS, get_spec("flux2")], checks=[_TWO_BLOCKS, _BITWISE],
                              include_global=False)
     errors = [c for c in planned if c.planning_error]
-    assert {c.spec.name for c in errors} == {"one_block", "flux2"}
+    assert {c.spec.name for c in errors} == {"few_blocks", "flux2"}
     assert all("probe exploded" in c.planning_error for c in errors)
     assert any(c.info.id == _BITWISE and not c.planning_error for c in planned)
 
@@ -169,11 +190,16 @@ def test_cli_json_to_stdout_is_only_json(capsys) -> None:
     assert json.loads(out)["summary"]["total"] == 2
 
 
-def test_exit_status_counts_only_unexpected_failures(capsys) -> None:
+def test_exit_status_counts_only_unexpected_failures(capsys, more_blocks_needed: None) -> None:
     # not applicable is no failure: exit 0; a failed case: exit 1
-    assert main(["check", f"{__name__}:_ONE_BLOCK", "--check", _TWO_BLOCKS]) == 0
+    assert main(["check", f"{__name__}:_FEW_BLOCKS", "--check", _TWO_BLOCKS]) == 0
     out = capsys.readouterr().out
     assert "0 passed, 0 failed, 1 not applicable" in out, out
+    # a plan that does not resolve is one error, its checks not run: exit 1
+    assert main(["check", f"{__name__}:_ONE_BLOCK", "--check", _TWO_BLOCKS]) == 1
+    out = capsys.readouterr().out
+    assert "0 passed, 1 failed (1 with an error), 1 not applicable" in out, out
+    assert "requires at least two blocks" in out, out
     assert main(["check", f"{__name__}:_JITTERY_OFFLOADED", "--check", _BITWISE]) == 1
     out = capsys.readouterr().out
     assert "0 passed, 1 failed" in out, out

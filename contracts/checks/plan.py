@@ -495,6 +495,13 @@ def _rejected_before_any_change(case, pipeline, before, what: str, mentions) -> 
              f"{platform.memory_allocated()}, pinned bytes={platform.pinned_bytes()}")
 
 
+def _last_block(pipeline: nn.Module, path: str, dit: nn.Module) -> nn.Module:
+    """The DiT's last declared block; a DiT that declares none (enough for model level): its
+    last submodule."""
+    blocks = dit_blocks(pipeline, path, dit)
+    return blocks[-1] if blocks else list(dit.modules())[-1]
+
+
 @check("J.7", strategies=_BUILT, applies=_not_delegated,
        needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
 def check_sparse_buffer_is_rejected_before_mutation(case) -> None:
@@ -502,7 +509,7 @@ def check_sparse_buffer_is_rejected_before_mutation(case) -> None:
     (.to_dense()); enable changes nothing."""
     pipeline = case.build()
     path, dit = first_dit(pipeline)
-    block = dit_blocks(pipeline, path, dit)[-1]
+    block = _last_block(pipeline, path, dit)
     before = snapshot(pipeline, values=True)
     block.register_buffer("_kit_sparse", torch.eye(4).to_sparse(), persistent=False)
     qual = next(f"{path}.{n}" for n, b in dit.named_buffers() if b is block._kit_sparse)
@@ -523,7 +530,7 @@ def check_cyclic_module_graph_is_rejected_before_mutation(case) -> None:
     naming the back edge; nothing recurses forever and enable changes nothing."""
     pipeline = case.build()
     path, dit = first_dit(pipeline)
-    block = dit_blocks(pipeline, path, dit)[-1]
+    block = _last_block(pipeline, path, dit)
     block_path = next(f"{path}.{n}" for n, m in dit.named_modules() if m is block)
     before = snapshot(pipeline, values=True)
     block._modules["_kit_loop"] = dit
