@@ -239,8 +239,24 @@ def check_model_level_swaps_move_component_bytes_host_to_device_only(case) -> No
             problems.append(f"{moved} bytes moved host -> device to run {path}, whose bytes are "
                             f"{swappable.get(path, 0)} (a swap moves exactly one component)")
 
-    with observe(watched, before):
-        case.run(pipeline)
+    bypassed: dict[str, str] = {}  # component never entered -> a submodule of it that ran
+    entered: set[str] = set()
+
+    def submodule_runs(mod: nn.Module, args: Any) -> None:
+        path = inside.get(id(mod))
+        if path is not None and path[0] not in entered and path[0] not in bypassed:
+            from ..placement import code_line
+
+            bypassed[path[0]] = f"{path[1]} (called at {code_line()})"
+
+    inside = {id(m): (c, f"{c}.{n}") for c, module in watched for n, m in module.named_modules()
+              if n and c in swappable}
+    handle = nn.modules.module.register_module_forward_pre_hook(submodule_runs)
+    try:
+        with observe(watched, lambda path, module: (entered.add(path), before(path, module))):
+            case.run(pipeline)
+    finally:
+        handle.remove()
     stats = backend.stats()
     backend.disable()
     d2h = platform.bytes("d2h")
@@ -249,6 +265,14 @@ def check_model_level_swaps_move_component_bytes_host_to_device_only(case) -> No
              f"(stats.d2h_bytes={stats.d2h_bytes}); offloading must rebind to the host master")
     if problems:
         fail(problems[0])
+    never = [p for p in swappable if p not in entered]
+    if never:
+        ran = [f"{p}'s submodule {bypassed[p]} ran" for p in never if p in bypassed]
+        fail(f"{', '.join(never)} never loaded: its forward did not run in a generation, so its "
+             f"hooks never fired" + (f" ({'; '.join(ran)})" if ran else "") + ". A component "
+             "run through another entry point (encode_prompt, get_text_features, one of its "
+             "submodules) computes with its weights parked on the host. Fix: call the module "
+             f"itself, or run that entry point inside `with backend.use_component({never[0]!r}):`")
     if platform.bytes("h2d") < sum(swappable.values()):
         fail(f"{platform.bytes('h2d')} bytes moved in a generation, less than one load of every "
              f"swappable component ({swappable})")
