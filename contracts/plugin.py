@@ -229,8 +229,10 @@ def _load(ref: str) -> list[tuple[Any, str]]:
     factory, as ``offload-ref check`` takes it; ``source`` is what reruns it there."""
     import shlex
 
-    from offload_ref.contracts.refs import RefError, resolve, specs_from
+    from offload_ref.contracts.refs import (RefError, import_from_the_current_folder, resolve,
+                                            specs_from)
 
+    import_from_the_current_folder()
     try:
         obj = resolve(ref)
         specs = specs_from(ref, obj)

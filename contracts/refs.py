@@ -21,6 +21,8 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -34,6 +36,18 @@ DEFAULT_STRATEGIES = ("model_level", "layer_wise")
 
 class RefError(ValueError):
     """A ``module:attr`` reference that cannot be used; the message is one line."""
+
+
+def import_from_the_current_folder() -> None:
+    """Put the current folder first on ``sys.path`` (and on ``PYTHONPATH``, for the processes
+    the kit spawns), as ``python -m`` does: ``offload-ref check mymodule:SPEC`` and
+    ``--offload-ref-spec mymodule:SPEC`` then find ``mymodule.py`` where they are run."""
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if here not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *parts])
 
 
 def resolve(ref: str) -> Any:
@@ -50,7 +64,8 @@ def resolve(ref: str) -> Any:
     except ModuleNotFoundError as exc:
         missing = exc.name or module_name
         raise RefError(f"{ref!r}: cannot import module {module_name!r} (no module named "
-                       f"{missing!r}); install the package or put its folder on PYTHONPATH"
+                       f"{missing!r}) from {os.getcwd()}; install the package, run from the folder that "
+                       f"holds it, or put that folder on PYTHONPATH"
                        ) from None
     except Exception as exc:  # noqa: BLE001 - the author's module failed while importing
         raise RefError(f"{ref!r}: cannot import module {module_name!r}: importing it raised "

@@ -212,6 +212,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from offload_ref.contracts.refs import import_from_the_current_folder
+
+    import_from_the_current_folder()  # MODULE:ATTR in the current folder, as `python -m` finds
     parser = argparse.ArgumentParser(prog="offload-ref", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -143,6 +143,20 @@ def test_bad_reference_from_the_console_script_is_one_line_and_exit_2(author: Pa
     assert "kit_author.testing:SPCE" in lines[0] and "SPEC" in lines[0], lines
 
 
+def test_the_console_script_finds_a_module_in_the_current_folder(author: Path) -> None:
+    """As `python -m` does (before: only with PYTHONPATH=. or `python -m offload_ref.cli`)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT")) and k != "PYTHONPATH"}
+    script = Path(sys.executable).with_name("offload-ref")
+    proc = subprocess.run([str(script), "check", "kit_author.testing:GOOD", "--check",
+                           _REPEATABLE, "--strategy", "model_level"], check=False, cwd=author,
+                          env=env, capture_output=True, text=True, timeout=_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    missing = subprocess.run([str(script), "check", "not_here:SPEC"], check=False, cwd=author,
+                             env=env, capture_output=True, text=True, timeout=_TIMEOUT_S)
+    assert missing.returncode == 2 and f"from {author}" in missing.stderr, missing.stderr
+
+
 # -- in-process: loading, repro lines, validation -----------------------------------------------
 
 
