@@ -120,6 +120,8 @@ class CheckCase:
     #: failed :meth:`compare` can rerun them for its diagnosis; the reference is kept apart.
     _runs: list[Run] = field(default_factory=list)
     _reference_run: Run | None = None
+    _host_reference: Any = None
+    _host_reference_run: Run | None = None
     _device: torch.device | None = None
 
     # -- pipelines ------------------------------------------------------------------------------
@@ -165,6 +167,20 @@ class CheckCase:
             self._reference_run = Run(self._reference, None, None, fresh=True)
         return self._reference
 
+    def host_reference(self) -> torch.Tensor:
+        """The output of a fresh pipeline with no offloading, left on the host: what a pipeline
+        computes after ``disable()`` (computed once per case).  Equal to :meth:`reference`
+        unless the pipeline's output depends on its device (a generator on the execution device
+        draws other numbers on the host than on a GPU), which is no offloading defect."""
+        if self._host_reference is None:
+            if self.device.type == "cpu":
+                self._host_reference = self.reference()
+            else:
+                self._host_reference = self.run(self.build())
+                self._runs.pop()
+                self._host_reference_run = Run(self._host_reference, None, None, fresh=True)
+        return self._host_reference
+
     def compare(self, what: str, got: Any, want: Any) -> None:
         """:func:`~offload_ref.contracts.checks._observe.compare_outputs`, and on a mismatch a
         diagnosis appended to the failure: the first module whose output diverged (a rerun of
@@ -189,6 +205,8 @@ class CheckCase:
     def _run_of(self, output: Any) -> Run | None:
         if self._reference_run is not None and self._reference_run.output is output:
             return self._reference_run
+        if self._host_reference_run is not None and self._host_reference_run.output is output:
+            return self._host_reference_run
         return next((r for r in reversed(self._runs) if r.output is output), None)
 
     def _resident(self, pipeline_ref: Any, tensor: torch.Tensor) -> bool:

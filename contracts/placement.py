@@ -52,7 +52,9 @@ _DEVICE_ERROR = re.compile(
     r"|Input and parameter tensors are not at the same device"
     r"|Expected .*device.* but got .*device"
     r"|is on .* device, but expected"
-    r"|Tensor for argument #?\d* ?'?\w*'? is on (CPU|GPU|cpu|cuda)",
+    r"|Tensor for argument #?\d* ?'?\w*'? is on (CPU|GPU|cpu|cuda)"
+    r"|indices should be either on cpu or on the same device"
+    r"|should be on the same device|must be on the same device|on different devices",
     re.IGNORECASE)
 
 
@@ -217,14 +219,30 @@ def _is_library(frame: FrameType) -> bool:
         name == __name__
 
 
-def code_line() -> str:
-    """``file:line in function`` of the innermost frame of pipeline code on the stack."""
+def code_line(own: bool = False) -> str:
+    """``file:line in function`` of the innermost frame of pipeline code on the stack; with
+    ``own``, of the author's own code when there is some (not an installed library such as
+    diffusers or transformers: ``self.unet.device`` reads the weight inside diffusers)."""
     frame = sys._getframe(1)
     while frame is not None and _is_library(frame):
         frame = frame.f_back
     if frame is None:
         return "?"
+    if own:
+        mine = frame
+        while mine is not None and (_is_library(mine) or _installed(mine)):
+            mine = mine.f_back
+        if mine is not None:
+            return _where(mine)
     return _where(frame)
+
+
+def _installed(frame: FrameType) -> bool:
+    name = frame.f_globals.get("__name__", "") or ""
+    if name.startswith("offload_ref.fixtures"):
+        return False
+    path = frame.f_code.co_filename
+    return f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
 
 
 def _offloader_calls() -> bool:
@@ -362,9 +380,16 @@ def cached_tensors(pipeline: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """``(dotted path, tensor)`` for every tensor kept on a module of ``pipeline`` (or on the
     pipeline object) as a plain attribute, not a registered parameter or buffer, including those
     inside a list, tuple or dict attribute."""
-    holders = list(named_modules(pipeline))
+    holders: list[tuple[str, Any]] = list(named_modules(pipeline))
     if not isinstance(pipeline, nn.Module):
         holders.insert(0, ("", pipeline))
+    # plain objects they hold (a scheduler, a cache object): one level down
+    for path, holder in list(holders):
+        for name, value in getattr(holder, "__dict__", {}).items():
+            if not name.startswith("__") and not isinstance(value, (nn.Module, torch.Tensor)) \
+                    and hasattr(value, "__dict__") and not isinstance(value, type) \
+                    and type(value).__module__.split(".")[0] not in ("torch", "builtins"):
+                holders.append((f"{path}.{name}" if path else name, value))
     for path, holder in holders:
         attrs = getattr(holder, "__dict__", {})
         for name, value in attrs.items():
@@ -432,6 +457,9 @@ class PlacementWatch(TorchFunctionMode):
         self._cached: dict[int, str] | None = None
         #: the first error of the watch's own bookkeeping (a kit defect), if any
         self.internal_error: str | None = None
+        self._added_cache: dict[int, str] | None = None
+        #: whether an offloader owns the pipeline now (None: unknown, assumed)
+        self.enabled: Callable[[], bool] | None = None
 
     # -- the mode ---------------------------------------------------------------------------------
 
@@ -495,7 +523,7 @@ class PlacementWatch(TorchFunctionMode):
         path = self.tensors.get(id(t))
         if path is None or self.resident is None or self.resident(t):
             return
-        line = code_line()
+        line = code_line(own=True)
         if not any(r.tensor == path and r.line == line for r in self.device_reads):
             self.device_reads.append(DeviceRead(path, line, str(t.device), self._state(path, t)))
 
@@ -538,7 +566,7 @@ class PlacementWatch(TorchFunctionMode):
         moved = name in _MOVES and not (found and outs[0].device == found[0].device)
         if name in _FACTORIES or moved:
             what = f"torch.{name}(...)" if name in _FACTORIES else f"Tensor.{name}(...)"
-            origin = Origin(what, str(outs[0].device), code_line(), self.generation,
+            origin = Origin(what, str(outs[0].device), code_line(own=True), self.generation,
                             _weak(outs[0]))
             if name in _RANDOM or "generator" in kwargs:
                 gen = kwargs.get("generator")
@@ -599,6 +627,7 @@ class PlacementWatch(TorchFunctionMode):
                  exc: BaseException) -> Failure:
         line = code_line()
         kept = self._kept()
+        self._added_cache = None
         described: list[str] = []
         causes: list[str] = []
         seen: set[int] = set()
@@ -617,14 +646,24 @@ class PlacementWatch(TorchFunctionMode):
                 if not state.startswith("on ") and owner not in blamed:
                     blamed.add(owner)
                     causes.append(self._weight_cause(path, t, where, line))
+            elif id(t) in self._added():
+                added = self._added()[id(t)]
+                described.append(f"{added} (a parameter or buffer added after enable(), on "
+                                 f"{t.device})")
+                causes.append(f"{added} was added to the pipeline after enable() (an adapter "
+                              f"attached while offloaded), so the offloader never placed it: it "
+                              f"stays on {t.device} and meets weights on the other side. Fix: "
+                              f"attach adapters inside `with backend.edit_weights(): ...`, or "
+                              f"before enable()")
             elif id(t) in kept or self._kept_root(t) is not None:
                 name, o = (kept[id(t)], self.origin(t)) if id(t) in kept else self._kept_root(t)
                 made = (f", made by {o.what} at {o.line} in generation {o.generation}"
                         if o is not None else "")
                 described.append(f"{'' if id(t) in kept else 'a tensor computed from '}{name} "
-                                 f"(a tensor kept on a module as a plain attribute, on "
+                                 f"(a tensor kept across calls as a plain attribute, on "
                                  f"{o.device if o is not None else t.device}{made})")
-                causes.append(self._kept_cause(name, o, devices))
+                if o is None or o.generation < self.generation:  # made by an earlier call
+                    causes.append(self._kept_cause(name, o, devices))
             elif (o := self.origin(t)) is not None and o.source is not None:
                 described.append(f"a tensor on {t.device} computed by {o.what} at {o.line} "
                                  f"while {o.source} was {o.state}")
@@ -675,6 +714,17 @@ class PlacementWatch(TorchFunctionMode):
         comp = self.owners.component(path)
         module = self.modules.get(comp) if comp is not None else None
         if comp is not None and comp in self.owners.swapped:
+            running = [c for c in self.owners.components if c != comp and
+                       c in self.modules and self.windows.active(self.modules[c])]
+            if reader_path and _within(reader_path, comp) and module is not None and \
+                    not self.windows.active(module) and running:
+                outer = self.windows.outermost_within(comp)
+                return (f"{running[-1]} called {outer or reader_path}, a module of {comp}, from "
+                        f"its own forward (through a reference it keeps): model-level offload "
+                        f"loads one component at a time, so {comp} was parked on the host while "
+                        f"{running[-1]} ran. Fix: do not call another component's modules from "
+                        f"inside a component; compute that result in the pipeline before (and "
+                        f"pass it in), or give {running[-1]} its own copy of the module")
             if reader_path and _within(reader_path, comp) and module is not None and \
                     not self.windows.active(module):
                 entry = entry_point(module)
@@ -702,6 +752,14 @@ class PlacementWatch(TorchFunctionMode):
         return (f"{path} was on {t.device}, not on the device, when {self._reader(where)} read "
                 f"it at {line}")
 
+    def _added(self) -> dict[int, str]:
+        """Parameters and buffers the pipeline holds now that it did not hold when the watch
+        began (after enable()): id -> path."""
+        if self._added_cache is None:
+            now = named_tensors(self.pipeline)
+            self._added_cache = {i: p for i, p in now.items() if i not in self.tensors}
+        return self._added_cache
+
     def _kept_root(self, t: torch.Tensor) -> tuple[str, Origin] | None:
         """The kept attribute ``t`` was computed from (through its origin), if any."""
         o = self.origin(t)
@@ -718,8 +776,10 @@ class PlacementWatch(TorchFunctionMode):
         when = (f"made on {o.device} by generation {o.generation} and reused after the "
                 f"placement changed" if o is not None and o.generation < self.generation else
                 "made on one device and used with tensors on another")
-        return (f"{path} is a tensor the pipeline keeps on a module as a plain attribute (not a "
-                f"registered buffer), {when}; the offloader cannot see or move it. Fix: "
+        where = (f"a plain attribute of {holder}" if holder else "a plain attribute of the "
+                 "pipeline") + (" (not a registered buffer)" if on_module else "")
+        return (f"{path} is a tensor the pipeline keeps across calls as {where}, {when}; the "
+                f"offloader cannot see or move it. Fix: "
                 + ("register it with register_buffer(name, tensor, persistent=False) so it "
                    "moves with its module, or key the cache by device" if on_module else
                    "key the cache by device")
@@ -727,12 +787,15 @@ class PlacementWatch(TorchFunctionMode):
 
     def _input_cause(self, found: list[torch.Tensor]) -> str:
         weights = [t for t in found if id(t) in self.tensors]
-        if weights and self.device is not None and all(t.device != self.device for t in weights):
+        disabled = self.enabled is not None and not self.enabled()
+        if self.device is not None and (disabled or (weights and all(
+                t.device != self.device for t in weights))):
             # offload disabled: the weights are home on the host, a device tensor is stale
             stale = [t for t in found if id(t) not in self.tensors and t.device == self.device]
             made = [o for o in map(self.origin, stale) if o is not None]
             where = "; ".join(f"{o.what} at {o.line} in generation {o.generation}" for o in made)
-            return (f"after disable() the weights are back on {weights[0].device}, but the "
+            home = weights[0].device if weights else "the host"
+            return (f"after disable() the weights are back on {home}, but the "
                     f"pipeline used a tensor on {self.device} "
                     f"({where or 'kept from an earlier call'}): a tensor kept across calls (a "
                     "cache on the pipeline or a module) "
@@ -784,6 +847,7 @@ def diagnose_device_error(case: Any) -> str:
 
         with ModuleWindows(pipeline) as windows:
             watch = PlacementWatch(pipeline, windows, resident, owners, case.device)
+            watch.enabled = lambda: backend_of(pipeline) is not None
             for step, label in _SCENARIO:
                 if step == "enable":
                     backend.enable(pipeline)

@@ -3,10 +3,16 @@
     offload-ref check [MODULE:ATTR]... [--pipeline NAME]... [--spec MODULE:ATTR]...
                       [--inputs MODULE:ATTR] [--name NAME]... [--check ID]...
                       [--strategy S]... [--list] [--json PATH]
-    offload-ref plan  --pipeline NAME [--strategy S] [--strategy auto --device-budget N]
-    offload-ref bench [--json]
+    offload-ref plan  [MODULE:ATTR]... [--pipeline NAME]... [--spec MODULE:ATTR]...
+                      [--inputs MODULE:ATTR] [--name NAME]... [--strategy S]...
+                      [--strategy auto --device-budget N]
+    offload-ref bench [--hidden N] [--blocks N] [--tokens N] [--steps N] [--repeats N]
+                      [--device D] [--peers] [--growth] [--json]
     offload-ref trace [--pipeline NAME | --spec MODULE:ATTR] [--strategy S] -o TRACE.json
                       [--no-prefetch] [--png TIMELINE.png]
+
+Exit status: 0 when everything holds (check: every case passed, failed as expected or does not
+apply; plan: every selected plan resolves), 1 when something does not, 2 for a bad argument.
 
 MODULE:ATTR (positional or --spec) names a PipelineSpec, a list or tuple of them, or a factory: a
 callable taking no arguments or seed= that builds your pipeline.  A factory's pipeline is called
@@ -194,6 +200,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise _UsageError("--strategy auto needs --device-budget N (bytes)")
     if args.device_budget is not None and args.device_budget < 1:
         raise _UsageError(f"--device-budget {args.device_budget}: must be a positive int (bytes)")
+    rejected = 0
     for spec in specs:
         for strategy in strategies or spec.strategies:
             pipeline = spec.build()
@@ -207,8 +214,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 print(resolve_offload_plan(pipeline, config).describe())
             except ValueError as exc:
                 print(f"rejected: {exc}")
+                rejected += 1
             print()
-    return 0
+    if rejected:
+        print(f"offload-ref plan: {rejected} plan(s) rejected", file=sys.stderr)
+    return 1 if rejected else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -221,7 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def selection(p: argparse.ArgumentParser, auto: bool = False) -> None:
         p.add_argument("refs", nargs="*", default=[], metavar="MODULE:ATTR",
-                       help="your own PipelineSpec, list of specs, or factory (see above)")
+                       help="your own pipeline: a PipelineSpec, a list or tuple of them, or a "
+                            "factory (a callable taking no arguments or seed=) whose pipeline "
+                            "is called with the keyword arguments of --inputs; found in the "
+                            "current folder or on sys.path")
         p.add_argument("--pipeline", action="append", default=[],
                        help="a built-in fixture name (default: all, unless MODULE:ATTR is given)")
         p.add_argument("--spec", action="append", default=[], metavar="MODULE:ATTR",

@@ -228,6 +228,60 @@ class ReadsFirstBlockWeight(Base):
         return super().predict(latents, sigma, step, cond) + 0.01 * bias[:, None, None]
 
 
+class _LoRA(nn.Module):
+    def __init__(self, base: nn.Module, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+        with torch.no_grad():
+            self.down.weight.fill_(0.01), self.up.weight.fill_(0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+class AttachesHostAdapterToABlock(Base):
+    """Wraps a block's projection in a LoRA on its first call, while offloaded, and leaves the
+    adapter where it was made: on the host."""
+
+    def predict(self, latents: torch.Tensor, sigma: float, step: int, cond: Any) -> torch.Tensor:
+        attn = self.transformer.transformer_blocks[1].attn
+        if not isinstance(attn.to_out, _LoRA):
+            attn.to_out = _LoRA(attn.to_out)
+        return super().predict(latents, sigma, step, cond)
+
+
+class _CallsEncoderModuleTransformer(_Transformer):
+    def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        norm = self._text_encoder_3.final_norm  # another component's module, called from here
+        return super().embed_context(norm(encoder_hidden_states))
+
+
+class DitCallsEncoderModule(Base):
+    transformer_class = _CallsEncoderModuleTransformer
+
+    def __init__(self) -> None:
+        super().__init__()
+        object.__setattr__(self.transformer, "_text_encoder_3", self.text_encoder_3)
+
+
+class GeneratorOnExecutionDevice(Correct):
+    """Correct: noise from a generator on the execution device (the device's own RNG)."""
+
+    @torch.no_grad()
+    def forward(self, *, generator_seed: int, num_inference_steps: int, **inputs: Any
+                ) -> torch.Tensor:
+        device = self.execution_device()
+        cond = self.encode(device, **inputs)
+        generator = torch.Generator(device).manual_seed(generator_seed)
+        latents = torch.randn(self.latent_shape, generator=generator, device=device)
+        for step in range(num_inference_steps):
+            sigma, nxt = 1 - step / num_inference_steps, 1 - (step + 1) / num_inference_steps
+            latents = latents + (nxt - sigma) * self.predict(latents, sigma, step, cond)
+        return self.vae(latents)
+
+
 class _BackReferenceTransformer(_Transformer):
     def embed_context(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
         table = self._text_encoder.embed_tokens.weight  # through an unregistered back reference
@@ -332,6 +386,7 @@ BOTH = ML + LW
 PIPELINES: dict[str, tuple[type[nn.Module], tuple[str, ...]]] = {
     "correct": (Correct, ()),
     "guidance": (Guidance, ()),
+    "generator_on_execution_device": (GeneratorOnExecutionDevice, ()),
     "device_from_offloaded": (DeviceFromOffloadedComponentPipeline, ML),
     "device_from_block_weight": (DeviceFromBlockWeight, BOTH),
     "device_from_first_component": (DeviceFromFirstComponent, ML),
@@ -339,6 +394,8 @@ PIPELINES: dict[str, tuple[type[nn.Module], tuple[str, ...]]] = {
     "adds_dit_bias_to_context": (AddsDitBiasToContext, ML),
     "dit_reads_encoder_table": (DitReadsEncoderTable, ML),
     "reads_first_block_weight": (ReadsFirstBlockWeight, BOTH),
+    "attaches_host_adapter_to_a_block": (AttachesHostAdapterToABlock, BOTH),
+    "dit_calls_encoder_module": (DitCallsEncoderModule, ML),
     "encodes_through_entry_point": (EncodesThroughEntryPoint, ML),
     "calls_transformer_forward": (CallsTransformerForward, ML),
     "caches_weight_view": (CachesWeightView, LW),

@@ -219,6 +219,15 @@ def test_cli_plan_shows_the_auto_choice(capsys) -> None:
     assert "auto: picked layer_wise" in out and str(layer) in out
 
 
+def test_cli_plan_exits_1_when_a_plan_is_rejected(capsys) -> None:
+    """So that CI can gate on it (before: "rejected" and exit 0)."""
+    assert main(["plan", "--pipeline", "flux2", "--strategy", "auto",
+                 "--device-budget", "1"]) == 1
+    captured = capsys.readouterr()
+    assert "rejected: strategy='auto': no strategy fits" in captured.out
+    assert "1 plan(s) rejected" in captured.err
+
+
 def test_cli_device_budget_needs_auto(capsys) -> None:
     assert main(["plan", "--pipeline", "wan22_t2v", "--device-budget", "10"]) == 2
     assert main(["plan", "--pipeline", "wan22_t2v", "--strategy", "auto"]) == 2

@@ -202,6 +202,12 @@ CAUSES = {
     "reads_first_block_weight": ("layer_wise", PARITY, [
         "transformer.transformer_blocks.0.img_mod.bias was read by the pipeline's own code at "
         "tests/placement_pipelines.py", "bound to a ring slot outside its block's call"]),
+    "attaches_host_adapter_to_a_block": ("layer_wise", PARITY, [
+        "transformer.transformer_blocks.1.attn.to_out.down.weight was added to the pipeline "
+        "after enable()", "`with backend.edit_weights(): ...`"]),
+    "dit_calls_encoder_module": ("model_level", PARITY, [
+        "transformer called text_encoder_3.final_norm, a module of text_encoder_3, from its own "
+        "forward", "compute that result in the pipeline before"]),
     "encodes_through_entry_point": ("model_level", PARITY, [
         "the forward hook of text_encoder never fired", "text_encoder.encode(...)",
         'backend.use_component("text_encoder")']),
@@ -212,7 +218,8 @@ CAUSES = {
         "transformer.transformer_blocks.0.gate_row is a tensor kept on a module across calls",
         "transformer.transformer_blocks.0.img_mod.weight", "take them inside forward"]),
     "caches_table": ("model_level", CYCLES, [
-        "transformer.table is a tensor the pipeline keeps on a module as a plain attribute",
+        "transformer.table is a tensor the pipeline keeps across calls as a plain attribute of "
+        "transformer (not a registered buffer)",
         "made on hpu:0 by generation 1", "register_buffer"]),
     "generator_on_component_device": ("model_level", PARITY, [
         "used a generator on cpu", "a generator on hpu:0", "position_embedding.device -> cpu",
@@ -252,7 +259,7 @@ def test_a_placement_bug_fails_with_its_cause_and_fix(name: str) -> None:
 
 
 @needs_sim
-@pytest.mark.parametrize("name", ["correct", "guidance"])
+@pytest.mark.parametrize("name", ["correct", "guidance", "generator_on_execution_device"])
 def test_correct_pipelines_pass_the_whole_kit(name: str) -> None:
     """Execution device from offload_ref.execution_device, noise from a host generator, every
     component through __call__; and one whose blocks run twice per step (guidance)."""

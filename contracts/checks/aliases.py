@@ -9,6 +9,7 @@ from torch import nn
 
 from offload_ref.discovery import get_submodule_path
 
+from ..case import move_to_device
 from ..registry import check, fail
 from ._observe import observe
 from ._util import first_dit, module_view, snapshot, storage_groups, values_equal
@@ -119,7 +120,7 @@ def check_parameter_shared_by_two_blocks_is_never_copied_twice(case) -> None:
     reference_pipeline = case.build()
     ref_stack, _, _ = _tie_candidates(case, reference_pipeline)
     _tie(ref_stack, name)
-    reference = case.run(reference_pipeline)
+    reference = case.run(move_to_device(reference_pipeline, case.device))
     before = snapshot(pipeline, values=True)
     unique = {}
     for s in _rings(case, pipeline):

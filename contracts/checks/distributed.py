@@ -29,7 +29,7 @@ from torch import nn
 
 from offload_ref.config import OffloadStrategy
 
-from ..case import DEFAULT_IMPLEMENTATION, CheckCase
+from ..case import DEFAULT_IMPLEMENTATION, CheckCase, move_to_device
 from ..registry import NotApplicable, check, fail
 from ..spec import load_object
 from ._observe import compare_outputs
@@ -336,7 +336,7 @@ def _mmap(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
     fresh = case.build()
     pipeline = loaded()
     obs: dict[str, Any] = {"buffers": _non_persistent_differences(pipeline, fresh)}
-    reference = case.run(loaded(), request)
+    reference = case.run(move_to_device(loaded(), case.device), request)
     platform = case.platform()
     backend = case.backend(_config(case, "rank-local", world), platform)
     backend.enable(pipeline)

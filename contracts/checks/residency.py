@@ -13,6 +13,7 @@ from offload_ref.config import OffloadConfig
 from offload_ref.discovery import get_submodule_path
 from offload_ref.plan import resolve_offload_plan
 
+from ..case import move_to_device
 from ..registry import NotApplicable, check, fail
 from ._observe import (
     CopySpy,
@@ -133,7 +134,7 @@ def check_pipeline_built_under_inference_mode_matches_reference(case) -> None:
             case.compare("enabled, no_grad", pipeline(**case.inputs()), reference)
     finally:
         backend.disable()
-    case.compare("after disable", case.run(pipeline), reference)
+    case.compare("after disable", case.run(pipeline), case.host_reference())
     normal = [n for n, t in module_view(pipeline).state_dict(keep_vars=True).items()
               if t.numel() and not t.is_inference()]
     if normal:
@@ -534,7 +535,7 @@ def check_skipped_block_is_recovered(case) -> None:
     reference_pipeline = case.build()
     container, index = _skippable(case, reference_pipeline)
     _skip(container, index)
-    skipped_reference = case.run(reference_pipeline)
+    skipped_reference = case.run(move_to_device(reference_pipeline, case.device))
     pipeline = case.build()
     platform = case.platform()
     backend = case.backend(platform=platform)
