@@ -165,12 +165,16 @@ class Correct(Base):
                 ) -> torch.Tensor:
         device = self.execution_device()
         cond = self.encode(device, **inputs)
-        host = torch.Generator("cpu").manual_seed(generator_seed)
-        latents = torch.randn(self.latent_shape, generator=host).to(device)
+        latents = self.noise(generator_seed, device)
         for step in range(num_inference_steps):
             sigma, nxt = 1 - step / num_inference_steps, 1 - (step + 1) / num_inference_steps
             latents = latents + (nxt - sigma) * self.predict(latents, sigma, step, cond)
         return self.vae(latents)
+
+
+    def noise(self, seed: int, device: torch.device) -> torch.Tensor:
+        host = torch.Generator("cpu").manual_seed(seed)
+        return torch.randn(self.latent_shape, generator=host).to(device)
 
 
 class Guidance(Base):
@@ -269,17 +273,9 @@ class DitCallsEncoderModule(Base):
 class GeneratorOnExecutionDevice(Correct):
     """Correct: noise from a generator on the execution device (the device's own RNG)."""
 
-    @torch.no_grad()
-    def forward(self, *, generator_seed: int, num_inference_steps: int, **inputs: Any
-                ) -> torch.Tensor:
-        device = self.execution_device()
-        cond = self.encode(device, **inputs)
-        generator = torch.Generator(device).manual_seed(generator_seed)
-        latents = torch.randn(self.latent_shape, generator=generator, device=device)
-        for step in range(num_inference_steps):
-            sigma, nxt = 1 - step / num_inference_steps, 1 - (step + 1) / num_inference_steps
-            latents = latents + (nxt - sigma) * self.predict(latents, sigma, step, cond)
-        return self.vae(latents)
+    def noise(self, seed: int, device: torch.device) -> torch.Tensor:
+        generator = torch.Generator(device).manual_seed(seed)
+        return torch.randn(self.latent_shape, generator=generator, device=device)
 
 
 class _BackReferenceTransformer(_Transformer):
@@ -344,20 +340,11 @@ class CachesTable(Base):
 
 # 6. a generator on an offloaded component's device
 
-class GeneratorOnComponentDevice(Base):
-    @torch.no_grad()
-    def forward(self, *, generator_seed: int, num_inference_steps: int, **inputs: Any
-                ) -> torch.Tensor:
-        device = self.execution_device()
-        cond = self.encode(device, **inputs)
+class GeneratorOnComponentDevice(Correct):
+    def noise(self, seed: int, device: torch.device) -> torch.Tensor:
         gen_device = next(self.transformer.parameters()).device  # the bug
-        generator = torch.Generator(gen_device).manual_seed(generator_seed)
-        latents = torch.randn(self.latent_shape, generator=generator, device=gen_device)
-        latents = latents.to(device)
-        for step in range(num_inference_steps):
-            sigma, nxt = 1 - step / num_inference_steps, 1 - (step + 1) / num_inference_steps
-            latents = latents + (nxt - sigma) * self.predict(latents, sigma, step, cond)
-        return self.vae(latents)
+        generator = torch.Generator(gen_device).manual_seed(seed)
+        return torch.randn(self.latent_shape, generator=generator, device=gen_device).to(device)
 
 
 # 7. blocks that run without their hooks

@@ -222,7 +222,7 @@ CAUSES = {
         "transformer (not a registered buffer)",
         "made on hpu:0 by generation 1", "register_buffer"]),
     "generator_on_component_device": ("model_level", PARITY, [
-        "used a generator on cpu", "a generator on hpu:0", "position_embedding.device -> cpu",
+        "used a generator on cpu", "a generator on hpu:0", ".device -> cpu",
         'torch.Generator("cpu")']),
     "calls_block_forward": ("layer_wise", RESIDENCY, [
         "transformer.transformer_blocks.0 ran through transformer.transformer_blocks.0.forward"
