@@ -10,9 +10,12 @@ thread or stream, ranges coloured by block, stalls (long waits) marked.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -108,7 +111,8 @@ def run_trace(spec: Any, strategy: str, output: str, *, prefetch: bool = True,
         with torch.inference_mode():
             pipeline(**inputs)  # warm-up: first swaps, the ring learns the caller's order
             platform.synchronize()
-            with profile(activities=activities, experimental_config=_all_threads(log)) as prof:
+            with _without_profiler_chatter(), \
+                    profile(activities=activities, experimental_config=_all_threads(log)) as prof:
                 pipeline(**inputs)
                 platform.synchronize()
         names = {threading.main_thread().native_id: "compute (caller thread)",
@@ -127,6 +131,35 @@ def run_trace(spec: Any, strategy: str, output: str, *, prefetch: bool = True,
         f"on {platform.name}: {output} with "
         + (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no offload_ref spans"))
     return {"spans": counts}
+
+
+#: lines Kineto writes to stderr at every profiler start and stop, whatever its log level
+_CHATTER = ("USDT:", "STAGE:")
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter() -> Any:
+    """Hold back Kineto's own ``USDT:``/``STAGE:`` lines (written by C++ to file descriptor 2)
+    while profiling; every other line written to stderr meanwhile is passed on afterwards."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 (an embedded interpreter): nothing to hold back
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if not line.startswith(_CHATTER):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 def offload_spans(path: str) -> list[dict[str, Any]]:
@@ -170,7 +203,12 @@ def draw_timeline(trace_path: str, png_path: str, *, stall_ms: float = 0.5) -> N
     order = sorted(lanes, key=lambda key: (key[0] == "gpu",
                                            not any(".block " in e["name"] for e in lanes[key]),
                                            str(key)))
-    cmap = plt.get_cmap("tab10")
+    tab10 = plt.get_cmap("tab10")
+    palette = [tab10(i) for i in range(10) if i not in (3, 7)]  # red means a stall, grey idle
+
+    def cmap(index: int) -> Any:
+        return palette[index % len(palette)]
+
     fig, ax = plt.subplots(figsize=(14, 1.0 + 0.8 * len(order)))
     stalls = 0
     for row, key in enumerate(order):
@@ -178,7 +216,7 @@ def draw_timeline(trace_path: str, png_path: str, *, stall_ms: float = 0.5) -> N
             start, dur = (float(e["ts"]) - t0) / 1e3, float(e.get("dur", 0)) / 1e3
             name = str(e["name"])
             match = _BLOCK_INDEX.search(name)
-            colour = cmap(int(match.group(1)) % 10) if match else "0.6"
+            colour = cmap(int(match.group(1))) if match else "0.6"
             if key[0] == "gpu":
                 ax.broken_barh([(start, dur)], (row - 0.3, 0.6), color="0.4")
             elif name.startswith("offload_ref.wait"):
@@ -200,17 +238,27 @@ def draw_timeline(trace_path: str, png_path: str, *, stall_ms: float = 0.5) -> N
             labels.append(f"CUDA stream {tid}")
         else:
             labels.append(thread_names.get((pid, tid)) or f"thread {tid}")
+    # Each pass over the DiT starts with its first block's compute: a dotted line per pass
+    # (a denoising step makes one pass, or two under classifier-free guidance).
+    starts = sorted((float(e["ts"]) - t0) / 1e3 for e in ours
+                    if str(e["name"]).startswith("offload_ref.block")
+                    and (m := _BLOCK_INDEX.search(str(e["name"]))) and int(m.group(1)) == 0)
+    for n, start in enumerate(starts):
+        ax.axvline(start, color="0.3", linestyle=":", linewidth=0.8)
+        ax.text(start, -0.6, f"pass {n + 1}", fontsize="x-small", va="bottom")
     ax.set_yticks(range(len(order)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("ms since the first offloader range")
     ax.set_title(f"offload_ref timeline: {trace_path} (colour = block; red hatched = wait "
-                 f">= {stall_ms:g} ms, {stalls} stall(s))")
+                 f">= {stall_ms:g} ms, {stalls} stall(s))", pad=16)  # room for the pass labels
     ax.legend(handles=[Patch(facecolor="red", hatch="//", label="stall (wait)"),
                        Patch(facecolor=cmap(0), label="block 0 (compute or its copy)"),
-                       Patch(facecolor=cmap(1), label="block 1 ...")],
+                       Patch(facecolor=cmap(1), label="block 1 ..."),
+                       Patch(facecolor="white", edgecolor="0.3", linestyle=":",
+                             label="a pass over the DiT begins")],
               loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
+    fig.savefig(png_path, dpi=120, bbox_inches="tight")  # the legend sits outside the axes
     plt.close(fig)
 
 

@@ -141,6 +141,16 @@ def test_trace_png_draws_the_timeline(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_profiler_s_own_lines_do_not_reach_the_terminal(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Kineto writes USDT:/STAGE: lines to file descriptor 2 at every start and stop."""
+    assert main(["trace", "--pipeline", "flux2", "--strategy", "layer_wise",
+                 "-o", str(tmp_path / "t.json")]) == 0
+    err = capfd.readouterr().err
+    assert "USDT:" not in err and "STAGE:" not in err, err
+    assert "offload-ref trace: flux2 / layer_wise" in err, err
+
+
 def test_spans_cost_nothing_without_a_profiler(monkeypatch: pytest.MonkeyPatch) -> None:
     """No record_function (and no name string) is made while no profiler runs; under one, every
     block, copy and wait is a range."""
