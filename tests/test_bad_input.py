@@ -470,7 +470,8 @@ def test_an_uninitialized_lazy_parameter_is_a_topology_error_naming_it(strategy)
 def test_a_pipeline_enable_rejects_untouched_is_not_blamed_on_the_offloader() -> None:
     """Before: each rollback check asked "does the backend use a Transaction?" of a pipeline
     the resolver rejected before any mutation (issue 22): the author's topology, not the
-    offloader's defect.  Now: not applicable, with the resolver's own message."""
+    offloader's defect.  Now: one preflight error with the resolver's own message, and the
+    checks not run."""
     from offload_ref.contracts import PipelineSpec
     from offload_ref.contracts.runner import run_checks
 
@@ -480,10 +481,13 @@ def test_a_pipeline_enable_rejects_untouched_is_not_blamed_on_the_offloader() ->
                                          "check_failed_enable_releases_memory_and_chains_the_cause",
                                          "check_failed_enable_can_be_retried"],
                          include_global=False)
-    assert len(results) == 3
-    for r in results:
+    [root] = [r for r in results if r.id.check == "preflight"]
+    assert root.outcome == "error" and "is uninitialized" in root.message, root.message
+    others = [r for r in results if r is not root]
+    assert len(others) == 3
+    for r in others:  # not run: the plan does not resolve (one root cause, reported once)
         assert r.outcome == "not_applicable", (r.outcome, r.message)
-        assert "Transaction" not in r.message and "is uninitialized" in r.message
+        assert "Transaction" not in r.message and "does not resolve" in r.message
 
 
 def _no_inputs(seed: int = 0) -> dict:
