@@ -57,6 +57,7 @@ import json
 import os
 import platform as pyplatform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -348,10 +349,16 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--growth", action="store_true",
                    help="only the growth table: enable time and per-block overhead at 8, 64, "
                         "512 blocks and 10^3, 10^5 tensors, with fitted exponents")
+    p.add_argument("--spec", metavar="MODULE:ATTR",
+                   help="only your own pipeline (a PipelineSpec or a factory, as `offload-ref "
+                        "check` takes it): generation time resident / model level / layerwise, "
+                        "layerwise extra time per block call, enable time per strategy")
     p.set_defaults(func=_cmd_bench)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.spec:
+        return _cmd_bench_spec(args)
     if args.peers or args.growth:
         previous = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -376,6 +383,109 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         text += "\n\n" + format_peers(results["peers"])
     print(json.dumps(results, indent=2) if args.json else text)
     return 0
+
+
+# -- an author's own pipeline (issue 23) -----------------------------------------------------------
+
+def _cmd_bench_spec(args: argparse.Namespace) -> int:
+    from .contracts.refs import RefError, resolve, specs_from
+
+    try:
+        specs = specs_from(args.spec, resolve(args.spec))
+    except RefError as exc:
+        print(f"offload-ref bench: error: --spec {exc}", file=sys.stderr)
+        return 2
+    out = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "device": args.device},
+           "pipelines": [run_spec_bench(spec, repeats=args.repeats, device=args.device)
+                         for spec in specs]}
+    print(json.dumps(out, indent=2) if args.json else
+          "\n\n".join(format_spec_bench(r) for r in out["pipelines"]))
+    return 0
+
+
+def run_spec_bench(spec: Any, *, repeats: int = 7, device: str = "cpu") -> dict[str, Any]:
+    """One pipeline under each strategy it claims (model level, layerwise), against the whole
+    pipeline on the device: median generation seconds (interleaved, one run), layerwise extra
+    time per streamed block call, and median ``enable()`` seconds of a host-built pipeline."""
+    from .backends import get_offload_backend
+    from .contracts.case import move_to_device
+    from .plan import resolve_offload_plan, selectable_components
+
+    from .contracts.preflight import unresolved_strategies
+
+    platform = _bench_platform(device)
+    inputs = spec.make_inputs()
+    skipped = {s: why for s, why in unresolved_strategies(spec).items()
+               if s in ("model_level", "layer_wise")}
+    strategies = [s for s in ("model_level", "layer_wise")
+                  if spec.supports(s) and s not in skipped]
+    pipes: dict[str, Any] = {"resident": move_to_device(spec.build(), platform.device)}
+    backends: dict[str, Any] = {}
+    block_calls = 0
+    try:
+        for strategy in strategies:
+            pipe = spec.build()
+            config = OffloadConfig(strategy=strategy,
+                                   components=selectable_components(pipe, strategy))
+            backends[strategy] = get_offload_backend(config, platform=platform)
+            backends[strategy].enable(pipe)
+            pipes[strategy] = pipe
+        if "layer_wise" in pipes:
+            plan = resolve_offload_plan(spec.build(), OffloadConfig(
+                strategy="layer_wise", components=selectable_components(spec.build(),
+                                                                        "layer_wise")))
+            streamed = {p for s in plan.stacks for p in s.block_paths[s.resident_head:]}
+            calls: list[str] = []
+            handles = [m.register_forward_pre_hook(lambda *a, p=p: calls.append(p))
+                       for p, m in pipes["layer_wise"].named_modules() if p in streamed]
+            with torch.inference_mode():
+                pipes["layer_wise"](**inputs)
+            for h in handles:
+                h.remove()
+            block_calls = len(calls)
+        with torch.inference_mode():
+            gen = _interleaved({n: (lambda p=p: p(**inputs)) for n, p in pipes.items()},
+                               repeats, platform.synchronize)
+    finally:
+        for backend in backends.values():
+            backend.disable()
+    enable: dict[str, float] = {}
+    for strategy in strategies:
+        pipe = spec.build()
+        config = OffloadConfig(strategy=strategy, components=selectable_components(pipe, strategy))
+        backend = get_offload_backend(config, platform=platform)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            backend.enable(pipe)
+            platform.synchronize()
+            times.append(time.perf_counter() - start)
+            backend.disable()
+        enable[strategy] = statistics.median(times)
+    result: dict[str, Any] = {"pipeline": spec.name, "repeats": repeats, "not_run": skipped,
+                              "generation_s": gen, "enable_s": enable,
+                              "ratio_to_resident": {n: gen[n] / gen["resident"] for n in gen}}
+    if block_calls:
+        result["layerwise_block_calls"] = block_calls
+        result["layerwise_extra_us_per_block_call"] = (
+            1e6 * (gen["layer_wise"] - gen["resident"]) / block_calls)
+    return result
+
+
+def format_spec_bench(r: dict[str, Any]) -> str:
+    lines = [f"{r['pipeline']} (median of {r['repeats']}, interleaved)",
+             f"{'':<12} {'generation':>12} {'x resident':>11} {'enable()':>10}"]
+    for name, seconds in r["generation_s"].items():
+        en = r["enable_s"].get(name)
+        lines.append(f"{name:<12} {1e3 * seconds:>10.2f}ms {r['ratio_to_resident'][name]:>10.2f}x"
+                     + (f" {1e3 * en:>8.2f}ms" if en is not None else f" {'-':>10}"))
+    if "layerwise_extra_us_per_block_call" in r:
+        lines.append(f"layerwise: {r['layerwise_block_calls']} block calls per generation, "
+                     f"{r['layerwise_extra_us_per_block_call']:.1f} us extra per block call "
+                     "(copies not hidden by compute, plus the ring's own work)")
+    for strategy, why in r.get("not_run", {}).items():
+        lines.append(f"{strategy}: not run, its plan does not resolve: {why}")
+    return "\n".join(lines)
 
 
 # -- per-block host overhead, peers, growth (issue 12) -------------------------------------------

@@ -7,7 +7,7 @@
                       [--inputs MODULE:ATTR] [--name NAME]... [--strategy S]...
                       [--strategy auto --device-budget N]
     offload-ref bench [--hidden N] [--blocks N] [--tokens N] [--steps N] [--repeats N]
-                      [--device D] [--peers] [--growth] [--json]
+                      [--device D] [--peers] [--growth] [--spec MODULE:ATTR] [--json]
     offload-ref trace [--pipeline NAME | --spec MODULE:ATTR] [--strategy S] -o TRACE.json
                       [--no-prefetch] [--png TIMELINE.png]
 

@@ -233,3 +233,20 @@ def test_bad_selection_is_one_clear_line_and_exit_2(
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
     assert captured.out == "", captured.out
+
+
+def test_bench_measures_an_authors_own_pipeline(author: Path) -> None:
+    """`offload-ref bench --spec MODULE:ATTR` (before: built-in fixtures only)."""
+    script = Path(sys.executable).with_name("offload-ref")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT")) and k != "PYTHONPATH"}
+    proc = subprocess.run([str(script), "bench", "--spec", "kit_author.testing:GOOD",
+                           "--repeats", "1", "--json"], check=False, cwd=author, env=env,
+                          capture_output=True, text=True, timeout=_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    [result] = json.loads(proc.stdout)["pipelines"]
+    assert result["pipeline"] == "good"
+    assert set(result["generation_s"]) == {"resident", "model_level"}  # GOOD claims model level
+    assert result["enable_s"]["model_level"] > 0 and result["ratio_to_resident"]["resident"] == 1
