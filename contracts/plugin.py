@@ -22,6 +22,7 @@ leaves torch's setting alone everywhere.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -87,6 +88,42 @@ def pytest_configure(config: pytest.Config) -> None:
             "is False); run on a machine with an NVIDIA GPU and a CUDA build of torch")
     if config.getoption("--offload-ref-threads") < 0:
         raise pytest.UsageError("--offload-ref-threads: expected N >= 0 (0: leave torch alone)")
+    if config.getoption("--offload-ref-spec") or "contract" in (config.option.markexpr or ""):
+        _load_the_kit_device()
+
+
+_LOADED: list[bool] = []  # the kit's device was loaded (or found unavailable) in this process
+#: what marks a test file that runs kit checks, read before pytest imports it
+_KIT_FILE_MARKERS = (b"OFFLOAD_REF_SPECS", b"parametrize_with_checks", b"offload_ref_check",
+                     b"offload_ref.contracts")
+
+
+def _load_the_kit_device() -> None:
+    """Load the simulated accelerator now, before anything asks torch for its accelerator hooks
+    (importing diffusers does, and so does ``torch.random.fork_rng``): after that it cannot
+    register, and the kit would run with placement checks off (its header says why).  Only in
+    sessions that run kit checks: loading adds a device to the process."""
+    _LOADED.append(True)
+    if os.environ.get("OFFLOAD_REF_SIM", "1") == "0":
+        return
+    from offload_ref.platform import simulated
+
+    simulated.available()  # loads it, or records why it cannot (the report prints that)
+
+
+def pytest_collect_file(file_path: Any, parent: Any) -> None:
+    """Before a test module that uses the kit is imported, load the kit's device."""
+    name = file_path.name
+    if _LOADED or file_path.suffix != ".py" or not (name.startswith("test_") or
+                                                     name.endswith("_test.py")):
+        return None
+    try:
+        text = file_path.read_bytes()
+    except OSError:
+        return None
+    if any(marker in text for marker in _KIT_FILE_MARKERS):
+        _load_the_kit_device()
+    return None
 
 
 def _runs_kit_checks(items: list[pytest.Item]) -> bool:

@@ -48,6 +48,9 @@ def preflight(spec: PipelineSpec) -> list[str]:
     """The problems that keep the kit from running ``spec``'s checks, one line each (empty: the
     spec is usable).  Computed once per spec in a process."""
     if spec not in _CACHE:
+        from .case import kit_device
+
+        kit_device()  # the simulated accelerator loads before the pipeline's first run can stop it
         _CACHE[spec] = _problems(spec)
     return list(_CACHE[spec])
 

@@ -200,3 +200,27 @@ def test_plugin_misspelled_module_expected_failures_is_an_error(pytester) -> Non
     result.stdout.no_fnmatch_line("*passed*")
     output = "\n".join(result.outlines + result.errlines)
     assert f"did you mean '{_CHECK}'" in output, output
+
+
+_IMPORTS_DIFFUSERS_FIRST = """
+import diffusers  # asks torch for its accelerator hooks, as a real author's test module would
+from offload_ref.fixtures import get_spec
+
+OFFLOAD_REF_SPECS = [get_spec("flux2")]
+
+def test_offload(offload_ref_check):
+    offload_ref_check()
+"""
+
+
+def test_the_pytest_route_runs_placement_checks_on_although_the_module_imports_diffusers(
+        pytester) -> None:
+    """Before: importing diffusers (or torch.random.fork_rng in a pipeline's first run) looked up
+    torch's HPU hooks before the simulated accelerator loaded, and every pytest route of the kit
+    ran with placement checks off.  The plugin now loads it before such a module is imported."""
+    pytester.makepyfile(test_author=_IMPORTS_DIFFUSERS_FIRST)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-k", "check_offloaded_output_matches_reference_bitwise")
+    result.assert_outcomes(passed=2)
+    out = result.stdout.str()
+    assert "placement checks ON" in out and "PLACEMENT CHECKS OFF" not in out, out
