@@ -227,6 +227,21 @@ def _backend(strategy: OffloadStrategy, platform: Any) -> Any:
                                platform=platform)
 
 
+def _median_enable_s(backend: Any, pipeline: Any, platform: Any, repeats: int
+                     ) -> tuple[float, int]:
+    """Median seconds of ``backend.enable(pipeline)`` (each followed by ``disable()``) and the
+    host-master bytes it built."""
+    times, nbytes = [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.enable(pipeline)
+        platform.synchronize()
+        times.append(time.perf_counter() - start)
+        nbytes = backend.stats().host_bytes
+        backend.disable()
+    return statistics.median(times), nbytes
+
+
 def _enable_cost(pipeline: Any, platform: Any, repeats: int) -> dict[str, Any]:
     """enable() time per strategy against two copies of the same host-master bytes: a warm
     ``dst.copy_(src)`` (the issue's figure, ``ratio``) and a copy into freshly allocated memory,
@@ -234,15 +249,8 @@ def _enable_cost(pipeline: Any, platform: Any, repeats: int) -> dict[str, Any]:
     copy pays, page faults of its fresh destination included.  Both copy from the same source."""
     out: dict[str, Any] = {}
     for strategy in (OffloadStrategy.MODEL_LEVEL, OffloadStrategy.LAYER_WISE):
-        backend = _backend(strategy, platform)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            backend.enable(pipeline)
-            platform.synchronize()
-            times.append(time.perf_counter() - start)
-            nbytes = backend.stats().host_bytes
-            backend.disable()
+        enable_s, nbytes = _median_enable_s(_backend(strategy, platform), pipeline, platform,
+                                            repeats)
         # A written source: a never-written torch.empty reads the kernel's shared zero page,
         # which made the denominator about 1.4x too fast.  The weights are written memory.
         src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
@@ -269,7 +277,7 @@ def _enable_cost(pipeline: Any, platform: Any, repeats: int) -> dict[str, Any]:
             floor.append(time.perf_counter() - start)
             platform.host_free(master)
             del master
-        enable_s, memcpy_s = statistics.median(times), statistics.median(copies)
+        memcpy_s = statistics.median(copies)
         fresh_s, floor_s = statistics.median(fresh), statistics.median(floor)
         out[strategy.value] = {"enable_s": enable_s, "host_bytes": nbytes,
                                "memcpy_s": memcpy_s, "ratio": enable_s / memcpy_s,
@@ -453,15 +461,8 @@ def run_spec_bench(spec: Any, *, repeats: int = 7, device: str = "cpu") -> dict[
     for strategy in strategies:
         pipe = spec.build()
         config = OffloadConfig(strategy=strategy, components=selectable_components(pipe, strategy))
-        backend = get_offload_backend(config, platform=platform)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            backend.enable(pipe)
-            platform.synchronize()
-            times.append(time.perf_counter() - start)
-            backend.disable()
-        enable[strategy] = statistics.median(times)
+        enable[strategy] = _median_enable_s(get_offload_backend(config, platform=platform),
+                                            pipe, platform, repeats)[0]
     result: dict[str, Any] = {"pipeline": spec.name, "repeats": repeats, "not_run": skipped,
                               "generation_s": gen, "enable_s": enable,
                               "ratio_to_resident": {n: gen[n] / gen["resident"] for n in gen}}
