@@ -350,7 +350,6 @@ class Failure:
     tensors: list[str]
     causes: list[str]
     generation: int
-    error: str
 
 
 _FACTORIES = frozenset({
@@ -485,10 +484,9 @@ class PlacementWatch(TorchFunctionMode):
         self._guarded(lambda: [self._note_read(t, where) for t in found])
         try:
             out = func(*args, **kwargs)
-        except Exception as exc:
+        except Exception:
             if self.failure is None and len({t.device for t in found}) > 1:
-                self._guarded(lambda: setattr(self, "failure",
-                                              self._explain(name, found, where, exc)))
+                self._guarded(lambda: setattr(self, "failure", self._explain(name, found, where)))
             raise
         self._guarded(lambda: self._note_output(name, found, kwargs, out))
         return out
@@ -623,8 +621,7 @@ class PlacementWatch(TorchFunctionMode):
         return ("the pipeline's own code" if not where[0] else
                 f"module {where[0]} (call {where[1]})")
 
-    def _explain(self, op: str, found: list[torch.Tensor], where: tuple[str, int],
-                 exc: BaseException) -> Failure:
+    def _explain(self, op: str, found: list[torch.Tensor], where: tuple[str, int]) -> Failure:
         line = code_line()
         kept = self._kept()
         self._added_cache = None
@@ -632,7 +629,6 @@ class PlacementWatch(TorchFunctionMode):
         causes: list[str] = []
         seen: set[int] = set()
         blamed: set[str] = set()
-        devices = {str(t.device) for t in found}
         for t in found:
             if id(t) in seen:
                 continue
@@ -663,7 +659,7 @@ class PlacementWatch(TorchFunctionMode):
                                  f"(a tensor kept across calls as a plain attribute, on "
                                  f"{o.device if o is not None else t.device}{made})")
                 if o is None or o.generation < self.generation:  # made by an earlier call
-                    causes.append(self._kept_cause(name, o, devices))
+                    causes.append(self._kept_cause(name, o))
             elif (o := self.origin(t)) is not None and o.source is not None:
                 described.append(f"a tensor on {t.device} computed by {o.what} at {o.line} "
                                  f"while {o.source} was {o.state}")
@@ -677,8 +673,7 @@ class PlacementWatch(TorchFunctionMode):
                     "any torch call the kit saw)")
         if not causes:
             causes.append(self._input_cause(found))
-        return Failure(op, line, self._reader(where), described, causes, self.generation,
-                       f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        return Failure(op, line, self._reader(where), described, causes, self.generation)
 
     def _weight_cause(self, path: str, t: torch.Tensor, where: tuple[str, int],
                       line: str) -> str:
@@ -769,7 +764,7 @@ class PlacementWatch(TorchFunctionMode):
         name = self._kept().get(id(root)) if root is not None else None
         return (name, self.origin(root)) if name is not None else None
 
-    def _kept_cause(self, path: str, o: Origin | None, devices: set[str]) -> str:
+    def _kept_cause(self, path: str, o: Origin | None) -> str:
         holder = path.rsplit(".", 1)[0] if "." in path else ""
         on_module = isinstance(self.modules.get(holder), nn.Module) or (
             not holder and isinstance(self.pipeline, nn.Module))

@@ -146,11 +146,16 @@ class Base(StableDiffusion3Pipeline):
     """Correct: SD3's pipeline with the DiT above and encoders with an ``encode`` method."""
 
     transformer_class: type[nn.Module] = _Transformer
+    #: a component the transformer keeps an unregistered reference to, as ``_<name>``
+    back_reference: str | None = None
 
     def __init__(self) -> None:
         super().__init__()
         self.transformer = self.transformer_class()
         self.text_encoder = _Encoder(CLIP_DIM, pooled_dim=CLIP_DIM)
+        if self.back_reference is not None:  # kept out of _modules (no cycle, no second owner)
+            object.__setattr__(self.transformer, f"_{self.back_reference}",
+                               getattr(self, self.back_reference))
 
 
 class Correct(Base):
@@ -264,10 +269,7 @@ class _CallsEncoderModuleTransformer(_Transformer):
 
 class DitCallsEncoderModule(Base):
     transformer_class = _CallsEncoderModuleTransformer
-
-    def __init__(self) -> None:
-        super().__init__()
-        object.__setattr__(self.transformer, "_text_encoder_3", self.text_encoder_3)
+    back_reference = "text_encoder_3"
 
 
 class GeneratorOnExecutionDevice(Correct):
@@ -286,10 +288,7 @@ class _BackReferenceTransformer(_Transformer):
 
 class DitReadsEncoderTable(Base):
     transformer_class = _BackReferenceTransformer
-
-    def __init__(self) -> None:
-        super().__init__()
-        object.__setattr__(self.transformer, "_text_encoder", self.text_encoder)
+    back_reference = "text_encoder"
 
 
 # 3. a component run through an entry point other than its forward
