@@ -12,7 +12,8 @@ import pytest
 from .case import DEFAULT_IMPLEMENTATION, Implementation
 from .registry import AREAS, CheckFailure, CheckInfo, CheckNotApplicable, doc_for
 from .runner import (CaseId, expected_failures_for, failed_preflight, plan_cases,
-                     preflight_message, run_case, unresolved_cases, unresolved_message)
+                     message_of, preflight_message, run_case, unresolved_cases,
+                     unresolved_message)
 from .spec import PipelineSpec
 
 __all__ = ["BoundCheck", "check_params", "parametrize_with_checks"]
@@ -46,7 +47,7 @@ class BoundCheck:
             raise CheckFailure(
                 f"[{self.id.check}] on {self.id.spec or '-'} / {self.id.strategy or '-'} "
                 f"(§{self.info.section} {AREAS.get(self.info.area, '')}; "
-                f"{doc_for(self.info.section)}): {exc}\n  reproduce: {self.repro()}"
+                f"{doc_for(self.info.section)}): {message_of(exc)}\n  reproduce: {self.repro()}"
             ) from None
 
     def report_fields(self) -> dict[str, Any]:

@@ -350,3 +350,43 @@ def test_a_block_part_called_after_the_loop_is_named_where_the_offloader_hooks_o
                  "its part transformer.transformer_blocks.2.norm was called on its own",
                  "call the block itself"):
         assert text in result.message, (text, result.message)
+
+
+def check_kit_test_device_failure(case) -> None:
+    """Fails (CheckFailure, not an error) with the device error of an offloaded generation."""
+    from offload_ref.contracts.registry import fail
+
+    pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    try:
+        case.run(pipeline)
+    except RuntimeError as exc:
+        fail(f"the generation raised {exc}")
+    finally:
+        backend.disable()
+
+
+@needs_sim
+def test_the_pytest_route_keeps_the_diagnosis_of_a_failed_check(monkeypatch) -> None:
+    """A check that fails with a device error in its message gets the placement diagnosis as a
+    note; the failure the pytest route re-raises must carry it (before: dropped)."""
+    import dataclasses
+
+    import offload_ref.contracts.runner as runner
+    from offload_ref.contracts.case import DEFAULT_IMPLEMENTATION
+    from offload_ref.contracts.pytest_support import BoundCheck
+    from offload_ref.contracts.registry import CATALOGUE, CheckFailure
+    from placement_pipelines import spec_of
+
+    runner.load_catalogue()
+    info = dataclasses.replace(CATALOGUE[PARITY], id="check_kit_test_device_failure",
+                               func=check_kit_test_device_failure)
+    monkeypatch.setitem(CATALOGUE, info.id, info)
+    runner._PLACEMENT_DIAGNOSES.clear()
+    bound = BoundCheck(info, spec_of("calls_transformer_forward", ("model_level",)),
+                       "model_level", DEFAULT_IMPLEMENTATION)
+    with pytest.raises(CheckFailure) as raised:
+        bound()
+    assert "the generation raised" in str(raised.value), raised.value
+    assert "the forward hook of transformer never fired" in str(raised.value), raised.value
