@@ -16,6 +16,7 @@ from offload_ref.platform import CpuPlatform
 
 from offload_ref.backends.base import backend_of
 
+from .capabilities import OFFLOAD_REF, Capabilities
 from .diagnosis import Run, diagnose
 from .placement import Owners
 from .spec import PipelineSpec
@@ -97,6 +98,14 @@ class Implementation:
     config_from_mapping: Callable[..., OffloadConfig] = OffloadConfig.from_mapping
     make_backend: Callable[[OffloadConfig, Any], Any] = _make_backend
     make_platform: Callable[[], Any] = _make_platform
+    #: What the kit can see of it (:mod:`.capabilities` decides which checks apply from this).
+    capabilities: Capabilities = OFFLOAD_REF
+    #: ``(strategy, why)`` for each strategy it does not offer: those cases are not applicable.
+    unsupported_strategies: tuple[tuple[str, str], ...] = ()
+
+    def unsupported(self, strategy: str) -> str | None:
+        """Why this implementation does not offer ``strategy``, or None when it does."""
+        return dict(self.unsupported_strategies).get(strategy)
 
     def replace(self, **changes: Any) -> Implementation:
         return dataclasses.replace(self, **changes)
@@ -157,6 +166,11 @@ class CheckCase:
         self._runs.append(Run.of(output, pipeline, inputs))
         del self._runs[:-_KEPT_RUNS]
         return output
+
+    def forget_runs(self) -> None:
+        """Drop the generations :meth:`run` remembered: their outputs hold device bytes that a
+        check measuring the device must not count as the offloader's (the reference stays)."""
+        self._runs.clear()
 
     def reference(self) -> torch.Tensor:
         """The output of a fresh pipeline with no offloading, moved whole to :attr:`device`

@@ -8,6 +8,10 @@ imported when a test asks for ``offload_ref_check``.  Two ways to run the kit on
   ``def test_offload(offload_ref_check): offload_ref_check()``;
 * ``pytest --offload-ref-spec mypkg.specs:SPECS`` with the same test function.
 
+To judge another offloader than offload-ref's backends (an engine's own, diffusers', accelerate's),
+name its factory: ``OFFLOAD_REF_OFFLOADER = "mypkg.offload:factory"`` in the test file, or
+``--offload-ref-offloader mypkg.offload:factory`` (see ``offload_ref.contracts.offloader``).
+
 Torch threads: a session that will run kit checks (a collected test bound to a check, through
 ``offload_ref_check`` or ``parametrize_with_checks``) runs with ``torch.set_num_threads(N)``,
 ``N`` from ``--offload-ref-threads`` (default 1, as ``offload-ref check --torch-threads``), taken
@@ -41,6 +45,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--offload-ref-spec", action="append", default=[], metavar="MODULE:ATTR",
         help="a PipelineSpec (or a list of them) for tests using the offload_ref_check fixture",
+    )
+    group.addoption(
+        "--offload-ref-offloader", default=None, metavar="MODULE:ATTR",
+        help="judge another offloader than offload-ref's backends: a factory(device, strategy) "
+             "returning an object with enable(pipeline), disable() and is_enabled() (the same "
+             "as OFFLOAD_REF_OFFLOADER in the test module; the option wins)",
     )
     group.addoption(
         "--offload-ref-strategy", action="append", default=[], metavar="STRATEGY",
@@ -88,14 +98,15 @@ def pytest_configure(config: pytest.Config) -> None:
             "is False); run on a machine with an NVIDIA GPU and a CUDA build of torch")
     if config.getoption("--offload-ref-threads") < 0:
         raise pytest.UsageError("--offload-ref-threads: expected N >= 0 (0: leave torch alone)")
-    if config.getoption("--offload-ref-spec") or "contract" in (config.option.markexpr or ""):
+    if (config.getoption("--offload-ref-spec") or config.getoption("--offload-ref-offloader")
+            or "contract" in (config.option.markexpr or "")):
         _load_the_kit_device()
 
 
 _LOADED: list[bool] = []  # the kit's device was loaded (or found unavailable) in this process
 #: what marks a test file that runs kit checks, read before pytest imports it
-_KIT_FILE_MARKERS = (b"OFFLOAD_REF_SPECS", b"parametrize_with_checks", b"offload_ref_check",
-                     b"offload_ref.contracts")
+_KIT_FILE_MARKERS = (b"OFFLOAD_REF_SPECS", b"OFFLOAD_REF_OFFLOADER", b"parametrize_with_checks",
+                     b"offload_ref_check", b"offload_ref.contracts")
 
 
 def _load_the_kit_device() -> None:
@@ -298,9 +309,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         )
     strategies = metafunc.config.getoption("--offload-ref-strategy") or None
     expected = getattr(metafunc.module, "OFFLOAD_REF_EXPECTED_FAILURES", None)
+    offloader = (metafunc.config.getoption("--offload-ref-offloader")
+                 or getattr(metafunc.module, "OFFLOAD_REF_OFFLOADER", None))
+    from offload_ref.contracts.offloader import OffloaderError
+    from offload_ref.contracts.pytest_support import implementation_of
+
+    try:
+        impl = implementation_of(offloader)
+    except OffloaderError as exc:
+        raise pytest.UsageError(f"offloader {exc}") from None
     try:
         params = check_params(specs, expected_failures=expected, strategies=strategies,
-                              include_global=False, sources=sources)
+                              include_global=False, sources=sources, impl=impl)
     except ValueError as exc:  # a misspelled OFFLOAD_REF_EXPECTED_FAILURES key, ...
         raise pytest.UsageError(f"{metafunc.module.__name__}: {exc}") from None
     metafunc.parametrize("offload_ref_check", params)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -12,7 +12,7 @@ import pytest
 from .case import DEFAULT_IMPLEMENTATION, Implementation
 from .registry import AREAS, CheckFailure, CheckInfo, CheckNotApplicable, doc_for
 from .runner import (CaseId, expected_failures_for, failed_preflight, plan_cases,
-                     message_of, preflight_message, run_case, unresolved_cases,
+                     message_of, offloader_ref, preflight_message, run_case, unresolved_cases,
                      unresolved_message)
 from .spec import PipelineSpec
 
@@ -25,7 +25,8 @@ class BoundCheck:
     def __init__(self, info: CheckInfo, spec: PipelineSpec | None, strategy: str | None,
                  impl: Implementation, source: str | None = None) -> None:
         self.info, self.spec, self.strategy, self.impl = info, spec, strategy, impl
-        self.id = CaseId(info.id, spec.name if spec else None, strategy, source)
+        self.id = CaseId(info.id, spec.name if spec else None, strategy, source,
+                         offloader_ref(impl))
         #: the pytest node id of the test running this case (set by the plugin at collection)
         self.nodeid: str | None = None
 
@@ -116,7 +117,7 @@ def check_params(
                             id=f"preflight-{spec.name}-{strategy}", marks=[pytest.mark.contract])
                for spec, strategy, why in unresolved_cases(specs, strategies)]
     for planned in plan_cases(specs, checks=checks, strategies=strategies,
-                              include_global=include_global):
+                              include_global=include_global, impl=impl):
         info, spec, strategy = planned.info, planned.spec, planned.strategy
         bound = BoundCheck(info, spec, strategy, impl, sources.get(spec) if spec else None)
         marks = [pytest.mark.contract, *_process_marks(info, spec)]
@@ -139,6 +140,7 @@ def parametrize_with_checks(
     checks: Iterable[str] | None = None,
     strategies: Iterable[str] | None = None,
     include_global: bool = False,
+    offloader: str | Callable[..., Any] | None = None,
 ) -> Any:
     """Decorate a test taking ``check`` to run the kit against ``specs``::
 
@@ -148,10 +150,25 @@ def parametrize_with_checks(
 
     ``expected_failures`` (check id, or ``check-spec-strategy``) -> reason; strict.  An id that
     names no check and no generated case raises ``ValueError``, naming the closest id.
+    ``offloader`` judges another offloader than offload-ref's backends: a ``"MODULE:ATTR"``
+    reference or the factory itself (see :mod:`offload_ref.contracts.offloader`).
     """
     params = check_params(specs, expected_failures=expected_failures, checks=checks,
-                          strategies=strategies, include_global=include_global)
+                          strategies=strategies, include_global=include_global,
+                          impl=implementation_of(offloader))
     return pytest.mark.parametrize("check", params)
+
+
+def implementation_of(offloader: str | Callable[..., Any] | None) -> Implementation:
+    """offload-ref's backends (``None``), or the offloader a ``"MODULE:ATTR"`` reference or a
+    factory names, validated (:class:`~.offloader.OffloaderError` otherwise)."""
+    if offloader is None:
+        return DEFAULT_IMPLEMENTATION
+    from .offloader import load_offloader, offloader_implementation
+
+    if isinstance(offloader, str):
+        return load_offloader(offloader)
+    return offloader_implementation(offloader)
 
 
 def _process_marks(info: CheckInfo, spec: PipelineSpec | None) -> list[Any]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from offload_ref.config import OffloadStrategy
 
+from .capabilities import inapplicable
 from .case import DEFAULT_IMPLEMENTATION, CheckCase, Implementation
 from .placement import diagnose_device_error, is_device_error
 from .preflight import failed_preflight, unresolved_strategies
@@ -35,6 +36,8 @@ class CaseId:
     #: The ``offload-ref check`` arguments that select this spec again (``--spec my.mod:SPEC``,
     #: ``my.mod:build --inputs my.mod:inputs``, ...); None: a built-in fixture, by its name.
     source: str | None = field(default=None, compare=False)
+    #: ``--offloader MODULE:ATTR`` of a foreign offloader under test; None: offload-ref's own.
+    offloader: str | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return "-".join(p for p in (self.check, self.spec, self.strategy) if p)
@@ -52,6 +55,8 @@ class CaseId:
             parts.append(f"--check {self.check}")
         if self.strategy:
             parts.append(f"--strategy {self.strategy}")
+        if self.offloader:
+            parts.append(f"--offloader {self.offloader}")
         return " ".join(parts)
 
 
@@ -95,6 +100,7 @@ def plan_cases(
     checks: Iterable[str] | None = None,
     strategies: Iterable[str] | None = None,
     include_global: bool = True,
+    impl: Implementation = DEFAULT_IMPLEMENTATION,
 ) -> list[PlannedCase]:
     """Every case the selection generates, sorted (deterministic order for pytest-xdist), each
     with the reason it does not apply, if it does not.
@@ -105,6 +111,8 @@ def plan_cases(
     run.  A check whose ``applies`` does not hold for a spec is planned as not applicable, with
     the reason, so that a report shows it instead of letting it vanish.  A spec failing its
     preflight (:func:`failed_preflight`) gets no case at all (its one preflight result says so).
+    A check that cannot judge ``impl`` (:func:`~.capabilities.inapplicable`), and a strategy
+    ``impl`` does not offer, are planned as not applicable, with the reason.
     """
     catalogue = load_catalogue()
     wanted = None if checks is None else set(checks)
@@ -118,9 +126,10 @@ def plan_cases(
     for info in sorted(catalogue.values(), key=lambda i: i.id):
         if wanted is not None and info.id not in wanted:
             continue
+        cannot_judge = inapplicable(info.id, info.section, impl.capabilities)
         if info.scope == "global":
             if include_global:
-                cases.append(PlannedCase(info, None, None))
+                cases.append(PlannedCase(info, None, None, cannot_judge))
             continue
         for spec in sorted(specs, key=lambda s: s.name):
             if spec in failed:  # its `applies` would build the pipeline, and crash
@@ -129,6 +138,10 @@ def plan_cases(
                 if allowed is not None and strategy not in allowed:
                     continue
                 if not spec.supports(strategy):
+                    continue
+                not_offered = impl.unsupported(strategy)
+                if cannot_judge or not_offered:
+                    cases.append(PlannedCase(info, spec, strategy, cannot_judge or not_offered))
                     continue
                 if strategy in unresolved_strategies(spec):
                     cases.append(PlannedCase(info, spec, strategy, (
@@ -237,6 +250,12 @@ def run_case(info: CheckInfo, spec: PipelineSpec | None, strategy: str | None,
 _PLACEMENT_DIAGNOSES: dict[tuple[Any, str, Any], str] = {}
 
 
+def offloader_ref(impl: Implementation) -> str | None:
+    """What ``--offloader`` names ``impl`` by, in reproduction lines; None for offload-ref's own
+    backends."""
+    return None if impl.capabilities.internals else impl.name
+
+
 def message_of(exc: BaseException) -> str:
     """``str(exc)`` followed by the notes the kit added (a diagnosis)."""
     notes = getattr(exc, "__notes__", None) or ()
@@ -268,12 +287,12 @@ def run_checks(
                             unresolved_message(spec, strategy, why))
                 for spec, strategy, why in unresolved_cases(specs, strategies)]
     planned = plan_cases(specs, checks=checks, strategies=strategies,
-                         include_global=include_global)
+                         include_global=include_global, impl=impl)
     total = len(results) + len(planned)
     for planned_case in planned:
         info, spec, strategy = planned_case.info, planned_case.spec, planned_case.strategy
         cid = CaseId(info.id, spec.name if spec else None, strategy,
-                     sources.get(spec) if spec else None)
+                     sources.get(spec) if spec else None, offloader_ref(impl))
         if planned_case.planning_error is not None or planned_case.not_applicable is not None:
             results.append(
                 CheckResult(cid, "error", planned_case.planning_error)

@@ -2,7 +2,7 @@
 
     offload-ref check [MODULE:ATTR]... [--pipeline NAME]... [--spec MODULE:ATTR]...
                       [--inputs MODULE:ATTR] [--name NAME]... [--check ID]...
-                      [--strategy S]... [--list] [--json PATH]
+                      [--strategy S]... [--offloader MODULE:ATTR] [--list] [--json PATH]
     offload-ref plan  [MODULE:ATTR]... [--pipeline NAME]... [--spec MODULE:ATTR]...
                       [--inputs MODULE:ATTR] [--name NAME]... [--strategy S]...
                       [--strategy auto --device-budget N]
@@ -108,6 +108,19 @@ def _check_ids(args: argparse.Namespace) -> list[str] | None:
     return args.check or None
 
 
+def _implementation(args: argparse.Namespace) -> Any:
+    """offload-ref's backends, or the offloader ``--offloader MODULE:ATTR`` names."""
+    from offload_ref.contracts.case import DEFAULT_IMPLEMENTATION
+    from offload_ref.contracts.offloader import OffloaderError, load_offloader
+
+    if not args.offloader:
+        return DEFAULT_IMPLEMENTATION
+    try:
+        return load_offloader(args.offloader)
+    except OffloaderError as exc:
+        raise _UsageError(f"--offloader {exc}") from None
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from offload_ref.contracts.runner import load_catalogue, plan_cases, run_checks
 
@@ -128,19 +141,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
     simulated.available()  # first: torch looks its accelerator hooks up once per process
     specs, sources = _selection(args)
     checks = _check_ids(args)
+    impl = _implementation(args)
     torch.set_num_threads(args.torch_threads)
     include_global = not (args.spec or args.refs) or bool(args.pipeline)
     strategies = args.strategy or None
     total = len(plan_cases(specs, checks=checks, strategies=strategies,
-                           include_global=include_global))
-    head = report.header(pipelines={spec.name: sources.get(spec, "built-in fixture")
+                           include_global=include_global, impl=impl))
+    head = report.header(implementation=impl.name,
+                         pipelines={spec.name: sources.get(spec, "built-in fixture")
                                     for spec in specs}, threads=args.torch_threads)
     print(f"offload-ref check: {total} cases over {len(specs)} pipeline(s)", file=sys.stderr)
     start = time.perf_counter()
     progress = _Progress(sys.stderr)
     try:
         results = run_checks(specs, checks=checks, strategies=strategies,
-                             include_global=include_global, sources=sources, progress=progress)
+                             include_global=include_global, sources=sources, progress=progress,
+                             impl=impl)
     finally:
         progress.close()
     seconds = time.perf_counter() - start
@@ -252,6 +268,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     selection(p_check)
     p_check.add_argument("--check", action="append", default=[], metavar="ID")
     p_check.add_argument("--list", action="store_true", help="list the check catalogue")
+    p_check.add_argument("--offloader", metavar="MODULE:ATTR",
+                         help="judge another offloader than offload-ref's backends: a factory "
+                              "called as factory(device, strategy) returning an object with "
+                              "enable(pipeline), disable() and is_enabled(); checks that need "
+                              "offload-ref's internals are reported not applicable, with why "
+                              "(offload_ref.peers has diffusers' and accelerate's)")
     p_check.add_argument("--json", metavar="PATH",
                          help="also write the report as JSON to PATH ('-': to stdout, instead "
                               "of the text report)")
