@@ -70,7 +70,11 @@ class Mutant:
         """The checks this mutant fails: :attr:`kills`, plus :attr:`placement_kills` where host
         and device differ (``placement``: the kit runs on the simulated accelerator or a GPU),
         for a defect that leaves a tensor on the wrong device: one device hides it there."""
-        return self.kills | self.placement_kills if placement else self.kills
+        if placement:
+            return self.kills | self.placement_kills
+        from .checks.observable import DEVICE_MEMORY_CHECKS
+
+        return self.kills - DEVICE_MEMORY_CHECKS
 
     def specs(self) -> list[Any]:
         from offload_ref.fixtures import get_spec
@@ -681,6 +685,24 @@ def _m(name: str, defect: str, scope: dict, *, patch: Any = None, factory: Any =
                   **scope)
 
 
+# Offloaders judged through the public protocol alone (contracts/simple_offloader.py): a plain,
+# correct offloader with one defect each.  Run on flux2 (both strategies) and sd3 (layerwise:
+# a buffer outside the blocks views a block's weight).
+_PROTOCOL = dict(pipelines=("flux2", "sd3"), sections=("B", "C", "D", "F", "J"),
+                 strategies=("model_level", "layer_wise"))
+
+
+def _protocol(name: str) -> Mutant:
+    from .offloader import offloader_implementation
+    from .simple_offloader import BROKEN
+
+    factory, defect = BROKEN[name]
+    impl = offloader_implementation(factory, name=f"{__package__}.simple_offloader:{name}",
+                                    validate=False)
+    return Mutant(name, defect, impl, kills=frozenset(KILLS[name]),
+                  placement_kills=frozenset(PLACEMENT_KILLS.get(name, ())), **_PROTOCOL)
+
+
 def _resolver(name: str, defect: str, resolve: Callable[..., Any]) -> Mutant:
     return _m(name, defect, _RESOLVER, resolve_offload_plan=resolve)
 
@@ -837,6 +859,7 @@ KILLS: dict[str, set[str]] = {
     },
     "rollback_leaks_device_memory": {
         "check_failed_enable_releases_memory_and_chains_the_cause",
+        "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
     },
     "enable_error_loses_cause": {
         "check_failed_enable_releases_memory_and_chains_the_cause",
@@ -922,18 +945,26 @@ KILLS: dict[str, set[str]] = {
     "rollback_misses_a_hook": {
         "check_failed_enable_can_be_retried",
         "check_failed_enable_restores_the_pipeline",
+        "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
     },
     "hook_left_after_disable": {
         "check_cycles_do_not_grow_memory",
         "check_disable_removes_every_trace",
         "check_enable_disable_cycles_match_the_reference",
         "check_random_lifecycle_sequences_keep_invariants",
+        "check_every_disable_restores_tensors_and_frees_the_device",
+        "check_second_enable_changes_nothing_observable",
     },
     "two_groups_resident": {
         "check_model_level_keeps_one_group_resident",
+        "check_peak_device_bytes_stay_within_the_plan_bound",
     },
     "vae_offloaded": {
         "check_model_level_keeps_one_group_resident",
+        "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
+        "check_every_disable_restores_tensors_and_frees_the_device",
+        "check_peak_device_bytes_stay_within_the_plan_bound",
+        "check_second_enable_changes_nothing_observable",
     },
     "d2h_copy_on_swap": {
         "check_pipeline_built_under_inference_mode_matches_reference",
@@ -946,6 +977,8 @@ KILLS: dict[str, set[str]] = {
         "check_pipeline_built_under_inference_mode_matches_reference",
         "check_random_lifecycle_sequences_keep_invariants",
         "check_views_keep_strides_and_sharing",
+        "check_every_disable_restores_tensors_and_frees_the_device",
+        "check_second_enable_changes_nothing_observable",
     },
     "delegation_without_disable": {
         "check_split_model_failed_enable_calls_disable",
@@ -987,6 +1020,10 @@ KILLS: dict[str, set[str]] = {
         "check_skipped_block_is_recovered",
         "check_stats_match_what_the_platform_saw",
         "check_views_keep_strides_and_sharing",
+        "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
+        "check_every_disable_restores_tensors_and_frees_the_device",
+        "check_peak_device_bytes_stay_within_the_plan_bound",
+        "check_second_enable_changes_nothing_observable",
     },
     "slot_reused_before_free": set(),  # the same checks as missing_ready_wait (below)
     "no_wraparound_prefetch": {
@@ -996,6 +1033,7 @@ KILLS: dict[str, set[str]] = {
     "alias_placed_as_non_block_state": {
         "check_block_alias_follows_its_block",
         "check_layerwise_keeps_at_most_two_blocks_resident",
+        "check_peak_device_bytes_stay_within_the_plan_bound",
     },
     "tied_parameter_two_masters": {
         "check_parameter_shared_by_two_blocks_is_never_copied_twice",
@@ -1046,8 +1084,32 @@ KILLS: dict[str, set[str]] = {
     "three_slots": {
         "check_layerwise_keeps_at_most_two_blocks_resident",
         "check_stats_match_what_the_platform_saw",
+        "check_peak_device_bytes_stay_within_the_plan_bound",
     },
 }
+
+KILLS.update({
+    "simple_leaves_a_hook": {
+        "check_disable_removes_every_trace",
+        "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
+        "check_second_enable_changes_nothing_observable",
+    },
+    "simple_keeps_everything": {"check_peak_device_bytes_stay_within_the_plan_bound"},
+    "simple_copies_ties_apart": {"check_shared_storage_stays_shared_while_enabled"},
+    "simple_forgets_a_device": {
+        "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
+        "check_every_disable_restores_tensors_and_frees_the_device",
+        "check_generation_after_an_interrupt_is_exact",
+        "check_second_enable_changes_nothing_observable",
+    },
+    "simple_first_snapshot": {
+        "check_edit_between_cycles_takes_effect_and_survives_disable",
+        "check_edits_through_data_are_exact_or_refused",
+    },
+    "simple_no_rollback": {"check_enable_failing_part_way_leaves_the_pipeline_as_it_was"},
+    "simple_stacks_hooks": {"check_second_enable_changes_nothing_observable"},
+    "simple_interrupt_leak": {"check_generation_after_an_interrupt_is_exact"},
+})
 
 # A slot race surfaces the same way whichever event wait is missing: the stream-order checker
 # raises inside forward, so every check that runs a forward on a ring fails.
@@ -1057,6 +1119,12 @@ KILLS["slot_reused_before_free"] = set(KILLS["missing_ready_wait"])
 # device meets the other device's tensors in the next forward and raises torch's same-device
 # error, so every check that runs one fails too (Mutant.expected_kills).
 PLACEMENT_KILLS: dict[str, set[str]] = {
+    # A weight the broken offloader leaves on the device after disable meets host tensors in
+    # the next un-offloaded generation.
+    "simple_forgets_a_device": {
+        "check_enable_disable_cycles_match_the_reference",
+        "check_pipeline_built_under_inference_mode_matches_reference",
+    },
     # The VAE parked on the host between calls: the latents are made on the device, then meet a
     # host VAE; every check that generates under model level fails, not only the residency one.
     "vae_offloaded": {
@@ -1248,4 +1316,9 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("mmap_drops_non_persistent_buffers",
        "mmap loading leaves non-persistent buffers uninitialized", _DISTRIBUTED,
        patch=_buffers_left_uninitialized),
+    # Offloaders judged through the public protocol alone (any offloader's route)
+    *(_protocol(name) for name in ("simple_leaves_a_hook", "simple_keeps_everything",
+                                   "simple_copies_ties_apart", "simple_forgets_a_device",
+                                   "simple_first_snapshot", "simple_no_rollback",
+                                   "simple_stacks_hooks", "simple_interrupt_leak")),
 )

@@ -5,6 +5,7 @@ from . import config  # noqa: F401
 from . import distributed  # noqa: F401
 from . import lifecycle  # noqa: F401
 from . import misuse  # noqa: F401
+from . import observable  # noqa: F401
 from . import plan  # noqa: F401
 from . import residency  # noqa: F401
 from . import split  # noqa: F401

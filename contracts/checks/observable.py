@@ -1,0 +1,478 @@
+"""Checks judged from torch's own observables alone, so that they judge any offloader.
+
+They drive the offloader through ``enable`` / ``disable`` / ``is_enabled`` only, and look at what
+torch shows: the pipeline's tensors (identity, values, dtype, device, strides, storage sharing),
+its modules' hook dicts and attributes, and the device's allocated bytes
+(``torch.accelerator.memory_allocated`` / ``max_memory_allocated``).  Failures are injected from
+outside: a hook registration that raises part-way, a device allocation past the simulated
+accelerator's capacity.  They run on offload-ref's backends too (the control), next to the
+checks that also read its internals.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload_ref.plan import owned_tensors, resolve_offload_plan
+
+from ..registry import CheckNotApplicable, check, fail, not_applicable
+from ._observe import module_bytes, observe, tensor_bytes
+from ._util import _named_tensors, module_view, snapshot, storage_groups
+from .lifecycle import BACKENDS, _arm, _interrupt_targets, _KitInterrupt
+from .misuse import _edit, _same_state
+
+__all__ = ["DEVICE_MEMORY_CHECKS", "InjectedRegistrationError"]
+
+#: The checks here that read the device's allocated bytes: not applicable where host and device
+#: are one (single-device mode), where nothing an offloader keeps can be told apart.
+DEVICE_MEMORY_CHECKS = frozenset({
+    "check_every_disable_restores_tensors_and_frees_the_device",
+    "check_second_enable_changes_nothing_observable",
+    "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
+    "check_peak_device_bytes_stay_within_the_plan_bound",
+    "check_generation_after_an_interrupt_is_exact",
+})
+
+
+# -- what torch shows --------------------------------------------------------------------------
+
+
+def _device_memory(case: Any) -> torch.device:
+    """The case's device, when torch can count its bytes apart from the host's."""
+    device = case.device
+    if device.type == "cpu":
+        not_applicable("host and device are one here (single-device mode): the kit cannot see "
+                       "what an offloader keeps on the device; run with the simulated "
+                       "accelerator or on a GPU")
+    return device
+
+
+def _allocated(device: torch.device) -> int:
+    """Live bytes on ``device`` once unreachable tensors are collected."""
+    gc.collect()
+    return torch.accelerator.memory_allocated(device)
+
+
+def _generate(case: Any, pipeline: Any) -> None:
+    """One generation whose output is dropped (its device bytes are not the offloader's)."""
+    with torch.inference_mode():
+        pipeline(**case.inputs())
+
+
+def _diff_tensors(before: Any, after: Any) -> list[str]:
+    """What changed in the pipeline's tensors: identity, device, dtype, shape, stride, and
+    values.  Storage addresses and offsets may change (offload-ref rebuilds a storage with its
+    alignment phase: Note [Aligned layout] in offload_ref/host.py)."""
+    problems = []
+    for name, meta in before.tensors.items():
+        now = after.tensors.get(name)
+        if now is None or now[0] != meta[0]:
+            problems.append(f"{name}: not the same tensor object")
+        elif (now[1],) + now[3:6] != (meta[1],) + meta[3:6]:
+            problems.append(f"{name}: (device, dtype, shape, stride) "
+                            f"{(meta[1],) + meta[3:6]} -> {(now[1],) + now[3:6]}")
+    problems += [p for p in before.diff(after) if p.startswith("values")]
+    return problems
+
+
+def _not_as_built(before: Any, after: Any) -> list[str]:
+    """:func:`_diff_tensors`, then attributes and hooks added or removed."""
+    return _diff_tensors(before, after) + [p for p in before.diff(after)
+                                           if p.startswith("module ")]
+
+
+# -- §C: what disable leaves -------------------------------------------------------------------
+
+
+@check("C", strategies=BACKENDS)
+def check_every_disable_restores_tensors_and_frees_the_device(case) -> None:
+    """After each of three enable / generate / disable cycles: the same Parameter and buffer
+    objects, with their values, dtypes, devices, shapes, strides and storage sharing, and the
+    device's allocated bytes (``torch.accelerator.memory_allocated``) back where they were
+    before enable; ``is_enabled()`` is False."""
+    device = _device_memory(case)
+    pipeline = case.build()
+    before, groups = snapshot(pipeline, values=True), storage_groups(pipeline)
+    backend = case.backend()
+    for cycle in range(3):
+        base = _allocated(device)
+        backend.enable(pipeline)
+        _generate(case, pipeline)
+        backend.disable()
+        problems = _diff_tensors(before, snapshot(pipeline, values=True))
+        if storage_groups(pipeline) != groups:
+            problems.append(f"storage sharing {groups} -> {storage_groups(pipeline)}")
+        held = _allocated(device) - base
+        if held > 0:
+            problems.append(f"{held} bytes are still allocated on {device}")
+        if backend.is_enabled():
+            problems.append("is_enabled() is True")
+        if problems:
+            fail(f"after disable (cycle {cycle}), {type(pipeline).__name__} is not as built: "
+                 f"{problems[:6]}")
+
+
+@check("C", strategies=BACKENDS)
+def check_second_enable_changes_nothing_observable(case) -> None:
+    """A second ``enable()`` on an enabled pipeline raises or is a no-op: device bytes, hooks and
+    attributes stay as the first enable left them, the next generation is exact, and one
+    ``disable()`` then restores the pipeline as built (no device bytes, no hook, no attribute)."""
+    device = _device_memory(case)
+    reference = case.reference()
+    pipeline = case.build()
+    before = snapshot(pipeline, values=True)
+    base = _allocated(device)
+    backend = case.backend()
+    backend.enable(pipeline)
+    _generate(case, pipeline)
+    first, held = snapshot(pipeline), _allocated(device)
+    try:
+        backend.enable(pipeline)
+    except CheckNotApplicable:
+        raise
+    except Exception:  # noqa: BLE001 - refusing a second enable is allowed
+        pass
+    second = snapshot(pipeline)
+    problems = [p for p in first.diff(second) if not p.startswith("tensor ")]
+    if _allocated(device) != held:
+        problems.append(f"device bytes {held} -> {_allocated(device)}")
+    if problems:
+        fail(f"a second enable() changed the enabled pipeline: {problems[:6]}")
+    case.compare("after a second enable()", case.run(pipeline), reference)
+    backend.disable()
+    case.forget_runs()
+    problems = _not_as_built(before, snapshot(pipeline, values=True))
+    held = _allocated(device) - base
+    if held > 0:
+        problems.append(f"{held} bytes still allocated on {device}")
+    if problems:
+        fail(f"after two enable() calls, one disable() did not restore the pipeline: "
+             f"{problems[:6]}")
+
+
+# -- §B: failures injected from outside --------------------------------------------------------
+
+
+class InjectedRegistrationError(RuntimeError):
+    """The kit's fault: a hook registration (or forward override) that fails part-way."""
+
+
+class _Registrations:
+    """Counts what an enable registers on modules -- forward (pre-)hooks, module-global hooks,
+    ``module.forward`` overrides (accelerate's and diffusers' hooks) -- and fails one of them."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.labels: list[str] = []
+        self.fail_at = fail_at
+
+    def event(self, label: str) -> None:
+        index = len(self.labels)
+        self.labels.append(label)
+        if index == self.fail_at:
+            raise InjectedRegistrationError(f"offload-ref kit: registration #{index} ({label}) "
+                                            "failed")
+
+    @contextmanager
+    def watching(self) -> Iterator[_Registrations]:
+        module_cls, module_mod = nn.Module, nn.modules.module
+        saved = {name: module_cls.__dict__[name] for name in (
+            "register_forward_pre_hook", "register_forward_hook", "__setattr__")}
+        saved_global = {name: getattr(module_mod, name) for name in (
+            "register_module_forward_pre_hook", "register_module_forward_hook")}
+
+        def method(name: str) -> Any:
+            original = saved[name]
+
+            def wrapper(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                self.event(f"{type(module).__name__}.{name}")
+                return original(module, *args, **kwargs)
+            return wrapper
+
+        def setattr_(module: nn.Module, name: str, value: Any) -> None:
+            if name == "forward":
+                self.event(f"{type(module).__name__}.forward = ...")
+            saved["__setattr__"](module, name, value)
+
+        def global_hook(name: str) -> Any:
+            original = saved_global[name]
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                self.event(f"torch.nn.modules.module.{name}")
+                return original(*args, **kwargs)
+            return wrapper
+
+        module_cls.register_forward_pre_hook = method("register_forward_pre_hook")
+        module_cls.register_forward_hook = method("register_forward_hook")
+        module_cls.__setattr__ = setattr_
+        for name in saved_global:
+            setattr(module_mod, name, global_hook(name))
+        try:
+            yield self
+        finally:
+            for name, value in saved.items():
+                setattr(module_cls, name, value)
+            for name, value in saved_global.items():
+                setattr(module_mod, name, value)
+
+
+@contextmanager
+def _capacity(device: torch.device, nbytes: int | None) -> Iterator[None]:
+    """The simulated accelerator refusing allocations past ``nbytes`` (None: no change)."""
+    if nbytes is None:
+        yield
+        return
+    from offload_ref.platform import simulated
+
+    index = device.index or 0
+    previous = simulated.capacity(index)
+    simulated.set_capacity(nbytes, index)
+    try:
+        yield
+    finally:
+        simulated.set_capacity(previous, index)
+
+
+def _simulated(device: torch.device) -> bool:
+    from offload_ref.platform import simulated
+
+    return device.type == simulated.DEVICE_TYPE and simulated.available()
+
+
+@check("B", strategies=BACKENDS)
+def check_enable_failing_part_way_leaves_the_pipeline_as_it_was(case) -> None:
+    """A failure injected from outside part-way through ``enable()`` -- the first, a middle and
+    the last hook registration (or ``forward`` override) raising, and a device allocation past
+    the device's capacity -- makes ``enable()`` raise and leaves the pipeline as built: the same
+    tensors and values, no hook or attribute added, no device bytes held, ``is_enabled()``
+    False.  Enabling again then works and generates exactly.  (An ``enable()`` that survives the
+    fault must still generate exactly.)"""
+    device = _device_memory(case)
+    reference = case.reference()
+    pipeline, counted = case.build(), _Registrations()
+    backend = case.backend()
+    base = _allocated(device)
+    torch.accelerator.reset_peak_memory_stats(device)
+    with counted.watching():
+        backend.enable(pipeline)
+    enable_bytes = torch.accelerator.max_memory_allocated(device) - base
+    backend.disable()
+    n = len(counted.labels)
+    faults: list[tuple[str, int | None, int | None]] = [
+        (f"registration #{k} ({counted.labels[k]}) raising", k, None)
+        for k in sorted({0, n // 2, n - 1}) if n]
+    if enable_bytes > 0 and _simulated(device):
+        faults.append((f"a device allocation past {enable_bytes // 2} of the {enable_bytes} "
+                       "bytes enable() allocates", None, enable_bytes // 2))
+    if not faults:
+        not_applicable("enable() registered no hook, overrode no forward and allocated nothing "
+                       "on the device: there is nothing to fail part-way")
+    for what, k, extra in faults:
+        pipeline = case.build()
+        before, groups = snapshot(pipeline, values=True), storage_groups(pipeline)
+        backend = case.backend()
+        base = _allocated(device)
+        try:
+            with _Registrations(k).watching(), _capacity(
+                    device, None if extra is None else base + extra):
+                backend.enable(pipeline)
+        except CheckNotApplicable:
+            raise
+        except Exception:  # noqa: BLE001 - the contract: enable raises, and restores
+            pass
+        else:
+            case.compare(f"enable() survived {what}: its generation", case.run(pipeline),
+                         reference)
+            backend.disable()
+            continue
+        problems = _not_as_built(before, snapshot(pipeline, values=True))
+        if storage_groups(pipeline) != groups:
+            problems.append(f"storage sharing {groups} -> {storage_groups(pipeline)}")
+        held = _allocated(device) - base
+        if held > 0:
+            problems.append(f"{held} bytes still allocated on {device}")
+        if backend.is_enabled():
+            problems.append("is_enabled() is True")
+        if problems:
+            fail(f"after {what} inside enable(), the pipeline is not as built: {problems[:6]}")
+        backend.enable(pipeline)
+        case.compare(f"enable() retried after {what}", case.run(pipeline), reference)
+        backend.disable()
+
+
+# -- §D: shared storage, judged while enabled --------------------------------------------------
+
+
+def _has_shared_storage(spec: Any, strategy: str) -> bool:
+    return bool(storage_groups(spec.build()))
+
+
+def _split_groups(pipeline: Any, groups: list[tuple[str, ...]]) -> list[str]:
+    """The groups of names (sharing one storage as built) whose tensors no longer share one."""
+    tensors = dict(_named_tensors(pipeline))
+    split = []
+    for names in groups:
+        places = {(str(t.device), t.untyped_storage().data_ptr()) for n in names
+                  if (t := tensors.get(n)) is not None and t.numel() and not t.is_meta}
+        if len(places) > 1:
+            split.append(f"{'/'.join(names)} in {len(places)} storages")
+    return split
+
+
+@check("D", strategies=BACKENDS, applies=_has_shared_storage,
+       needs="tensors that share storage (a tied weight, views or aliases of one weight)")
+def check_shared_storage_stays_shared_while_enabled(case) -> None:
+    """Tensors that share one storage as built (a Parameter reached by two paths, views and
+    aliases of one weight) share one storage while enabled -- after enable, around every
+    module's forward during a generation, and after it -- and the generation is exact: an
+    offloader that copies them apart serves two weights where the model has one (judged while
+    enabled: a careless disable() restores them)."""
+    reference = case.reference()
+    pipeline = case.build()
+    groups = storage_groups(pipeline)
+    backend = case.backend()
+    backend.enable(pipeline)
+    seen: dict[str, list[str]] = {}
+
+    def look(where: str) -> None:
+        for split in _split_groups(pipeline, groups):
+            seen.setdefault(split, []).append(where)
+
+    look("after enable")
+    modules = list(module_view(pipeline).named_modules())
+    with observe(modules, lambda path, m: look(f"before {path or '<root>'}.forward"),
+                 lambda path, m: look(f"after {path or '<root>'}.forward")):
+        got = case.run(pipeline)
+    look("after a generation")
+    backend.disable()
+    if seen:
+        lines = [f"{split} ({where[0]}{f' and {len(where) - 1} more' if len(where) > 1 else ''})"
+                 for split, where in seen.items()]
+        fail(f"tensors sharing one storage as built were copied apart while enabled: "
+             f"{lines[:4]}")
+    case.compare("with shared storage", got, reference)
+
+
+# -- §F: peak device bytes ---------------------------------------------------------------------
+
+#: The alignment the peak bound pads each storage to (CUDA's; the CPU platform uses 64).
+_WIDEST_ALIGNMENT = 256
+
+
+def _smallest_unit(case: Any, plan: Any) -> int:
+    """The bytes of the smallest thing the plan moves off the device: a streamed block
+    (layerwise), a swapped component's own tensors (model level)."""
+    if case.strategy.value == "layer_wise":
+        sizes = [module_bytes(b) for s in plan.stacks if len(s.streamed_blocks) >= 2
+                 for b in s.streamed_blocks]
+    else:
+        sizes = [tensor_bytes([t for _, t in owned_tensors(plan, c)]) for c in plan.components
+                 if c.selected and c.role in ("dit", "encoder") and not c.on_demand]
+    sizes = [s for s in sizes if s]
+    if not sizes:
+        not_applicable(f"the {case.strategy.value} plan moves nothing off the device")
+    return min(sizes)
+
+
+@check("F", strategies=BACKENDS)
+def check_peak_device_bytes_stay_within_the_plan_bound(case) -> None:
+    """The device's peak allocated bytes from ``enable()`` through a generation
+    (``torch.accelerator.max_memory_allocated``) stay within the strategy's bound from the
+    resolved plan plus the activations an un-offloaded run of the pipeline needs (measured),
+    with half the smallest unit the plan moves (a block, a component) of slack: an offloader
+    that never offloads exceeds it, one that offloads without prefetching does not."""
+    device = _device_memory(case)
+    # The kit's own resolver (the oracle, whatever the implementation's), with the widest
+    # alignment padding a platform uses (CUDA's 256 bytes): how an offloader pads is its own.
+    plan = resolve_offload_plan(case.build(), case.config(), alignment=_WIDEST_ALIGNMENT)
+    if plan.delegated or plan.skip_reason:
+        not_applicable("the plan delegates to the pipeline or places nothing: "
+                       f"{plan.skip_reason or 'enable_omni_model_cpu_offload'}")
+    bound, slack = plan.predicted_device_bytes(), _smallest_unit(case, plan) // 2
+    resident = case.build_resident()
+    start = _allocated(device)
+    torch.accelerator.reset_peak_memory_stats(device)
+    _generate(case, resident)
+    activations = torch.accelerator.max_memory_allocated(device) - start
+    del resident
+    pipeline = case.build()
+    backend = case.backend()
+    base = _allocated(device)
+    torch.accelerator.reset_peak_memory_stats(device)
+    backend.enable(pipeline)
+    _generate(case, pipeline)
+    peak = torch.accelerator.max_memory_allocated(device) - base
+    backend.disable()
+    if peak > bound + activations + slack:
+        fail(f"peak device bytes {peak} from enable() through a generation exceed the "
+             f"{case.strategy.value} bound {bound} (the plan's) + {activations} (activations of "
+             f"an un-offloaded run) + {slack} (slack): weights that should be off the device "
+             "are on it")
+
+
+# -- §J: interrupts and edits ------------------------------------------------------------------
+
+
+@check("J.1", strategies=BACKENDS)
+def check_generation_after_an_interrupt_is_exact(case) -> None:
+    """A KeyboardInterrupt raised inside a block's call (model level: a component's) propagates
+    out of the generation, the next generation is exact, and ``disable()`` then leaves no bytes
+    on the device."""
+    device = _device_memory(case)
+    reference = case.reference()
+    pipeline = case.build()
+    targets = _interrupt_targets(case, pipeline)
+    if not targets:
+        not_applicable("the kit's plan names no block or component to interrupt")
+    base = _allocated(device)
+    backend = case.backend()
+    backend.enable(pipeline)
+    interrupted = 0
+    for path, module in targets:
+        handle = _arm(module)
+        try:
+            case.run(pipeline)
+        except _KitInterrupt:
+            interrupted += 1
+        finally:
+            handle.remove()
+        case.compare(f"the generation after an interrupt inside {path}", case.run(pipeline),
+                     reference)
+    if not interrupted:
+        fail(f"precondition: no interrupt target ({[p for p, _ in targets][:3]}) ran during a "
+             "generation")
+    backend.disable()
+    case.forget_runs()
+    held = _allocated(device) - base
+    if held > 0:
+        fail(f"after interrupts and disable(), {held} bytes are still allocated on {device}")
+
+
+@check("J.3", strategies=BACKENDS)
+def check_edit_between_cycles_takes_effect_and_survives_disable(case) -> None:
+    """A weight edit made while disabled, between two enable / disable cycles
+    (``load_state_dict`` of scaled weights, then an in-place ``mul_``), takes effect at the next
+    enable -- the generation equals an un-offloaded pipeline carrying the same edit, not the
+    first snapshot of the weights -- and survives the next ``disable()``."""
+    pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    case.compare("before the edit", case.run(pipeline), case.reference())
+    backend.disable()
+    _edit(module_view(pipeline))
+    edited = case.build_resident()
+    _edit(module_view(edited))
+    want = case.run(edited)
+    backend.enable(pipeline)
+    case.compare("the first generation after an edit made while disabled", case.run(pipeline),
+                 want)
+    backend.disable()
+    host_edited = case.build()
+    _edit(module_view(host_edited))
+    _same_state("after the next disable()", module_view(pipeline).state_dict(),
+                module_view(host_edited).state_dict())
