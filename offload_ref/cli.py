@@ -10,6 +10,7 @@
                       [--device D] [--peers] [--growth] [--spec MODULE:ATTR] [--json]
     offload-ref trace [--pipeline NAME | --spec MODULE:ATTR] [--strategy S] -o TRACE.json
                       [--no-prefetch] [--png TIMELINE.png]
+    offload-ref peers [--peer NAME]... [--pipeline NAME]... [--markdown docs/peers.md]
 
 Exit status: 0 when everything holds (check: every case passed, failed as expected or does not
 apply; plan: every selected plan resolves), 1 when something does not, 2 for a bad argument.
@@ -237,6 +238,66 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 1 if rejected else 0
 
 
+def _cmd_peers(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from offload_ref.platform import simulated
+
+    simulated.available()  # first: torch looks its accelerator hooks up once per process
+    from offload_ref.contracts import conformance, report
+    from offload_ref.fixtures import SPECS, get_spec
+    from offload_ref.peers import PEERS
+
+    for name in args.peer:
+        if name not in PEERS:
+            raise _UsageError(f"--peer {name!r}: no such adapter{_closest(name, list(PEERS))} "
+                              f"(adapters: {', '.join(PEERS)})")
+    fixtures = [spec.name for spec in SPECS]
+    for name in args.pipeline:
+        if name not in fixtures and name != "diffusers_dit":
+            raise _UsageError(f"--pipeline {name!r}: no built-in fixture of that name"
+                              f"{_closest(name, fixtures)}")
+    specs = [get_spec(n) for n in args.pipeline if n != "diffusers_dit"]
+    if not args.pipeline:
+        specs = list(SPECS)
+    sources: dict[Any, str] = {}
+    if not args.pipeline or "diffusers_dit" in args.pipeline:
+        try:
+            from offload_ref.fixtures.diffusers_dit import DIT_SPEC
+        except ImportError as exc:  # diffusers not installed: the fixtures alone
+            print(f"offload-ref peers: the diffusers pipeline is left out ({exc})",
+                  file=sys.stderr)
+        else:
+            specs.append(DIT_SPEC)
+            sources[DIT_SPEC] = "--spec offload_ref.fixtures.diffusers_dit:DIT_SPEC"
+    torch.set_num_threads(args.torch_threads)
+    names = args.peer or list(PEERS)
+    perf_spec = get_spec(args.perf_pipeline)
+    rows = []
+    for name in names:
+        start = time.perf_counter()
+        row = conformance.judge_peer(name, PEERS[name], specs, sources)
+        for strategy in ("model_level", "layer_wise"):
+            row.perf[strategy] = conformance.measure_peer(PEERS[name], perf_spec, strategy,
+                                                          repeats=args.repeats)
+        rows.append(row)
+        verdicts = "  ".join(f"{a}:{row.cells[a].verdict}" for a in conformance.AREAS_JUDGED)
+        print(f"{name:<38} {verdicts}  ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    command = "offload-ref peers" + (f" --markdown {args.markdown}" if args.markdown else "")
+    page = conformance.render_markdown(rows, header=report.header(threads=args.torch_threads),
+                                       command=command,
+                                       pipelines=[spec.name for spec in specs])
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(page)
+    else:
+        print(page)
+    control = [r for r in rows if r.name == "offload_ref"]
+    return 1 if any(c.failed for r in control for c in r.cells.values()) else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from offload_ref.contracts.refs import import_from_the_current_folder
 
@@ -292,6 +353,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="with --strategy auto: the device budget in bytes; prints the "
                              "strategy auto picks and every strategy's predicted peak")
     p_plan.set_defaults(func=_cmd_plan)
+
+    p_peers = sub.add_parser(
+        "peers", help="judge the ecosystem's offloaders (offload_ref.peers) through the "
+                      "offloader protocol and print the conformance table (docs/peers.md)")
+    p_peers.add_argument("--peer", action="append", default=[], metavar="NAME",
+                         help="an adapter of offload_ref.peers (default: all)")
+    p_peers.add_argument("--pipeline", action="append", default=[], metavar="NAME",
+                         help="a built-in fixture, or diffusers_dit (default: all of them)")
+    p_peers.add_argument("--perf-pipeline", default="flux2", metavar="NAME",
+                         help="the fixture the step-time and peak-bytes columns are measured "
+                              "on (default: flux2, which offers both strategies)")
+    p_peers.add_argument("--repeats", type=int, default=5, metavar="N",
+                         help="timed generations per variant (default 5, interleaved)")
+    p_peers.add_argument("--markdown", metavar="PATH",
+                         help="write the page to PATH (docs/peers.md) instead of stdout")
+    p_peers.add_argument("--torch-threads", type=int, default=1, metavar="N")
+    p_peers.set_defaults(func=_cmd_peers)
 
     from offload_ref.bench import add_bench_parser
 

@@ -307,7 +307,17 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
     backend = case.backend()
     backend.enable(pipeline)
     case.run(pipeline)  # steady state: prefetched blocks, a loaded component
-    module_view(pipeline).requires_grad_(True)
+    try:
+        module_view(pipeline).requires_grad_(True)
+    except RuntimeError as exc:
+        inference = [n for n, p in module_view(pipeline).named_parameters() if p.is_inference()]
+        if not inference:
+            raise
+        backend.disable()
+        fail(f"after a generation under torch.inference_mode() the enabled pipeline's weights "
+             f"are inference tensors ({len(inference)}, e.g. {inference[:3]}; the model was "
+             f"built with ordinary ones): unfreezing them for fine-tuning raises {exc}; "
+             "rebind device copies made during inference mode as ordinary tensors")
     for path, (args, kwargs) in calls.items():
         module = get_submodule_path(pipeline, path)
         try:
