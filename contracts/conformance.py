@@ -2,7 +2,7 @@
 
 Each offloader of :data:`offload_ref.peers.PEERS` (offload-ref's own backends through the public
 protocol are the control row) is judged by the kit through the offloader protocol
-(:mod:`.offloader`) on the built-in fixtures and the real diffusers pipeline; the results are
+(:mod:`.offloader`) on the built-in fixtures and the real diffusers pipelines; the results are
 folded into one cell per contract area (pass, fail with the first cause and the check it fails,
 not applicable), and beside them, measured in the same run on one pipeline: step time relative
 to the resident pipeline, host time per streamed block, and peak device bytes relative to the
@@ -224,9 +224,9 @@ def render_markdown(rows: Sequence[PeerRow], *, header: dict[str, Any], command:
         f"{header['machine']}; device {header['device']}).",
         "",
         "Every offloader is judged by the kit through the public offloader protocol "
-        "(`offload-ref check --offloader MODULE:ATTR`, docs/model-authors.md#judge-your-own-"
-        "offloader) on the built-in fixtures and the real diffusers pipeline "
-        f"({', '.join(pipelines)}), under each strategy it offers.  A cell folds one contract "
+        "(`offload-ref check --offloader MODULE:ATTR`, [model-authors.md]"
+        "(model-authors.md#9-judge-your-own-offloader)) on the built-in fixtures and the real "
+        f"diffusers pipelines ({', '.join(pipelines)}), under each strategy it offers.  A cell folds one contract "
         "area over every pipeline and strategy: **pass** (every case that applies passed; the "
         "count), **fail** (the first failing check, linked to its cases below, and its cause in "
         "one line), **n/a** (nothing applied: the offloader's API refuses these pipelines, or the "

@@ -238,6 +238,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 1 if rejected else 0
 
 
+#: The real diffusers pipelines ``offload-ref peers`` judges beside the fixtures (name -> the
+#: attribute of offload_ref.fixtures.diffusers_dit).
+_DIFFUSERS_SPECS = {"diffusers_dit": "DIT_SPEC", "diffusers_sd3": "SD3_SPEC"}
+
+
 def _cmd_peers(args: argparse.Namespace) -> int:
     import time
 
@@ -256,37 +261,52 @@ def _cmd_peers(args: argparse.Namespace) -> int:
                               f"(adapters: {', '.join(PEERS)})")
     fixtures = [spec.name for spec in SPECS]
     for name in args.pipeline:
-        if name not in fixtures and name != "diffusers_dit":
+        if name not in fixtures and name not in _DIFFUSERS_SPECS:
             raise _UsageError(f"--pipeline {name!r}: no built-in fixture of that name"
-                              f"{_closest(name, fixtures)}")
-    specs = [get_spec(n) for n in args.pipeline if n != "diffusers_dit"]
+                              f"{_closest(name, fixtures + list(_DIFFUSERS_SPECS))}")
+    specs = [get_spec(n) for n in args.pipeline if n not in _DIFFUSERS_SPECS]
     if not args.pipeline:
         specs = list(SPECS)
     sources: dict[Any, str] = {}
-    if not args.pipeline or "diffusers_dit" in args.pipeline:
+    wanted = [n for n in _DIFFUSERS_SPECS if not args.pipeline or n in args.pipeline]
+    if wanted:
         try:
-            from offload_ref.fixtures.diffusers_dit import DIT_SPEC
+            from offload_ref.fixtures import diffusers_dit
         except ImportError as exc:  # diffusers not installed: the fixtures alone
-            print(f"offload-ref peers: the diffusers pipeline is left out ({exc})",
+            print(f"offload-ref peers: the diffusers pipelines are left out ({exc})",
                   file=sys.stderr)
         else:
-            specs.append(DIT_SPEC)
-            sources[DIT_SPEC] = "--spec offload_ref.fixtures.diffusers_dit:DIT_SPEC"
+            for name in wanted:
+                spec = getattr(diffusers_dit, _DIFFUSERS_SPECS[name])
+                specs.append(spec)
+                sources[spec] = (f"--spec offload_ref.fixtures.diffusers_dit:"
+                                 f"{_DIFFUSERS_SPECS[name]}")
     torch.set_num_threads(args.torch_threads)
     names = args.peer or list(PEERS)
-    perf_spec = get_spec(args.perf_pipeline)
+    # the step-time columns: the first of these a peer serves (diffusers' pipeline methods
+    # serve a DiffusionPipeline only)
+    perf_specs = [get_spec(args.perf_pipeline)] + [s for s in specs if s.name == "diffusers_sd3"]
     rows = []
     for name in names:
         start = time.perf_counter()
         row = conformance.judge_peer(name, PEERS[name], specs, sources)
         for strategy in ("model_level", "layer_wise"):
-            row.perf[strategy] = conformance.measure_peer(PEERS[name], perf_spec, strategy,
-                                                          repeats=args.repeats)
+            for perf_spec in perf_specs:
+                row.perf[strategy] = conformance.measure_peer(PEERS[name], perf_spec, strategy,
+                                                              repeats=args.repeats)
+                if "skipped" not in row.perf[strategy]:
+                    break
         rows.append(row)
         verdicts = "  ".join(f"{a}:{row.cells[a].verdict}" for a in conformance.AREAS_JUDGED)
         print(f"{name:<38} {verdicts}  ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
     command = "offload-ref peers" + (f" --markdown {args.markdown}" if args.markdown else "")
-    page = conformance.render_markdown(rows, header=report.header(threads=args.torch_threads),
+    from offload_ref.contracts.case import kit_device
+    from offload_ref.platform import describe_device
+
+    device = kit_device()
+    head = report.header(threads=args.torch_threads,
+                         device=describe_device(device))
+    page = conformance.render_markdown(rows, header=head,
                                        command=command,
                                        pipelines=[spec.name for spec in specs])
     if args.markdown:
@@ -360,7 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_peers.add_argument("--peer", action="append", default=[], metavar="NAME",
                          help="an adapter of offload_ref.peers (default: all)")
     p_peers.add_argument("--pipeline", action="append", default=[], metavar="NAME",
-                         help="a built-in fixture, or diffusers_dit (default: all of them)")
+                         help="a built-in fixture, or diffusers_dit / diffusers_sd3 (real "
+                              "diffusers pipelines; default: all of them)")
     p_peers.add_argument("--perf-pipeline", default="flux2", metavar="NAME",
                          help="the fixture the step-time and peak-bytes columns are measured "
                               "on (default: flux2, which offers both strategies)")
