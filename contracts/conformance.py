@@ -53,16 +53,16 @@ class PeerRow:
     strategies: tuple[str, ...]
     cells: dict[str, Cell]
     results: list[CheckResult]
-    perf: dict[str, dict[str, Any]] = field(default_factory=dict)
+    perf: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
 
-def cause_of(result: CheckResult, limit: int = 160) -> str:
-    """The failure's cause in one line: the placement diagnosis's ``cause:`` when there is one,
-    else the first line of the message."""
-    lines = [line.strip() for line in result.message.splitlines() if line.strip()]
+def cause_of(message: str, limit: int = 160) -> str:
+    """A failure's (or a refusal's) cause in one line: the placement diagnosis's ``cause:`` when
+    there is one, else the first line of the message."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
     line = next((ln[len(_DIAGNOSED):].strip() for ln in lines if ln.startswith(_DIAGNOSED)),
-                lines[0] if lines else result.outcome)
+                lines[0] if lines else "-")
     line = line.replace("|", "/")
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
@@ -123,7 +123,8 @@ def measure_peer(reference: str, spec: Any, strategy: str, *, repeats: int = 5
     device = kit_device()
     impl = load_offloader(reference)
     if impl.unsupported(strategy):
-        return {"skipped": impl.unsupported(strategy)}
+        return {"skipped": impl.unsupported(strategy), "strategy": strategy,
+                "pipeline": spec.name}
     plan = resolve_offload_plan(spec.build(), OffloadConfig(
         strategy=strategy, components=selectable_components(spec.build(), strategy)),
         alignment=256)
@@ -158,7 +159,7 @@ def measure_peer(reference: str, spec: Any, strategy: str, *, repeats: int = 5
     try:
         backend.enable(pipeline)
     except CheckNotApplicable as exc:
-        return {"skipped": str(exc)}
+        return {"skipped": str(exc), "strategy": strategy, "pipeline": spec.name}
     try:
         generate(pipeline)()
         peak = (torch.accelerator.max_memory_allocated(device) - base - activations
@@ -249,7 +250,7 @@ def render_markdown(rows: Sequence[PeerRow], *, header: dict[str, Any], command:
                 checks = sorted({r.id.check for r in cell.failed})
                 more = f" (+{len(checks) - 1} more)" if len(checks) > 1 else ""
                 cells.append(f"**fail** [{first.id.check}](#{_anchor(row.name, first.id.check)})"
-                             f"{more}: {cause_of(first, 110)}")
+                             f"{more}: {cause_of(first.message, 150)}")
             elif cell.passed:
                 cells.append(f"pass ({cell.passed})")
             else:
@@ -270,9 +271,11 @@ def render_markdown(rows: Sequence[PeerRow], *, header: dict[str, Any], command:
             "peak / bound |",
             "|---|---|---|---|---|---|"]
     for row in rows:
-        for strategy, p in row.perf.items():
+        for p in row.perf:
+            strategy = p["strategy"]
             if "skipped" in p:
-                out.append(f"| `{row.name}` | {strategy} | - | n/a: {p['skipped'][:90]} | | |")
+                out.append(f"| `{row.name}` | {strategy} | {p['pipeline']} | n/a: "
+                           f"{cause_of(p['skipped'], 200)} | | |")
                 continue
             per = f"{p['per_block_us']:.0f} us x {p['block_calls']}" if p["per_block_us"] \
                 is not None else "-"
@@ -295,7 +298,7 @@ def render_markdown(rows: Sequence[PeerRow], *, header: dict[str, Any], command:
                     f"**{check_id}** (§{info.section}, {doc_for(info.section)}): {info.title}",
                     ""]
             for r in sorted(cases, key=lambda r: str(r.id)):
-                out.append(f"- {r.id.spec} / {r.id.strategy}: {r.outcome}: {cause_of(r)}  ")
+                out.append(f"- {r.id.spec} / {r.id.strategy}: {r.outcome}: {cause_of(r.message)}  ")
                 out.append(f"  `{r.id.repro()}`")
             out.append("")
     return "\n".join(out).rstrip() + "\n"

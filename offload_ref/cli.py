@@ -283,19 +283,19 @@ def _cmd_peers(args: argparse.Namespace) -> int:
                                  f"{_DIFFUSERS_SPECS[name]}")
     torch.set_num_threads(args.torch_threads)
     names = args.peer or list(PEERS)
-    # the step-time columns: the first of these a peer serves (diffusers' pipeline methods
-    # serve a DiffusionPipeline only)
+    # the step-time columns, on each of these a peer serves (diffusers' pipeline methods serve
+    # a DiffusionPipeline only)
     perf_specs = [get_spec(args.perf_pipeline)] + [s for s in specs if s.name == "diffusers_sd3"]
     rows = []
     for name in names:
         start = time.perf_counter()
         row = conformance.judge_peer(name, PEERS[name], specs, sources)
-        for strategy in ("model_level", "layer_wise"):
-            for perf_spec in perf_specs:
-                row.perf[strategy] = conformance.measure_peer(PEERS[name], perf_spec, strategy,
-                                                              repeats=args.repeats)
-                if "skipped" not in row.perf[strategy]:
-                    break
+        for strategy in row.strategies:
+            measured = [conformance.measure_peer(PEERS[name], perf_spec, strategy,
+                                                 repeats=args.repeats)
+                        for perf_spec in perf_specs]
+            served = [m for m in measured if "skipped" not in m]
+            row.perf += served or measured[:1]
         rows.append(row)
         verdicts = "  ".join(f"{a}:{row.cells[a].verdict}" for a in conformance.AREAS_JUDGED)
         print(f"{name:<38} {verdicts}  ({time.perf_counter() - start:.0f} s)", file=sys.stderr)

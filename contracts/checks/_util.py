@@ -95,11 +95,13 @@ def _named_tensors(module: Any) -> list[tuple[str, torch.Tensor]]:
 class Snapshot:
     """What "nothing changed" means for a pipeline, comparable with ``==``-style diffs."""
 
-    tensors: dict[str, tuple]  # name -> (id, device, data_ptr, dtype, shape, stride, offset)
+    #: name -> (id, device, data_ptr, dtype, shape, stride, offset, requires_grad, is_inference)
+    tensors: dict[str, tuple]
     values: dict[str, torch.Tensor]  # name -> cloned values (only when asked)
     dict_keys: dict[str, tuple[str, ...]]  # module path -> sorted __dict__ keys
-    hooks: dict[str, tuple[int, ...]]  # module path -> counts of forward (pre-)hooks
+    hooks: dict[str, tuple[tuple[str, ...], ...]]  # module path -> registrants per HOOK_DICTS
     distributed: bool
+    global_hooks: tuple[tuple[str, ...], ...] = ()  # torch's module-global hooks
 
     def diff(self, other: Snapshot, *, pointers: bool = True) -> list[str]:
         """What changed.  ``pointers=False`` ignores storage addresses (a restore may rebuild a
@@ -122,8 +124,11 @@ class Snapshot:
                                 f"removed {sorted(a - b)}")
         for path in sorted(set(self.hooks) | set(other.hooks)):
             if self.hooks.get(path) != other.hooks.get(path):
-                problems.append(f"module {path or '<root>'} forward hooks: "
-                                f"{self.hooks.get(path)} -> {other.hooks.get(path)}")
+                problems.append(f"module {path or '<root>'} hooks: "
+                                f"{hook_changes(self.hooks.get(path), other.hooks.get(path))}")
+        if self.global_hooks != other.global_hooks:
+            problems.append(f"module-global hooks (register_module_forward_pre_hook, ...): "
+                            f"{self.global_hooks} -> {other.global_hooks}")
         if self.distributed != other.distributed:
             problems.append("torch.distributed initialization state changed")
         return problems
@@ -152,16 +157,44 @@ def snapshot(pipeline: nn.Module, *, values: bool = False) -> Snapshot:
             tensors[name] = (id(t), "uninitialized")
             continue
         tensors[name] = (id(t), str(t.device), t.untyped_storage().data_ptr() if t.numel() else 0,
-                         t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+                         t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
+                         t.requires_grad, t.is_inference())
         if values:
             vals[name] = t.detach().clone()
     dict_keys = {path: tuple(sorted(d)) for path, d in _attribute_dicts(pipeline)}
     hooks = {}
     for path, module in module_view(pipeline).named_modules(remove_duplicate=False):
-        hooks[path] = (tuple(sorted(map(hook_name, module._forward_pre_hooks.values()))),
-                       tuple(sorted(map(hook_name, module._forward_hooks.values()))))
+        hooks[path] = tuple(tuple(sorted(map(hook_name, getattr(module, d, {}).values())))
+                            for d in HOOK_DICTS)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return Snapshot(tensors, vals, dict_keys, hooks, distributed)
+    return Snapshot(tensors, vals, dict_keys, hooks, distributed, _global_hooks())
+
+
+#: The hook dicts of an ``nn.Module`` the kit compares (forward pre-hooks and forward hooks
+#: first, as check messages print them; then backward, state_dict and load_state_dict hooks).
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+              "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+              "_load_state_dict_post_hooks")
+
+
+def hook_changes(before: tuple[tuple[str, ...], ...] | None,
+                 after: tuple[tuple[str, ...], ...] | None) -> str:
+    """Which hook dicts of one module differ, and how: ``_forward_hooks: () -> ('x.hook',)``."""
+    before = before or ((),) * len(HOOK_DICTS)
+    after = after or ((),) * len(HOOK_DICTS)
+    return "; ".join(f"{name}: {a} -> {b}" for name, a, b in zip(HOOK_DICTS, before, after)
+                     if a != b)
+
+
+def _global_hooks() -> tuple[tuple[str, ...], ...]:
+    """torch's module-global hooks (``register_module_forward_pre_hook`` and friends), by
+    registrant."""
+    m = nn.modules.module
+    dicts = [getattr(m, name, {}) for name in (
+        "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+        "_global_backward_hooks", "_global_module_registration_hooks",
+        "_global_parameter_registration_hooks", "_global_buffer_registration_hooks")]
+    return tuple(tuple(sorted(map(hook_name, d.values()))) for d in dicts)
 
 
 def hook_name(hook: Any) -> str:

@@ -10,6 +10,7 @@ from torch import nn
 from ..registry import check, fail, not_applicable
 from ._util import (
     collected,
+    hook_changes,
     hook_residue,
     module_view,
     offload_attributes,
@@ -213,17 +214,17 @@ def check_disable_removes_every_trace(case) -> None:
     after = snapshot(pipeline)
     for path in sorted(expected.hooks):
         if expected.hooks[path] != after.hooks.get(path):
-            pre, post = after.hooks.get(path, ((), ()))
-            extra = sorted(set(pre + post) - set(expected.hooks[path][0] +
-                                                expected.hooks[path][1]))
-            problems.append(f"{path or '<root>'}: forward hooks {after.hooks.get(path)}, "
-                            f"where an un-offloaded run leaves {expected.hooks[path]}"
-                            + (f" (registered by {extra})" if extra else ""))
+            problems.append(f"{path or '<root>'}: hooks "
+                            f"{hook_changes(expected.hooks[path], after.hooks.get(path))} "
+                            "(an un-offloaded run left the first)")
         added = set(after.dict_keys.get(path, ())) - set(expected.dict_keys[path])
         removed = set(expected.dict_keys[path]) - set(after.dict_keys.get(path, ()))
         if added or removed:
             problems.append(f"{path or '<root>'}: attributes added {sorted(added)}, removed "
                             f"{sorted(removed)} (against an un-offloaded run)")
+    if after.global_hooks != expected.global_hooks:
+        problems.append(f"module-global hooks {after.global_hooks}, where an un-offloaded run "
+                        f"leaves {expected.global_hooks}")
     alive = collected(refs)
     if alive:
         problems.append(f"{len(alive)} hook object(s) still alive after disable: {alive[:3]}")

@@ -81,17 +81,18 @@ def _held(held: int, left: int, device: torch.device) -> str:
 
 
 def _diff_tensors(before: Any, after: Any) -> list[str]:
-    """What changed in the pipeline's tensors: identity, device, dtype, shape, stride, and
-    values.  Storage addresses and offsets may change (offload-ref rebuilds a storage with its
+    """What changed in the pipeline's tensors: identity, device, dtype, shape, stride,
+    ``requires_grad``, inference-ness, and values.  Storage addresses and offsets may change (offload-ref rebuilds a storage with its
     alignment phase: Note [Aligned layout] in offload_ref/host.py)."""
     problems = []
     for name, meta in before.tensors.items():
         now = after.tensors.get(name)
         if now is None or now[0] != meta[0]:
             problems.append(f"{name}: not the same tensor object")
-        elif (now[1],) + now[3:6] != (meta[1],) + meta[3:6]:
-            problems.append(f"{name}: (device, dtype, shape, stride) "
-                            f"{(meta[1],) + meta[3:6]} -> {(now[1],) + now[3:6]}")
+        elif (now[1],) + now[3:6] + now[7:] != (meta[1],) + meta[3:6] + meta[7:]:
+            problems.append(f"{name}: (device, dtype, shape, stride, requires_grad, inference) "
+                            f"{(meta[1],) + meta[3:6] + meta[7:]} -> "
+                            f"{(now[1],) + now[3:6] + now[7:]}")
     problems += [p for p in before.diff(after) if p.startswith("values")]
     return problems
 
