@@ -180,17 +180,17 @@ def _diffusers_pipeline(pipeline: Any, what: str) -> None:
                                   f"{type(pipeline).__name__} is not one")
 
 
-class _DiffusersModelCpuOffload(_Peer):
-    """``DiffusionPipeline.enable_model_cpu_offload(device=...)``; disable:
-    ``remove_all_hooks()``."""
+class _DiffusersPipelineMethod(_Peer):
+    """A ``DiffusionPipeline`` method that offloads the whole pipeline (``method(device=...)``);
+    disable: ``remove_all_hooks()``."""
 
-    strategy = "model_level"
+    method = ""
 
     def enable(self, pipeline: Any) -> None:
-        _diffusers_pipeline(pipeline, "enable_model_cpu_offload")
+        _diffusers_pipeline(pipeline, self.method)
         if self.pipeline is not None and self.pipeline is not pipeline:
             raise RuntimeError("this adapter already offloads another pipeline; disable() first")
-        pipeline.enable_model_cpu_offload(device=self.device)
+        getattr(pipeline, self.method)(device=self.device)
         self.pipeline = pipeline
 
     def disable(self) -> None:
@@ -199,18 +199,19 @@ class _DiffusersModelCpuOffload(_Peer):
             self.pipeline = None
 
 
-class _DiffusersSequentialCpuOffload(_DiffusersModelCpuOffload):
+class _DiffusersModelCpuOffload(_DiffusersPipelineMethod):
+    """``DiffusionPipeline.enable_model_cpu_offload(device=...)``."""
+
+    strategy = "model_level"
+    method = "enable_model_cpu_offload"
+
+
+class _DiffusersSequentialCpuOffload(_DiffusersPipelineMethod):
     """``DiffusionPipeline.enable_sequential_cpu_offload(device=...)``: accelerate's hooks on
-    every leaf module; disable: ``remove_all_hooks()``."""
+    every leaf module."""
 
     strategy = "layer_wise"
-
-    def enable(self, pipeline: Any) -> None:
-        _diffusers_pipeline(pipeline, "enable_sequential_cpu_offload")
-        if self.pipeline is not None and self.pipeline is not pipeline:
-            raise RuntimeError("this adapter already offloads another pipeline; disable() first")
-        pipeline.enable_sequential_cpu_offload(device=self.device)
-        self.pipeline = pipeline
+    method = "enable_sequential_cpu_offload"
 
 
 class _DiffusersGroupOffload(_Peer):

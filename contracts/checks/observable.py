@@ -24,7 +24,7 @@ from offload_ref.plan import owned_tensors, resolve_offload_plan
 from ..registry import CheckNotApplicable, check, fail, not_applicable
 from ._observe import module_bytes, observe, tensor_bytes
 from ._util import _named_tensors, module_view, snapshot, storage_groups
-from .lifecycle import BACKENDS, _arm, _interrupt_targets, _KitInterrupt
+from .lifecycle import BACKENDS, _interrupt_targets, _interrupted
 from .misuse import _edit, _same_state
 
 __all__ = ["DEVICE_MEMORY_CHECKS", "InjectedRegistrationError"]
@@ -453,13 +453,7 @@ def check_generation_after_an_interrupt_is_exact(case) -> None:
     backend.enable(pipeline)
     interrupted = 0
     for path, module in targets:
-        handle = _arm(module)
-        try:
-            case.run(pipeline)
-        except _KitInterrupt:
-            interrupted += 1
-        finally:
-            handle.remove()
+        interrupted += _interrupted(case, pipeline, module)
         case.compare(f"the generation after an interrupt inside {path}", case.run(pipeline),
                      reference)
     if not interrupted:
