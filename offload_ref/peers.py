@@ -61,8 +61,11 @@ class _Placement:
                             target = moved.get(storage.data_ptr())
                             if target is None:
                                 target = moved[storage.data_ptr()] = storage.to(device=device)
-                            placed = torch.empty(0, dtype=t.dtype, device=device).set_(
-                                target, t.storage_offset(), t.size(), t.stride())
+                            # an inference tensor stays one (a pipeline built under
+                            # torch.inference_mode()): the adapter must not be what fails
+                            with torch.inference_mode(t.is_inference()):
+                                placed = torch.empty(0, dtype=t.dtype, device=device).set_(
+                                    target, t.storage_offset(), t.size(), t.stride())
                             is_param = isinstance(t, nn.Parameter)
                             self._saved.append((registry, name, t.data if is_param else t,
                                                 is_param))
