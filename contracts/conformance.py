@@ -29,6 +29,8 @@ __all__ = ["AREAS_JUDGED", "Cell", "PeerRow", "judge_peer", "measure_peer", "ren
 #: config parser, split-model delegation and distributed backend: :mod:`.capabilities`).
 AREAS_JUDGED = ("B", "C", "D", "F", "J")
 _DIAGNOSED = "diagnosis: cause:"
+#: Failing cases shown in full per check and offloader (the rest are named)
+_SHOWN = 3
 
 
 @dataclass
@@ -297,8 +299,12 @@ def render_markdown(rows: Sequence[PeerRow], *, header: dict[str, Any], command:
             out += [f"<a id=\"{_anchor(row.name, check_id)}\"></a>",
                     f"**{check_id}** (§{info.section}, {doc_for(info.section)}): {info.title}",
                     ""]
-            for r in sorted(cases, key=lambda r: str(r.id)):
+            cases = sorted(cases, key=lambda r: str(r.id))
+            for r in cases[:_SHOWN]:
                 out.append(f"- {r.id.spec} / {r.id.strategy}: {r.outcome}: {cause_of(r.message)}  ")
                 out.append(f"  `{r.id.repro()}`")
+            if len(cases) > _SHOWN:
+                out.append(f"- and {len(cases) - _SHOWN} more: "
+                           + ", ".join(f"{r.id.spec} / {r.id.strategy}" for r in cases[_SHOWN:]))
             out.append("")
     return "\n".join(out).rstrip() + "\n"

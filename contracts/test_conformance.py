@@ -5,6 +5,8 @@
 ``--offload-ref-spec`` (repeatable) names a ``PipelineSpec``, a list of them, or a factory, as
 ``offload-ref check`` takes it; the plugin generates one test per (check, pipeline, strategy).
 Without ``--offload-ref-spec`` collecting this module is a usage error that says so.
+``--offload-ref-offloader my_engine.offload:factory`` judges another offloader than offload-ref's
+backends (docs/model-authors.md, section 9).
 """
 
 
