@@ -65,6 +65,8 @@ _PLATFORM = ("needs offload-ref's platform accounting (device, pinned and host b
 _STATS = "needs offload-ref's stats() (copies, synchronous recoveries, peak bytes)"
 _RING = "needs offload-ref's ring and prefetch schedule (materialized blocks, slots)"
 _EDIT_WEIGHTS = "needs offload-ref's edit_weights() context"
+_HEAD = ("tests a resident head declared in offload-ref's OffloadPlan.layerwise_resident_layers "
+         "(a foreign offloader has its own way of choosing what stays on the device)")
 
 #: Check id -> what it needs beyond the protocol.  A check absent here runs on any offloader.
 NEEDS: dict[str, str] = {
@@ -90,6 +92,8 @@ NEEDS: dict[str, str] = {
     "check_legacy_topology_without_dit_is_a_recorded_noop": _RESOLVER,
     "check_tensors_aliasing_a_block_belong_to_its_ring": _RESOLVER,
     "check_auto_mode_measured_peak_never_exceeds_the_budget": _RESOLVER,
+    "check_auto_mode_fills_the_budget_with_a_resident_head": _RESOLVER,
+    "check_resident_head_stays_put_unhooked_and_within_the_prediction": _HEAD,
     "check_cyclic_module_graph_is_rejected_before_mutation": _RESOLVER,
     "check_sparse_buffer_is_rejected_before_mutation": _RESOLVER,
     "check_split_model_context_is_a_noop_when_offload_is_off": _SPLIT,

@@ -29,12 +29,14 @@ from offload_ref.backends.layerwise import LayerWiseOffloadBackend
 from offload_ref.backends.model_level import ModelLevelOffloadBackend
 from offload_ref.backends.ring import BlockRing
 from offload_ref.backends.transaction import Transaction
+from offload_ref.hooks import ModelHook
 from offload_ref.discovery import FALLBACK_NAMES, get_submodule_path
 from offload_ref.plan import (
     AutoChoice,
     OffloadTopologyError,
     ResolvedComponent,
     ResolvedOffloadPlan,
+    _predict,
     _Resolver,
     auto_candidates,
     resolve_candidate,
@@ -263,6 +265,68 @@ class _BudgetBlindAuto(AutoOffloadBackend):
         plan = resolve_candidate(pipeline, chosen, alignment=self.platform.alignment)
         choice = AutoChoice(self.config.device_budget_bytes, chosen.name, tuple(candidates))
         return chosen, dataclasses.replace(plan, auto=choice)
+
+
+class _HeadGreedyAuto(AutoOffloadBackend):
+    """strategy='auto' that keeps one head block more than the budget allows (it compares the
+    head's bytes with the budget, forgetting that the slots still stream)."""
+
+    def _choose(self, pipeline):
+        picked, plan = super()._choose(pipeline)
+        heads = plan.auto.heads
+        if picked in heads and heads.index(picked) + 1 < len(heads):
+            picked = heads[heads.index(picked) + 1]
+        return picked, plan
+
+
+class _HeadlessAuto(AutoOffloadBackend):
+    """strategy='auto' that never keeps a resident head: the budget between layerwise's peak
+    and model level's goes unused."""
+
+    def _choose(self, pipeline):
+        picked, plan = super()._choose(pipeline)
+        return (plan.auto.heads[0] if plan.auto.heads else picked), plan
+
+
+# -- resident head mutants (§F.7) ------------------------------------------------------------
+
+
+class _HeadStreamedRing(BlockRing):
+    """A ring that streams the declared resident head too (it reads the containers, not the
+    plan's head)."""
+
+    def __init__(self, stack, *args, **kwargs) -> None:
+        super().__init__(dataclasses.replace(stack, resident_head=0), *args, **kwargs)
+
+
+class _CountingHook(ModelHook):
+    calls = 0
+
+    def pre_forward(self, module, args, kwargs):
+        self.calls += 1
+
+
+class _HooksTheHead(LayerWiseOffloadBackend):
+    """Hooks every block of the DiT, the resident head included (hooks that do nothing there,
+    but run twice per block and step, and sit where a user's hook expects none)."""
+
+    def _enable(self, pipeline, plan, txn) -> None:
+        super()._enable(pipeline, plan, txn)
+        for stack in plan.stacks:
+            for block, path in zip(stack.blocks[:stack.resident_head], stack.block_paths):
+                txn.register_hook(block, self.hook_name + ".head", _CountingHook(), path)
+
+
+class _HeadUnpredicted(LayerWiseOffloadBackend):
+    """A plan whose predicted peak counts the resident head as streamed."""
+
+    def _resolve(self, pipeline):
+        plan = super()._resolve(pipeline)
+        headless = dataclasses.replace(plan, components=tuple(
+            dataclasses.replace(c, stacks=tuple(dataclasses.replace(s, resident_head=0)
+                                                for s in c.stacks))
+            for c in plan.components))
+        return dataclasses.replace(plan, device_bytes_bound=_predict(headless))
 
 
 class _ForgetsOneHookTransaction(Transaction):
@@ -684,6 +748,9 @@ _DISTRIBUTED = dict(pipelines=("flux2",), sections=("H",),
 _NESTED_RESIDENT = dict(pipelines=("soulx_singer",), sections=("F",), strategies=("model_level",))
 # wan22: every auto candidate has a prediction (encoder rings included)
 _AUTO = dict(pipelines=("wan22_t2v",), sections=("A.8",), strategies=("layer_wise",))
+# qwen_image: four blocks (heads of one and two), and a budget between layerwise's peak and
+# model level's leaves room for a head
+_HEAD = dict(pipelines=("qwen_image",), sections=("A.8", "F.7"), strategies=("layer_wise",))
 
 
 def _m(name: str, defect: str, scope: dict, *, patch: Any = None, factory: Any = None,
@@ -816,6 +883,12 @@ def _wave_runner_without_agreement() -> Any:
 #: Exactly the checks each mutant fails (asserted by tests/test_mutants.py).
 KILLS: dict[str, set[str]] = {
     "auto_ignores_budget": {"check_auto_mode_measured_peak_never_exceeds_the_budget"},
+    "auto_head_over_budget": {"check_auto_mode_fills_the_budget_with_a_resident_head",
+                              "check_auto_mode_measured_peak_never_exceeds_the_budget"},
+    "auto_keeps_no_head": {"check_auto_mode_fills_the_budget_with_a_resident_head"},
+    "head_streamed": {"check_resident_head_stays_put_unhooked_and_within_the_prediction"},
+    "head_hooked": {"check_resident_head_stays_put_unhooked_and_within_the_prediction"},
+    "head_not_predicted": {"check_resident_head_stays_put_unhooked_and_within_the_prediction"},
     "shard_not_zero_padded": {"check_allgather_shards_are_zero_padded"},
     "wrong_rank_shard_gathered": {
         "check_allgather_outputs_match_each_ranks_reference",
@@ -1168,6 +1241,17 @@ MUTANTS: tuple[Mutant, ...] = (
     # §A.8 (auto mode)
     _m("auto_ignores_budget", "strategy='auto' ignores device_budget_bytes: every weight stays "
        "resident", _AUTO, make_backend=_backend_with(AutoOffloadBackend=_BudgetBlindAuto)),
+    _m("auto_head_over_budget", "strategy='auto' keeps one resident head block more than the "
+       "budget allows", _HEAD, make_backend=_backend_with(AutoOffloadBackend=_HeadGreedyAuto)),
+    _m("auto_keeps_no_head", "strategy='auto' never fills the budget left above layerwise's "
+       "peak with a resident head", _HEAD,
+       make_backend=_backend_with(AutoOffloadBackend=_HeadlessAuto)),
+    # §F.7 (a resident head)
+    _layer_scoped("head_streamed", "the declared resident head streams through the ring",
+                  _layerwise(_HeadStreamedRing), _HEAD),
+    _layer_scoped("head_hooked", "the resident head blocks get hooks", _HooksTheHead, _HEAD),
+    _layer_scoped("head_not_predicted", "the predicted peak counts the resident head as "
+                  "streamed", _HeadUnpredicted, _HEAD),
     # §A
     _resolver("impure_resolver", "resolution writes an attribute on the pipeline", _impure),
     _resolver("unstable_resolver", "every second resolution lists components in another order",

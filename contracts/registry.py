@@ -80,6 +80,7 @@ DOCS: dict[str, str] = {
     "F.4": "docs/strategies.md#the-ring",
     "F.5": "docs/strategies.md#layerwise-blockwise",
     "F.6": "docs/strategies.md#alignment",
+    "F.7": "docs/strategies.md#a-resident-head",
     "G": "docs/strategies.md#configuration",
     "H": "docs/distributed.md#the-conformance-kit-h",
     "I": "docs/benchmarks.md#gpu-i",

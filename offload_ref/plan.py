@@ -52,6 +52,7 @@ __all__ = [
     "RingAlias",
     "auto_candidates",
     "encoder_kind",
+    "head_candidates",
     "named_tensors",
     "owned_tensors",
     "pipeline_state",
@@ -82,6 +83,23 @@ def _frozen_map(mapping: Mapping | None, value_kind: str) -> Mapping:
     return MappingProxyType(result)
 
 
+def _head_map(mapping: Any) -> Mapping[str, int]:
+    """``OffloadPlan.layerwise_resident_layers``: dotted DiT path -> a non-negative int."""
+    where = "OffloadPlan.layerwise_resident_layers"
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"{where} = {mapping!r}: must be a mapping of DiT path to a number of "
+                        "leading blocks, e.g. {'transformer': 2}")
+    result = {}
+    for key, value in mapping.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{where}: keys must be dotted DiT paths (str), got {key!r}")
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{where}[{key!r}] = {value!r}: must be an int >= 0 (the number of "
+                             "leading blocks kept on the device)")
+        result[key] = value
+    return MappingProxyType(result)
+
+
 @dataclass(frozen=True)
 class OffloadPlan:
     """Model-declared offload topology (a class attribute ``_offload_plan`` of the pipeline).
@@ -89,7 +107,11 @@ class OffloadPlan:
     * ``block_attrs``: DiT path -> ordered block containers (beats ``_layerwise_offload_blocks_attrs``);
     * ``encoder_block_attrs``: encoder path -> block containers that stream during conditioning;
     * ``offload_submodules``: path of a DiT submodule that owns its residency -> its container;
-    * ``resident_dit_paths``: DiTs that may keep ``resident_layers`` leading blocks on the device;
+    * ``resident_dit_paths``: DiTs that may keep ``resident_layers`` leading blocks on the device
+      under distributed layerwise (the config's ``LayerOptions.resident_layers`` says how many);
+    * ``layerwise_resident_layers``: DiT path -> how many leading blocks stay on the device under
+      plain layerwise offload (a resident head: placed once at enable, never hooked; the rest
+      stream, at least two of them).  ``strategy="auto"`` chooses its own head (Note [Auto mode]);
     * ``on_demand_component_paths``: components whose residency the pipeline manages through
       ``load_to_device()`` / ``offload_to_cpu()``;
     * ``encoder_dlo_weight_replication``: encoders whose loaded weights are identical on every rank
@@ -108,6 +130,7 @@ class OffloadPlan:
     on_demand_component_paths: tuple[str, ...] = ()
     encoder_dlo_weight_replication: tuple[str, ...] = ()
     encoder_component_types: Mapping[str, str] = field(default_factory=dict)
+    layerwise_resident_layers: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_attrs", _frozen_map(self.block_attrs, "tuple"))
@@ -123,6 +146,8 @@ class OffloadPlan:
                     f"component {kind!r}; accepted: {list(ENCODER_KINDS)}"
                 )
         object.__setattr__(self, "encoder_component_types", kinds)
+        object.__setattr__(self, "layerwise_resident_layers",
+                           _head_map(self.layerwise_resident_layers))
         for name in ("resident_dit_paths", "on_demand_component_paths",
                      "encoder_dlo_weight_replication"):
             value = getattr(self, name)
@@ -135,6 +160,7 @@ class OffloadPlan:
             tuple(self.offload_submodules.items()), self.resident_dit_paths,
             self.on_demand_component_paths, self.encoder_dlo_weight_replication,
             tuple(self.encoder_component_types.items()),
+            tuple(self.layerwise_resident_layers.items()),
         ))
 
 
@@ -155,7 +181,9 @@ class BlockStack:
     container_paths: tuple[str, ...]
     blocks: tuple[nn.Module, ...]
     block_paths: tuple[str, ...]
-    resident_head: int = 0  # leading blocks kept on the device (distributed layerwise)
+    #: Leading blocks kept on the device, never streamed nor hooked (``OffloadPlan.
+    #: layerwise_resident_layers``, or ``resident_layers`` under distributed layerwise).
+    resident_head: int = 0
     transfer: WeightTransfer = WeightTransfer.RANK_LOCAL
     aliases: tuple[RingAlias, ...] = ()
     #: Block tensors also used outside their block (another block, another component): kept
@@ -214,11 +242,21 @@ class AutoCandidate:
     config: OffloadConfig
     predicted: int | None
     reason: str = ""
+    #: Layer strategies: the resident head of each DiT ring, as (path, leading blocks) pairs,
+    #: replacing the model's ``layerwise_resident_layers`` (``()``: no head); None elsewhere.
+    heads: tuple[tuple[str, int], ...] | None = None
 
     def label(self) -> str:
         if self.name == "none":
             return "none (every weight resident)"
-        return f"{self.name} ({', '.join(self.config.components)})"
+        kept = [f"{path}: {k}" for path, k in self.heads or () if k]
+        head = f"; resident head {', '.join(kept)}" if kept else ""
+        return f"{self.name} ({', '.join(self.config.components)}{head})"
+
+    @property
+    def resident_heads(self) -> dict[str, int] | None:
+        """The heads as ``resolve_offload_plan(resident_heads=...)`` takes them."""
+        return None if self.heads is None else dict(self.heads)
 
 
 @dataclass(frozen=True)
@@ -228,11 +266,30 @@ class AutoChoice:
     budget: int
     chosen: str
     candidates: tuple[AutoCandidate, ...]
+    #: The chosen layer strategy with each resident head it weighed (k = 0, 1, ...); the
+    #: largest whose prediction fits is ``picked``.  Empty for other strategies.
+    heads: tuple[AutoCandidate, ...] = ()
+
+    @property
+    def picked(self) -> AutoCandidate:
+        """The candidate enable builds: the chosen strategy, with its resident head."""
+        fitting = [c for c in self.heads if c.predicted is not None
+                   and c.predicted <= self.budget]
+        if fitting:
+            return fitting[-1]
+        return next(c for c in self.candidates if c.name == self.chosen)
 
     def describe(self) -> list[str]:
-        picked = next(c for c in self.candidates if c.name == self.chosen)
-        lines = [f"auto: picked {self.chosen} (predicted peak {picked.predicted} bytes <= budget "
-                 f"{self.budget})"]
+        picked = self.picked
+        lines = [f"auto: picked {picked.label()} (predicted peak {picked.predicted} bytes <= "
+                 f"budget {self.budget})"]
+        if self.heads:
+            k = self.heads.index(picked)
+            more = (f"; a head of {k + 1} would need {self.heads[k + 1].predicted} bytes"
+                    if k + 1 < len(self.heads) else "; no larger head leaves two blocks "
+                    "streaming")
+            lines.append(f"  resident head: {k} leading block(s) of each DiT ring kept on the "
+                         f"device{more}")
         for c in self.candidates:
             if c.predicted is None:
                 verdict = f"not achievable: {c.reason}"
@@ -505,7 +562,8 @@ def _nbytes_of(*modules: nn.Module) -> int:
 
 class _Resolver:
     def __init__(self, pipeline: Any, config: OffloadConfig,
-                 alignment: int = ALLOCATOR_ALIGNMENT) -> None:
+                 alignment: int = ALLOCATOR_ALIGNMENT,
+                 resident_heads: Mapping[str, int] | None = None) -> None:
         self.pipeline = pipeline
         self.config = config
         self.alignment = alignment
@@ -518,6 +576,11 @@ class _Resolver:
                 f"{type(plan).__name__}"
             )
         self.plan = plan or OffloadPlan()
+        # Plain layerwise's resident heads: the model's declaration, or auto's choice.
+        self.heads: Mapping[str, int] = (self.plan.layerwise_resident_layers
+                                         if resident_heads is None else resident_heads)
+        self.head_source = ("OffloadPlan.layerwise_resident_layers" if resident_heads is None
+                            else "the resident head strategy='auto' chose")
 
     @property
     def explicit(self) -> bool:
@@ -822,6 +885,15 @@ class _Resolver:
         head = 0
         options = self.config.options_for("dit")
         strategy = self.config.strategy
+        if strategy is OffloadStrategy.LAYER_WISE and self.heads.get(path, 0):
+            head = self.heads[path]
+            if len(blocks) - head < 2:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: {self.head_source}[{path!r}] = {head} leaves "
+                    f"{max(len(blocks) - head, 0)} of the {len(blocks)} blocks of DiT {path!r} "
+                    "streaming; layerwise offload streams at least two; lower it to at most "
+                    f"{max(len(blocks) - 2, 0)}"
+                )
         if strategy is OffloadStrategy.DISTRIBUTED_LAYER_WISE and options.resident_layers:
             if path not in self.plan.resident_dit_paths:
                 self.fail_or_warn(
@@ -924,6 +996,16 @@ class _Resolver:
                   ("encoder_dlo_weight_replication", self.plan.encoder_dlo_weight_replication,
                    "encoder", encoders, "_encoder_modules"))
         other = {"DiT": ("encoder", encoders), "encoder": ("DiT", dits)}
+        # A resident head is new: a key naming no DiT is refused under every config.
+        for key in self.plan.layerwise_resident_layers:
+            if key not in dits and key not in missing:
+                close = difflib.get_close_matches(key, dits, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: OffloadPlan.layerwise_resident_layers names {key!r}, which "
+                    f"is no DiT of the pipeline; discovered DiTs: {dits}{hint}.  Fix the key, or "
+                    f"declare {key!r} in _dit_modules"
+                )
         for name, keys, role, paths, declaration in fields:
             if not paths:
                 continue  # no component of the role at all: the strategy reports that (legacy
@@ -1290,18 +1372,24 @@ def selectable_components(pipeline: Any, strategy: OffloadStrategy | str) -> tup
 
 
 def resolve_offload_plan(pipeline: Any, config: OffloadConfig, *,
-                         alignment: int = ALLOCATOR_ALIGNMENT) -> ResolvedOffloadPlan:
+                         alignment: int = ALLOCATOR_ALIGNMENT,
+                         resident_heads: Mapping[str, int] | None = None) -> ResolvedOffloadPlan:
     """Resolve ``pipeline``'s topology for ``config``.  Pure; see Note [Resolution is pure].
 
     ``alignment`` is the platform's (``Platform.alignment``: 64 bytes on CPU, 256 on CUDA); it
-    only enters the predicted peak device bytes (Note [Aligned layout] in host.py)."""
+    only enters the predicted peak device bytes (Note [Aligned layout] in host.py).
+    ``resident_heads`` (plain layerwise only; DiT path -> leading blocks kept on the device)
+    replaces the model's ``OffloadPlan.layerwise_resident_layers``: auto mode passes the head it
+    chose (a DiT it does not name keeps no head)."""
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
     if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two (bytes), got {alignment!r}")
     if config.strategy is OffloadStrategy.AUTO:
         return _resolve_auto(pipeline, config, alignment)
-    return _Resolver(pipeline, config, alignment).resolve()
+    if resident_heads is not None:
+        resident_heads = _head_map(resident_heads)
+    return _Resolver(pipeline, config, alignment, resident_heads).resolve()
 
 
 # -- strategy="auto" -------------------------------------------------------------------------------
@@ -1314,7 +1402,12 @@ def resolve_offload_plan(pipeline: Any, config: OffloadConfig, *,
 #     measured ``stats().peak_device_bytes``) is compared with the budget; the first that fits is
 #     the plan.  A strategy that cannot serve the pipeline (no encoder, no blocks) or whose peak
 #     cannot be predicted (model level delegated to a split model) is skipped, with its reason.
-#     Nothing fitting is an OffloadTopologyError before any mutation.
+#     Nothing fitting is an OffloadTopologyError before any mutation.  Layer strategies are
+#     weighed without a resident head; when one is chosen, the budget left between its peak and
+#     the next coarser strategy's is filled with the largest resident head whose predicted peak
+#     fits (``head_candidates``: k leading blocks of every DiT ring, at least two still
+#     streaming).  The prediction is not monotone in k (moving the largest block into the head
+#     shrinks both slots), so every k is weighed, not searched.
 
 
 def resident_plan(pipeline: Any, *, alignment: int = ALLOCATOR_ALIGNMENT) -> ResolvedOffloadPlan:
@@ -1369,10 +1462,14 @@ def auto_candidates(pipeline: Any, config: OffloadConfig | None = None, *,
         configs.append(("layer_wise+encoders", OffloadStrategy.LAYER_WISE, layer_all))
     for name, strategy, components in configs:
         cfg = OffloadConfig(strategy=strategy, components=components, pin_memory=pin)
+        # Layer candidates are weighed without a head; the chosen one then fills the budget
+        # with the largest head that fits (head_candidates).
+        heads = () if strategy is OffloadStrategy.LAYER_WISE else None
         try:
             with warnings.catch_warnings():  # the chosen plan warns when it is enabled
                 warnings.simplefilter("ignore")
-                plan = _Resolver(pipeline, cfg, alignment).resolve()
+                plan = _Resolver(pipeline, cfg, alignment,
+                                 None if heads is None else {}).resolve()
         except OffloadTopologyError as exc:
             cands.append(AutoCandidate(name, cfg, None, str(exc)))
             continue
@@ -1383,8 +1480,35 @@ def auto_candidates(pipeline: Any, config: OffloadConfig | None = None, *,
         elif plan.skip_reason is not None:
             cands.append(AutoCandidate(name, cfg, None, plan.skip_reason))
         else:
-            cands.append(AutoCandidate(name, cfg, plan.predicted_device_bytes()))
+            cands.append(AutoCandidate(name, cfg, plan.predicted_device_bytes(), heads=heads))
     return cands
+
+
+def head_candidates(pipeline: Any, candidate: AutoCandidate, *,
+                    alignment: int = ALLOCATOR_ALIGNMENT) -> list[AutoCandidate]:
+    """A layer candidate with each resident head auto may keep: k = 0, 1, ... leading blocks of
+    every DiT ring (capped per ring so that two blocks still stream), each with its predicted
+    peak (Note [Auto mode]).  Empty for a candidate that is not plain layerwise or streams no
+    DiT ring.  Pure."""
+    if candidate.predicted is None or candidate.config.strategy is not OffloadStrategy.LAYER_WISE:
+        return []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resolver = _Resolver(pipeline, candidate.config, alignment, {})
+        base = resolver.resolve()
+        # A DiT's own ring (a submodule that owns its residency keeps none: offload_submodules)
+        rings = {c.path: len(s.blocks) for c in base.dits for s in c.stacks
+                 if len(s.streamed_blocks) >= 2 and c.path not in resolver.plan.offload_submodules}
+        if not rings:
+            return []
+        out = []
+        for k in range(max(rings.values()) - 1):
+            heads = tuple((path, min(k, n - 2)) for path, n in rings.items())
+            plan = base if not k else _Resolver(pipeline, candidate.config, alignment,
+                                                dict(heads)).resolve()
+            out.append(dataclasses.replace(candidate, predicted=plan.predicted_device_bytes(),
+                                           heads=heads))
+    return out
 
 
 def choose_auto(candidates: Iterable[AutoCandidate], budget: int) -> AutoCandidate:
@@ -1421,13 +1545,15 @@ def _resolve_auto(pipeline: Any, config: OffloadConfig, alignment: int) -> Resol
     assert budget is not None  # OffloadConfig requires it with strategy="auto"
     candidates = auto_candidates(pipeline, config, alignment=alignment)
     chosen = choose_auto(candidates, budget)
-    return dataclasses.replace(resolve_candidate(pipeline, chosen, alignment=alignment),
-                               auto=AutoChoice(budget, chosen.name, tuple(candidates)))
+    choice = AutoChoice(budget, chosen.name, tuple(candidates),
+                        tuple(head_candidates(pipeline, chosen, alignment=alignment)))
+    return dataclasses.replace(resolve_candidate(pipeline, choice.picked, alignment=alignment),
+                               auto=choice)
 
 
 def resolve_candidate(pipeline: Any, candidate: AutoCandidate, *,
                       alignment: int = ALLOCATOR_ALIGNMENT) -> ResolvedOffloadPlan:
-    """The plan of one auto candidate (the resident plan for "none")."""
+    """The plan of one auto candidate (the resident plan for "none"), with its resident head."""
     if candidate.name == "none":
         return resident_plan(pipeline, alignment=alignment)
-    return _Resolver(pipeline, candidate.config, alignment).resolve()
+    return _Resolver(pipeline, candidate.config, alignment, candidate.resident_heads).resolve()

@@ -11,9 +11,9 @@ from torch import nn
 
 from offload_ref.config import LayerOptions, OffloadConfig, OffloadStrategy, WeightTransfer
 from offload_ref.discovery import FALLBACK_NAMES, discover_components, get_submodule_path
-from offload_ref.plan import OffloadPlan
+from offload_ref.plan import OffloadPlan, resolve_offload_plan
 
-from ..registry import check, fail
+from ..registry import CheckNotApplicable, check, fail
 from ._util import (
     count_forward_calls,
     dit_blocks,
@@ -607,3 +607,79 @@ def check_auto_mode_measured_peak_never_exceeds_the_budget(case) -> None:
     problems = before.diff(snapshot(pipeline, values=True))
     if problems:
         fail(f"{what}: the pipeline changed although enable was rejected: {problems[:5]}")
+
+
+@check("A.8", strategies=("layer_wise",), applies=dit_has_blocks(3),
+       needs="a DiT with three or more declared blocks (a head of one leaves two streaming)")
+def check_auto_mode_fills_the_budget_with_a_resident_head(case) -> None:
+    """``strategy="auto"`` with a budget between layerwise's peak and the next coarser
+    strategy's keeps the largest resident head whose predicted peak fits: at each head's
+    predicted peak and one byte below the next head's, enable keeps that head (the DiT ring's
+    leading blocks resident, unhooked), one generation matches the reference, and the measured
+    peak device bytes never exceed the budget."""
+    from offload_ref.plan import auto_candidates, head_candidates
+
+    platform = case.platform()
+    a = platform.alignment
+    candidates = auto_candidates(case.build(), alignment=a)
+    layer = next((c for c in candidates if c.name == "layer_wise"), None)
+    if layer is None or layer.predicted is None:
+        fail(f"auto mode: layerwise has no predicted peak: {layer}")
+    coarser = [c.predicted for c in candidates[:candidates.index(layer)]
+               if c.predicted is not None]
+    limit = min(coarser, default=None)  # a budget from here on picks a coarser strategy
+    heads = head_candidates(case.build(), layer, alignment=a)
+    if not heads or heads[0].predicted != layer.predicted:
+        fail(f"auto mode: the head candidates of layerwise ({[h.predicted for h in heads]}) do "
+             f"not start at layerwise's prediction without a head ({layer.predicted})")
+    budgets = set()
+    for i, h in enumerate(heads):
+        budgets.add(h.predicted)
+        if i + 1 < len(heads):
+            budgets.add(heads[i + 1].predicted - 1)
+    budgets = sorted(b for b in budgets if b >= layer.predicted and (limit is None or b < limit))
+    if not any(b >= h.predicted for b in budgets for h in heads[1:]):
+        raise CheckNotApplicable(
+            f"no budget picks layerwise with a resident head: one head block already needs "
+            f"{heads[1].predicted} bytes, and {limit} bytes pick a coarser strategy")
+    base = resolve_offload_plan(case.build(), layer.config, resident_heads={})
+    rings = {s.owner_path: s.block_paths for s in base.stacks if s.owner_path in dict(heads[-1].heads)}
+    want = case.reference()
+    generated: set[tuple] = set()
+    for budget in budgets:
+        expected = [h for h in heads if h.predicted <= budget][-1]  # the largest that fits
+        what = f"strategy='auto', device_budget_bytes={budget}"
+        pipeline = case.build()
+        backend = case.backend(_auto_config(budget), platform)
+        generate = expected.heads not in generated
+        try:
+            backend.enable(pipeline)
+            got = case.run(pipeline) if generate else None
+            stats = backend.stats()
+            kept = {p: _leading_unhooked(pipeline, rings[p], platform) for p in rings}
+            if generate:
+                case.compare(what, got, want)
+        finally:
+            backend.disable()
+        generated.add(expected.heads)
+        if stats.peak_device_weight_bytes > budget or stats.peak_device_bytes > budget:
+            fail(f"{what}: the measured peak device bytes exceed the budget (weights "
+                 f"{stats.peak_device_weight_bytes}, with padding {stats.peak_device_bytes}); "
+                 f"the budget allows {expected.label()} (predicted {expected.predicted})")
+        if kept != dict(expected.heads):
+            fail(f"{what}: auto kept {kept} leading block(s) resident and unhooked; the "
+                 f"largest head that fits is {expected.label()} (predicted "
+                 f"{expected.predicted} bytes)")
+
+
+def _leading_unhooked(pipeline: Any, block_paths: tuple[str, ...], platform: Any) -> int:
+    """How many leading blocks of a ring are on the device with no forward hook: its head."""
+    k = 0
+    for path in block_paths:
+        block = get_submodule_path(pipeline, path)
+        tensors = [t for t in [*block.parameters(), *block.buffers()] if t.numel()]
+        if block._forward_pre_hooks or block._forward_hooks or \
+                not all(platform.is_resident(t) for t in tensors):
+            break
+        k += 1
+    return k

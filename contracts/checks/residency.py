@@ -24,7 +24,7 @@ from ._observe import (
     observe,
     tensors_of,
 )
-from ._util import module_view
+from ._util import dit_blocks, dit_has_blocks, first_dit, module_view
 from .lifecycle import BACKENDS
 
 LAYER_BACKENDS = ("layer_wise",)
@@ -647,3 +647,104 @@ def check_stats_match_what_the_platform_saw(case) -> None:
     backend.disable()
     if problems:
         fail(sorted(set(problems))[0])
+
+
+# -- F.7 a resident head ----------------------------------------------------------------------
+
+
+def _hooks_of(module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Module path (relative to ``module``) -> the registrants of its hook dicts."""
+    from ._util import HOOK_DICTS, hook_name
+
+    return {name: tuple(hook_name(h) for d in HOOK_DICTS for h in getattr(sub, d).values())
+            for name, sub in module.named_modules(remove_duplicate=False)}
+
+
+def _head_sizes(n: int) -> list[int]:
+    """The heads the check declares on a DiT of ``n`` blocks: one block, and the largest head
+    that leaves two blocks streaming."""
+    return sorted({1, n - 2})
+
+
+@check("F.7", strategies=LAYER_BACKENDS, applies=dit_has_blocks(3),
+       needs="a DiT with three or more declared blocks (a head of one leaves two streaming)")
+def check_resident_head_stays_put_unhooked_and_within_the_prediction(case) -> None:
+    """A resident head declared in ``OffloadPlan.layerwise_resident_layers`` (one block, and the
+    largest that leaves two streaming) is placed once at enable: its tensors are on the device
+    at the same addresses through every generation of an enable, over two enable/disable
+    cycles; no hook is added to the head blocks; only the streamed blocks are hooked; outputs
+    match the reference; the measured peak device bytes equal the plan's prediction, which
+    stays within the bytes outside the streamed blocks plus two of the largest streamed block
+    (counted here, independently)."""
+    from .plan import _with_plan
+
+    want = case.reference()
+    probe = case.build()
+    path, dit = first_dit(probe)
+    n = len(dit_blocks(probe, path, dit))
+    for k in _head_sizes(n):
+        pipeline = case.build()
+        _with_plan(pipeline, layerwise_resident_layers={path: k})
+        what = f"OffloadPlan.layerwise_resident_layers={{{path!r}: {k}}}"
+        plan = case.resolve(pipeline)
+        stack = next((s for c in plan.dits if c.path == path for s in c.stacks), None)
+        if stack is None or stack.resident_head != k:
+            fail(f"{what}: the resolved plan keeps a head of "
+                 f"{getattr(stack, 'resident_head', None)} blocks, expected {k}")
+        head = list(zip(stack.block_paths[:k], stack.blocks[:k]))
+        streamed = list(zip(stack.block_paths[k:], stack.streamed_blocks))
+        hooks_before = {p: _hooks_of(b) for p, b in head}
+        platform = case.platform()
+        a = platform.alignment
+        sizes = [tensor_bytes(ts, a) for ts in _ring_tensors(stack)]
+        bound = module_bytes(pipeline, a) - sum(sizes) + 2 * max(sizes)
+        backend = case.backend(platform=platform)
+        for cycle in range(2):
+            where = f"{what}, enable {cycle + 1}"
+            backend.enable(pipeline)
+            try:
+                addresses = {name: t.data_ptr() for name, t in _head_tensors(head)}
+                off = [p for p, b in head if not is_resident(platform, b)]
+                if off:
+                    fail(f"{where}: head block(s) {off} are not on the device after enable")
+                added = [f"{p}.{sub}".rstrip(".") + f" ({after})"
+                         for p, b in head for sub, after in _hooks_of(b).items()
+                         if after != hooks_before[p].get(sub, ())]
+                if added:
+                    fail(f"{where}: hooks were added to the resident head: {added[:4]}; a head "
+                         "block is placed once and runs as resident state, unhooked")
+                unhooked = [p for p, b in streamed if not b._forward_pre_hooks]
+                if unhooked:
+                    fail(f"{where}: streamed block(s) {unhooked[:4]} carry no hook")
+                peak = [0]
+
+                def sample(_: str, __: nn.Module) -> None:
+                    peak[0] = max(peak[0], platform.memory_allocated())
+
+                for run in range(2):
+                    with observe(streamed, sample):
+                        got = case.run(pipeline)
+                    case.compare(f"{where}, generation {run + 1}", got, want)
+                    moved = [name for name, t in _head_tensors(head) if
+                             addresses.get(name) != t.data_ptr()]
+                    if moved:
+                        fail(f"{where}: after generation {run + 1}, head tensors moved on the "
+                             f"device: {moved[:4]}; a resident head keeps its addresses")
+                stats = backend.stats()
+                predicted = backend.plan.predicted_device_bytes()
+            finally:
+                backend.disable()
+            if stats.peak_device_bytes != predicted or peak[0] > predicted:
+                fail(f"{where}: measured peak device bytes {stats.peak_device_bytes} (sampled "
+                     f"while blocks ran: {peak[0]}) differ from the plan's prediction "
+                     f"{predicted}; the prediction must count the head as resident")
+            if predicted > bound:
+                fail(f"{where}: the plan predicts {predicted} device bytes, more than the "
+                     f"{bound} bytes outside the streamed blocks plus two of the largest "
+                     "streamed block")
+
+
+def _head_tensors(head: list[tuple[str, nn.Module]]) -> list[tuple[str, torch.Tensor]]:
+    return [(f"{p}.{n}", t) for p, b in head
+            for n, t in [*b.named_parameters(remove_duplicate=False),
+                         *b.named_buffers(remove_duplicate=False)] if t is not None and t.numel()]

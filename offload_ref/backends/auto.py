@@ -41,8 +41,7 @@ class AutoOffloadBackend(OffloadBackend):
         """The candidate the budget allows and the auto plan (raises before any mutation)."""
         plan = resolve_offload_plan(pipeline, self.config, alignment=self.platform.alignment)
         assert plan.auto is not None
-        chosen = next(c for c in plan.auto.candidates if c.name == plan.auto.chosen)
-        return chosen, plan
+        return plan.auto.picked, plan
 
     def enable(self, pipeline: Any) -> None:
         delegate = self.delegate
@@ -53,6 +52,7 @@ class AutoOffloadBackend(OffloadBackend):
                                f"{type(delegate.pipeline).__name__}; call disable() first")
         chosen, plan = self._choose(pipeline)
         delegate = _backend_for(chosen.config, self.platform, self.options)
+        delegate.resident_heads = chosen.resident_heads
         delegate.fault_injector = self.fault_injector
         delegate.enable(pipeline)  # transactional: a failure rolls everything back
         self.delegate, self.chosen, self.plan = delegate, chosen, plan

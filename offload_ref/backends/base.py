@@ -65,6 +65,9 @@ class OffloadBackend:
         self.registry = HookRegistry()
         #: Testing hook: called as ``fault_injector(step_index, label)`` before each mutation.
         self.fault_injector: FaultInjector | None = None
+        #: Plain layerwise: DiT path -> resident head, replacing the model's
+        #: ``OffloadPlan.layerwise_resident_layers`` (None: the declaration; auto sets its choice).
+        self.resident_heads: dict[str, int] | None = None
         self.last_steps: list[str] = []
         self._pipeline: Callable[[], Any] | None = None  # a weak reference where possible
         self._stats = OffloadStats()
@@ -290,7 +293,8 @@ class OffloadBackend:
 
     def _resolve(self, pipeline: Any) -> ResolvedOffloadPlan:
         """The plan ``enable`` applies (pure: Note [Resolution is pure] in plan.py)."""
-        return resolve_offload_plan(pipeline, self.config, alignment=self.platform.alignment)
+        return resolve_offload_plan(pipeline, self.config, alignment=self.platform.alignment,
+                                    resident_heads=self.resident_heads)
 
     def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         raise NotImplementedError
