@@ -234,6 +234,29 @@ def _sparse_accepted(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     return _AcceptsSparse(pipeline, config).resolve()
 
 
+class _DelegatedUnvalidated(_Resolver):
+    def _validate_delegated(self) -> None:
+        pass
+
+
+def _delegated_unvalidated(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    return _DelegatedUnvalidated(pipeline, config).resolve()
+
+
+def _split_threads_unguarded() -> Any:
+    """ComponentGroups without its call guard: two threads swap the groups at once."""
+    from offload_ref.split import ComponentGroups
+
+    @contextlib.contextmanager
+    def activated(self, name):
+        if self._swapper is not None:
+            self._swapper.check(name)
+            self._swapper.activate(name)
+        yield
+
+    return _patched(ComponentGroups, "_activated", activated)
+
+
 def _cycles_unchecked() -> Any:
     """Discovery walks the module graph without looking for a back edge."""
     return _patched(discovery, "require_acyclic", lambda *args, **kwargs: None)
@@ -327,6 +350,14 @@ class _HeadUnpredicted(LayerWiseOffloadBackend):
                                                 for s in c.stacks))
             for c in plan.components))
         return dataclasses.replace(plan, device_bytes_bound=_predict(headless))
+
+
+class _EditsUnguarded(LayerWiseOffloadBackend):
+    """Streams without refusing in-place edits between forwards: a loop editing every DiT weight
+    changes the resident ones and stops at the first placeholder with torch's raw error."""
+
+    def _after_guard(self, txn) -> None:
+        pass
 
 
 class _ForgetsOneHookTransaction(Transaction):
@@ -742,6 +773,8 @@ _MISUSE = ("J.3", "J.4", "J.5", "J.6", "J.8")
 _MISUSE_LAYER = dict(pipelines=("flux2",), sections=_MISUSE, strategies=("layer_wise",))
 _MISUSE_MODEL = dict(pipelines=("wan22_t2v",), sections=_MISUSE, strategies=("model_level",))
 _J7 = dict(pipelines=("flux2",), sections=("J.7",), strategies=("model_level", "layer_wise"))
+_SPLIT_THREADS = dict(pipelines=("cosmos3",), sections=("J.6",), strategies=("model_level",))
+_J7_SPLIT = dict(pipelines=("cosmos3",), sections=("J.7",), strategies=("model_level",))
 _INTERRUPTS = dict(pipelines=("flux2",), sections=("J.1",), strategies=("layer_wise",))
 _DISTRIBUTED = dict(pipelines=("flux2",), sections=("H",),
                     strategies=("distributed_layer_wise",))
@@ -856,6 +889,10 @@ def _gathers_rank_local_rings(self, stack):
     return _TRANSPORT_FOR(self, dataclasses.replace(stack, transfer=WeightTransfer.ALLGATHER))
 
 
+def _recovery_waits_for_copies_only(self, ring):
+    return (ring.copy_stream,)
+
+
 def _wave_without_agreement(self, request):
     with __import__("torch").inference_mode():
         return self.pipeline(**request)
@@ -886,15 +923,25 @@ KILLS: dict[str, set[str]] = {
     "auto_head_over_budget": {"check_auto_mode_fills_the_budget_with_a_resident_head",
                               "check_auto_mode_measured_peak_never_exceeds_the_budget"},
     "auto_keeps_no_head": {"check_auto_mode_fills_the_budget_with_a_resident_head"},
+    "delegated_unvalidated": {"check_sparse_buffer_is_rejected_before_mutation",
+                              "check_cyclic_module_graph_is_rejected_before_mutation"},
+    "split_threads_unguarded": {"check_second_thread_gets_a_clear_error_or_exact_output"},
+    "interrupt_recovery_ignores_gathers": {
+        "check_allgather_generation_after_an_interrupt_is_exact"},
+    "skipped_rank_runs_alone": {"check_rank_whose_plan_is_skipped_makes_every_rank_raise"},
+    "edits_unguarded": {
+        "check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_change"},
     "head_streamed": {"check_resident_head_stays_put_unhooked_and_within_the_prediction"},
     "head_hooked": {"check_resident_head_stays_put_unhooked_and_within_the_prediction"},
     "head_not_predicted": {"check_resident_head_stays_put_unhooked_and_within_the_prediction"},
     "shard_not_zero_padded": {"check_allgather_shards_are_zero_padded"},
     "wrong_rank_shard_gathered": {
+        "check_allgather_generation_after_an_interrupt_is_exact",
         "check_allgather_outputs_match_each_ranks_reference",
         "check_distributed_cycles_restore_every_rank",
     },
     "no_wait_between_gather_and_compute": {  # the generation and disable raise StreamOrderError
+        "check_allgather_generation_after_an_interrupt_is_exact",
         "check_allgather_outputs_match_each_ranks_reference",
         "check_allgather_host_bytes_per_rank_are_one_over_world",
         "check_allgather_keeps_two_slots_per_rank",
@@ -917,6 +964,7 @@ KILLS: dict[str, set[str]] = {
         "check_mmap_loaded_weights_keep_non_persistent_buffers",
     },
     "failed_rank_leaves_the_others_waiting": {
+        "check_rank_whose_plan_is_skipped_makes_every_rank_raise",
         "check_failed_rank_makes_every_rank_raise_naming_it",
     },
     "rollback_leaks_host_masters": {
@@ -1082,6 +1130,7 @@ KILLS: dict[str, set[str]] = {
         "check_split_model_runs_reasoner_once_and_generator_every_step",
     },
     "missing_ready_wait": {
+        "check_resident_head_stays_put_unhooked_and_within_the_prediction",
         "check_block_alias_follows_its_block",
         "check_offloaded_tensors_keep_their_alignment",
         "check_cycles_do_not_grow_memory",
@@ -1113,6 +1162,7 @@ KILLS: dict[str, set[str]] = {
         "check_layerwise_prefetches_the_next_block_before_it_runs",
     },
     "alias_placed_as_non_block_state": {
+        "check_resident_head_stays_put_unhooked_and_within_the_prediction",
         "check_block_alias_follows_its_block",
         "check_layerwise_keeps_at_most_two_blocks_resident",
         "check_peak_device_bytes_stay_within_the_plan_bound",
@@ -1142,6 +1192,7 @@ KILLS: dict[str, set[str]] = {
         "check_backward_is_exact_or_refused_at_forward",
     },
     "data_edits_unguarded_layerwise": {
+        "check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_change",
         "check_edits_through_data_are_exact_or_refused",
         "check_reads_through_data_are_true_or_refused",  # no guard, so no read guard either
     },
@@ -1164,6 +1215,7 @@ KILLS: dict[str, set[str]] = {
         "check_interrupt_inside_a_block_leaves_a_recoverable_ring",
     },
     "three_slots": {
+        "check_resident_head_stays_put_unhooked_and_within_the_prediction",
         "check_layerwise_keeps_at_most_two_blocks_resident",
         "check_stats_match_what_the_platform_saw",
         "check_peak_device_bytes_stay_within_the_plan_bound",
@@ -1185,6 +1237,7 @@ KILLS.update({
         "check_second_enable_changes_nothing_observable",
     },
     "simple_first_snapshot": {
+        "check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_change",
         "check_edit_between_cycles_takes_effect_and_survives_disable",
         "check_edits_through_data_are_exact_or_refused",
     },
@@ -1246,6 +1299,14 @@ MUTANTS: tuple[Mutant, ...] = (
     _m("auto_keeps_no_head", "strategy='auto' never fills the budget left above layerwise's "
        "peak with a resident head", _HEAD,
        make_backend=_backend_with(AutoOffloadBackend=_HeadlessAuto)),
+    _m("delegated_unvalidated", "a split model that delegates model level skips the input "
+       "validation every other pipeline gets", _J7_SPLIT,
+       resolve_offload_plan=_delegated_unvalidated),
+    _m("split_threads_unguarded", "a split model's component groups let a second thread swap "
+       "while the first runs", _SPLIT_THREADS, patch=_split_threads_unguarded),
+    _m("edits_unguarded", "an in-place edit of every DiT weight between generations changes "
+       "the resident ones and stops at the first streamed one", _MISUSE_LAYER,
+       make_backend=_backend_with(LayerWiseOffloadBackend=_EditsUnguarded)),
     # §F.7 (a resident head)
     _layer_scoped("head_streamed", "the declared resident head streams through the ring",
                   _layerwise(_HeadStreamedRing), _HEAD),
@@ -1388,6 +1449,13 @@ MUTANTS: tuple[Mutant, ...] = (
            _InferenceBlindLayerwise),
     # §H (distributed layerwise, two spawned ranks)
     # nextstep: its blocks' images do not split into 64-byte aligned halves (flux2's do)
+    _distributed("interrupt_recovery_ignores_gathers", "recovery after a Ctrl-C orders compute "
+                 "after the copy stream only, while AllGather's last writer is the "
+                 "communication stream", **{"AllGatherTransport.writers":
+                                            _recovery_waits_for_copies_only}),
+    _distributed("skipped_rank_runs_alone", "a rank whose plan is skipped runs un-offloaded "
+                 "beside its offloaded peers", **{"DistributedLayerwiseOffloadBackend._resolve":
+                                                  LayerWiseOffloadBackend._resolve}),
     _distributed("shard_not_zero_padded", "shard bytes past a block are left uninitialized",
                  scope=dict(_DISTRIBUTED, pipelines=("nextstep",)), **{"AllGatherTransport.build_master": _garbage_padding_build}),
     _distributed("wrong_rank_shard_gathered", "each rank keeps and gathers its neighbour's shard",

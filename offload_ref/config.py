@@ -193,6 +193,14 @@ class OffloadConfig:
     #: ``strategy="auto"`` only: the most device bytes (padding included) the chosen strategy's
     #: predicted peak may reach (see ``offload_ref.plan.auto_candidates``).
     device_budget_bytes: int | None = None
+    #: Layer strategies, blocks served from file pages (mmap-loaded weights, Note [Pinned
+    #: staging] in backends/staging.py): how many pinned staging slots the fills stage through
+    #: (an int >= 2; 0: copy from the file pages directly; None: 2 where the platform pins
+    #: memory and ``pin_memory`` is on, else 0).
+    staging_slots: int | None = None
+    #: ... and the most bytes the staging pool may hold (None: ``staging_slots`` slots of the
+    #: largest file-backed block); it must hold two slots.
+    staging_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         strategies = [s.value for s in OffloadStrategy]
@@ -261,6 +269,7 @@ class OffloadConfig:
             raise ValueError(
                 f"OffloadConfig.world_size must be an int >= 1, got {_r(self.world_size)}")
         _check_budget("OffloadConfig.device_budget_bytes", self.device_budget_bytes, strategy)
+        _check_staging(self.staging_slots, self.staging_budget_bytes, strategy)
         if strategy is OffloadStrategy.AUTO and self.world_size != 1:
             raise ValueError(
                 f"OffloadConfig.world_size = {self.world_size}: strategy='auto' chooses among "
@@ -317,6 +326,8 @@ class OffloadConfig:
                 self.use_hsdp,
                 self.explicit,
                 self.device_budget_bytes,
+                self.staging_slots,
+                self.staging_budget_bytes,
             )
         )
 
@@ -332,6 +343,8 @@ class OffloadConfig:
                 self.use_hsdp,
                 self.explicit,
                 self.device_budget_bytes,
+                self.staging_slots,
+                self.staging_budget_bytes,
             ),
         )
 
@@ -360,7 +373,7 @@ class OffloadConfig:
 
 
 def _rebuild(strategy, components, pin_memory, layer_options, world_size, use_hsdp, explicit,
-             device_budget_bytes=None):
+             device_budget_bytes=None, staging_slots=None, staging_budget_bytes=None):
     return OffloadConfig(
         strategy=strategy,
         components=components,
@@ -370,6 +383,8 @@ def _rebuild(strategy, components, pin_memory, layer_options, world_size, use_hs
         use_hsdp=use_hsdp,
         explicit=explicit,
         device_budget_bytes=device_budget_bytes,
+        staging_slots=staging_slots,
+        staging_budget_bytes=staging_budget_bytes,
     )
 
 
@@ -387,6 +402,27 @@ def _check_budget(name: str, budget: Any, strategy: OffloadStrategy) -> None:
             f"{name} = {budget}: a device budget applies to strategy='auto' (mode='auto') "
             f"only, got strategy {strategy.value}; use strategy='auto', or drop the budget"
         )
+
+
+def _check_staging(slots: Any, budget: Any, strategy: OffloadStrategy) -> None:
+    """``staging_slots`` (None, 0, or an int >= 2) and ``staging_budget_bytes`` (None or a
+    positive int), with a layer strategy (or auto, which may pick one)."""
+    if slots is not None and (type(slots) is not int or slots < 0 or slots == 1):
+        raise ValueError(
+            f"OffloadConfig.staging_slots = {_r(slots)}: must be an int >= 2 (one slot is "
+            "filled while the copy reads the other), 0 to copy from the file pages directly, "
+            "or None for the platform's default")
+    if budget is not None and (type(budget) is not int or budget < 1):
+        raise ValueError(f"OffloadConfig.staging_budget_bytes = {_r(budget)}: must be a "
+                         "positive int (bytes)")
+    if budget is not None and slots == 0:
+        raise ValueError(f"OffloadConfig.staging_budget_bytes = {budget} with staging_slots=0: "
+                         "a budget for a pool that is off; drop one of them")
+    if (slots or budget is not None) and strategy in (OffloadStrategy.NONE,
+                                                      OffloadStrategy.MODEL_LEVEL):
+        raise ValueError(
+            f"OffloadConfig.staging_slots / staging_budget_bytes apply to the layer strategies "
+            f"(file-backed blocks stream through the pool), got strategy {strategy.value}")
 
 
 def _key(path: str, value: Any) -> str:

@@ -57,6 +57,7 @@ __all__ = [
     "owned_tensors",
     "pipeline_state",
     "resolve_offload_plan",
+    "staging_budget_error",
     "selectable_components",
 ]
 
@@ -420,6 +421,16 @@ def _predict(plan: ResolvedOffloadPlan) -> int:
                   for s, sizes in zip(rings, per_block)))
 
 
+def staging_budget_error(budget: int, slot_bytes: int) -> str:
+    """The refusal of a staging budget that cannot hold two slots (Note [Pinned staging] in
+    backends/staging.py)."""
+    return (f"OffloadConfig.staging_budget_bytes = {budget} cannot hold two pinned staging "
+            f"slots of the largest file-backed block ({slot_bytes} bytes each, "
+            f"{2 * slot_bytes} for two): one slot is filled while the copy reads the other.  "
+            f"Raise it to at least {2 * slot_bytes}, or set staging_slots=0 to copy from the "
+            "file pages directly")
+
+
 def shard_bytes(image_bytes: int, world: int, alignment: int) -> int:
     """Bytes of each rank's shard of a block whose slot image has ``image_bytes`` bytes, for an
     AllGather across ``world`` ranks: ceil(image / world), rounded up to ``alignment`` (Note
@@ -598,6 +609,7 @@ class _Resolver:
         if strategy is OffloadStrategy.NONE:
             return ResolvedOffloadPlan(strategy, skip_reason="offloading is disabled")
         if strategy is OffloadStrategy.MODEL_LEVEL and supports_model_cpu_offload(self.pipeline):
+            self._validate_delegated()
             return ResolvedOffloadPlan(strategy, delegated=True)
 
         try:
@@ -630,12 +642,44 @@ class _Resolver:
         if strategy is OffloadStrategy.MODEL_LEVEL:
             self._check_one_group_per_storage(components)
         components = _with_shared(self.pipeline, components)
+        self._check_staging_budget(components)
         plan = ResolvedOffloadPlan(strategy, tuple(components), warnings=tuple(self.warnings),
                                    other_state_bytes=_other_state_bytes(
                                        self.pipeline, components, self.alignment),
                                    alignment=self.alignment,
                                    world_size=self.config.world_size)
         return dataclasses.replace(plan, device_bytes_bound=_predict(plan))
+
+    def _check_staging_budget(self, components: list[ResolvedComponent]) -> None:
+        """A staging budget must hold two slots of the largest block served from file pages
+        (Note [Pinned staging] in backends/staging.py); refused here, before any mutation."""
+        budget = self.config.staging_budget_bytes
+        if budget is None or self.config.strategy is OffloadStrategy.MODEL_LEVEL:
+            return
+        from .loading import is_file_backed
+
+        largest = 0
+        for c in components:
+            for s in c.stacks:
+                if len(s.streamed_blocks) < 2 or s.transfer is not WeightTransfer.RANK_LOCAL:
+                    continue
+                for k in range(len(s.streamed_blocks)):
+                    tensors = _streamed_tensors(s, k)
+                    if any(t.numel() and is_file_backed(t) for t in tensors):
+                        largest = max(largest, _span_bytes(tensors, self.alignment))
+        if largest and budget < 2 * largest:
+            raise OffloadTopologyError(f"{self.cls_name}: "
+                                       f"{staging_budget_error(budget, largest)}")
+
+    def _validate_delegated(self) -> None:
+        """A split model's own component groups walk its module tree and copy its tensors as
+        any backend does: it gets the same input validation (a cycle, a sparse or unreadable
+        tensor named with its path), before its enable_omni_model_cpu_offload mutates it."""
+        try:
+            found = discover_components(self.pipeline, warn=lambda message: None)
+        except ModuleCycleError as exc:
+            raise OffloadTopologyError(f"{self.cls_name}: {exc}") from None
+        self._reject_unreadable_storage(found)
 
     def _reject_unreadable_storage(self, found) -> None:
         """Tensor subclasses without readable storage (DTensor, other wrapper subclasses) have
@@ -1460,8 +1504,11 @@ def auto_candidates(pipeline: Any, config: OffloadConfig | None = None, *,
                ("layer_wise", OffloadStrategy.LAYER_WISE, ("dit",))]
     if layer_all != ("dit",):
         configs.append(("layer_wise+encoders", OffloadStrategy.LAYER_WISE, layer_all))
+    staging = {} if config is None else {"staging_slots": config.staging_slots,
+                                         "staging_budget_bytes": config.staging_budget_bytes}
     for name, strategy, components in configs:
-        cfg = OffloadConfig(strategy=strategy, components=components, pin_memory=pin)
+        cfg = OffloadConfig(strategy=strategy, components=components, pin_memory=pin,
+                            **(staging if strategy is OffloadStrategy.LAYER_WISE else {}))
         # Layer candidates are weighed without a head; the chosen one then fills the budget
         # with the largest head that fits (head_candidates).
         heads = () if strategy is OffloadStrategy.LAYER_WISE else None

@@ -8,6 +8,7 @@ exactly the named group is device-resident and every other group lives in its ho
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 import weakref
@@ -41,6 +42,9 @@ class ComponentGroups:
         self._swapper: Any = None  # set while enabled
         self._guarded: list[torch.Tensor] = []  # Note [Rebind guard] (backends/guard.py)
         self.stats: Any = None  # OffloadStats of the current (or last) enable
+        # Note [One thread at a time] (backends/guard.py): the threads inside a context(),
+        # one per enable.
+        self._calls: Any = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -119,6 +123,9 @@ class ComponentGroups:
                     f"ComponentGroups.enable failed: {exc}; every change was rolled back (enable "
                     "can be retried)") from exc
             txn.commit()
+            from .backends.guard import CallGuard
+
+            self._calls = CallGuard(f"{type(self).__name__}{list(self._groups)}")
             self._guarded = guarded
             self._swapper = _Active(swapper, tuple(self._groups))
             self.stats = stats
@@ -131,8 +138,17 @@ class ComponentGroups:
             self._disable_all()
 
     def _disable_all(self) -> None:
+        import contextlib
+
         from .backends.guard import guard_rebinds, unguard_rebinds
 
+        calls = self._calls
+        # Note [One thread at a time]: wait until no other thread is inside a context(); one
+        # that enters afterwards finds the groups disabled and leaves them alone.
+        with calls.exclusive(close=True) if calls is not None else contextlib.nullcontext():
+            self._restore(guard_rebinds, unguard_rebinds)
+
+    def _restore(self, guard_rebinds: Any, unguard_rebinds: Any) -> None:
         active, self._swapper = self._swapper, None
         if active is not None:
             self._finalizer.detach()
@@ -162,11 +178,26 @@ class ComponentGroups:
 
     @contextmanager
     def _activated(self, name: str) -> Iterator[None]:
-        if self._swapper is not None:
-            self._swapper.check(name)
-            with torch.inference_mode(False):  # Note [Hooks leave inference mode]
-                self._swapper.activate(name)
-        yield
+        calls = self._calls
+        if self._swapper is None or calls is None:
+            yield
+            return
+        # Note [One thread at a time] (backends/guard.py): the frame running the ``with``
+        # (above contextlib's __enter__) stays on the stack for the whole block.  A second
+        # thread gets OffloadConcurrencyError; two threads swapping at once lost a device copy.
+        frame = sys._getframe(2)
+        if not calls.enter(f"offload component {name!r}", frame):
+            yield  # disabled meanwhile: leave the weights alone
+            return
+        try:
+            swapper = self._swapper
+            if swapper is not None:
+                swapper.check(name)
+                with torch.inference_mode(False):  # Note [Hooks leave inference mode]
+                    swapper.activate(name)
+            yield
+        finally:
+            calls.exit(frame)
 
 
 class _Group(nn.Module):

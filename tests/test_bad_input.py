@@ -418,6 +418,10 @@ def test_non_weakrefable_pipeline_enable_is_clean_or_supported(strategy, make) -
         except TypeError as exc:
             assert "weak reference" in str(exc) or "__dict__" in str(exc), str(exc)
             assert type(pipeline).__name__ in str(exc)
+            if make is _SlotsPipe:  # the attribute to change, where it is, and to what
+                assert "test_bad_input._SlotsPipe.__slots__ (" in str(exc), str(exc)
+                assert "test_bad_input.py:" in str(exc)
+                assert "('transformer', 'text_encoder', 'unset', '__dict__')" in str(exc)
             assert not backend.is_enabled() and backend.last_steps == []
             assert platform.memory_allocated() == 0
             _same(before, _state(pipeline))

@@ -139,6 +139,32 @@ def test_a_block_skipped_on_every_rank_under_allgather_is_exact(two_ranks):
 
 
 @pytest.mark.distributed
+def test_generations_after_a_ctrl_c_inside_an_allgather_block_are_exact(two_ranks):
+    """Issue 25: Ctrl-C inside a streamed block under AllGather, then a new generation, raised
+    StreamOrderError on both ranks (recovery ordered compute after the copy stream only; the
+    last writer of a slot is the gather on the communication stream)."""
+    for obs in _scenario(two_ranks, "interrupted_allgather"):
+        assert obs["errors"] == [], obs
+        assert obs["equal"] == [True] * 6, obs
+        assert obs["device_bytes"] == 0
+
+
+@pytest.mark.distributed
+def test_a_rank_whose_plan_is_skipped_makes_every_rank_raise(two_ranks):
+    """Issue 25: rank 1's DiT had no blocks (its plan skipped) and it ran un-offloaded with no
+    error while rank 0 raised.  Now rank 1 raises before any collective, rank 0 at its first
+    round, both naming rank 1 and the skip reason, and neither changed anything."""
+    rank0, rank1 = _scenario(two_ranks, "skipped_rank")
+    assert rank1["first"]["raised"] == "OffloadTopologyError", rank1
+    assert "rank 1 of 2" in rank1["first"]["message"]
+    assert "plan is skipped (nothing to stream" in rank1["first"]["message"]
+    assert rank0["first"]["raised"] == "OffloadEnableError", rank0
+    assert "rank 1: OffloadTopologyError" in rank0["first"]["message"]
+    assert "plan is skipped" in rank0["first"]["message"]
+    assert rank0["problems"] == [] and rank1["problems"] == []
+
+
+@pytest.mark.distributed
 def test_ranks_making_different_calls_raise_instead_of_mixing_blocks(two_ranks):
     """An outside review: one DiT call more on rank 0 paired its gathers with rank 1's
     disable, and both went on with mixed blocks (Note [Gather tags])."""

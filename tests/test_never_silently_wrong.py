@@ -105,15 +105,12 @@ def test_lora_fusing_inside_edit_weights_takes_effect_exactly(strategy, platform
     assert _equal_states(_state(pipeline), host(_state(want_pipe)))  # want_pipe is resident
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_in_place_edit_outside_edit_weights_is_refused_and_never_lost_silently(strategy,
-                                                                              platform) -> None:
+def test_in_place_edit_outside_edit_weights_is_refused_and_never_lost_silently(platform) -> None:
     """Before: model level dropped an in-place edit of a loaded component at the next swap and
-    at disable (later generations used the old weights).  Now the next forward refuses it; model
-    level keeps it at disable; layerwise (whose slot may have been filling while the edit ran)
-    restores the master and warns."""
-    pipeline, backend = _enabled(strategy, platform)
-    _run(pipeline)  # layerwise: block 0 is bound to its slot; model level: the DiT is loaded
+    at disable (later generations used the old weights).  Now the next forward refuses it, and
+    model level keeps it at disable."""
+    pipeline, backend = _enabled("model_level", platform)
+    _run(pipeline)  # the DiT is loaded
     weight = pipeline.transformer.transformer_blocks[0].img_mod.weight
     original = SPEC.build().transformer.transformer_blocks[0].img_mod.weight.detach().clone()
     with torch.no_grad():
@@ -122,18 +119,109 @@ def test_in_place_edit_outside_edit_weights_is_refused_and_never_lost_silently(s
         _run(pipeline)
     with pytest.raises(OffloadWeightEditError):
         _run(pipeline)  # still refused: never served with the edit half applied
+    backend.disable()
+    assert torch.equal(pipeline.transformer.transformer_blocks[0].img_mod.weight, original * 2)
     reference = SPEC.build()
-    if strategy == "model_level":
-        backend.disable()
-        assert torch.equal(pipeline.transformer.transformer_blocks[0].img_mod.weight,
-                           original * 2)
-        with torch.no_grad():
-            reference.transformer.transformer_blocks[0].img_mod.weight.mul_(2)
-    else:
-        with pytest.warns(RuntimeWarning, match="transformer_blocks.0.img_mod.weight"):
-            backend.disable()
-        assert torch.equal(pipeline.transformer.transformer_blocks[0].img_mod.weight, original)
+    with torch.no_grad():
+        reference.transformer.transformer_blocks[0].img_mod.weight.mul_(2)
     assert torch.equal(_run(pipeline), _run(reference))  # disabled: both on the host
+
+
+def _every_dit_parameter_doubled(pipeline) -> int:
+    """What issue 25 found: ``p.mul_(2)`` for each DiT parameter, between generations.
+    Returns how many were edited before an exception stopped the loop (which it re-raises)."""
+    done = 0
+    with torch.no_grad():
+        for p in pipeline.transformer.parameters():
+            try:
+                p.mul_(2)
+            except Exception as exc:
+                exc.done = done
+                raise
+            done += 1
+    return done
+
+
+def test_layerwise_refuses_an_in_place_edit_of_a_streamed_component_before_any_change(
+        platform) -> None:
+    """Before: torch's raw "more than one element of the written-to tensor refers to a single
+    memory location" after 18 (flux2: 51) of 141 DiT tensors were doubled, the message never
+    naming edit_weights(), and the weights mixed.  Now the first tensor refuses, naming
+    edit_weights(), nothing changes, and the next generation says what happened (and is
+    exact)."""
+    want = _run(resident(SPEC.build()))
+    pipeline, backend = _enabled("layer_wise", platform)
+    _run(pipeline)  # block 0 bound to its slot, the rest to placeholders
+    before = _state(pipeline)
+    with pytest.raises(OffloadWeightEditError, match="edit_weights") as info:
+        _every_dit_parameter_doubled(pipeline)
+    assert info.value.done == 0 and "no weight of this component changed" in str(info.value)
+    assert _equal_states(_state(pipeline), before)
+    # each kind of in-place write, on a streamed block and on the DiT's resident rest
+    block = pipeline.transformer.transformer_blocks[1].img_mod
+    for target in (block.weight, pipeline.transformer.x_embedder.weight):
+        for edit in (lambda t: t.copy_(t * 2), lambda t: t.__setitem__(0, 1.0),
+                     lambda t: t.__iadd__(1.0), lambda t: torch.nn.init.zeros_(t),
+                     lambda t: torch.add(t, 1.0, out=t), lambda t: torch._foreach_mul_([t], 2.0)):
+            with torch.no_grad(), pytest.raises(OffloadWeightEditError, match="edit_weights"):
+                edit(target)
+    assert _equal_states(_state(pipeline), before)
+    block.weight.requires_grad_(False)  # metadata, not an edit
+    assert type(block.weight * 1) is torch.Tensor  # other ops pass through, plain results
+    with pytest.warns(RuntimeWarning, match="refused.*runs the weights as they were"):
+        got = _run(pipeline)
+    assert torch.equal(got, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(_run(pipeline), want)  # said once
+        backend.disable()  # already said by the generation: nothing more
+    assert _equal_states(host(_state(pipeline)), host(before))
+
+
+def test_layerwise_edit_refused_after_other_components_changed_is_a_mix_said_twice(
+        platform) -> None:
+    """A loop that edits the text encoder (resident, editable) and then the DiT stops at the
+    DiT's first tensor: the next generation refuses (the pipeline holds part of the edit), and
+    disable() says which weights keep it."""
+    pipeline, backend = _enabled("layer_wise", platform)
+    with torch.no_grad():
+        for p in pipeline.text_encoder.parameters():
+            p.mul_(2)
+        with pytest.raises(OffloadWeightEditError, match="edit_weights"):
+            _every_dit_parameter_doubled(pipeline)
+    with pytest.raises(OffloadWeightEditError, match="text_encoder.*half-way|half-way"):
+        _run(pipeline)
+    with pytest.raises(OffloadWeightEditError, match="half-way"):
+        _run(pipeline)  # still refused
+    with pytest.warns(RuntimeWarning, match="keep their edit after disable"):
+        backend.disable()
+
+
+def test_layerwise_edit_refused_then_disabled_says_so(platform) -> None:
+    pipeline, backend = _enabled("layer_wise", platform)
+    with pytest.raises(OffloadWeightEditError):
+        _every_dit_parameter_doubled(pipeline)
+    with pytest.warns(RuntimeWarning, match="disable\\(\\) leaves the weights as they were"):
+        backend.disable()
+    assert _equal_states(_state(pipeline), _state(SPEC.build()))
+    _every_dit_parameter_doubled(pipeline)  # disabled: plain tensors again
+
+
+def test_layerwise_streamed_buffer_edit_is_still_caught_by_its_version(platform) -> None:
+    """Buffers keep their class (torch.compile): an in-place edit of a streamed block's buffer
+    bound to its slot is refused at the block's next forward, and disable restores it loudly."""
+    pipeline = SPEC.build()
+    pipeline.transformer.transformer_blocks[0].register_buffer("kit_scale", torch.ones(4))
+    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=platform)
+    backend.enable(pipeline)
+    _run(pipeline)  # block 0 bound to its slot
+    name, buf = "kit_scale", pipeline.transformer.transformer_blocks[0].kit_scale
+    with torch.no_grad():
+        buf.mul_(2)
+    with pytest.raises(OffloadWeightEditError, match=name):
+        _run(pipeline)
+    with pytest.warns(RuntimeWarning, match=name):
+        backend.disable()
 
 
 # -- state_dict (J.4) ------------------------------------------------------------------------

@@ -374,14 +374,76 @@ def _non_persistent_differences(pipeline: nn.Module, fresh: nn.Module) -> list[s
     return problems
 
 
-#: The rank-failure scenario comes last: against a broken implementation it may leave the ranks
+def _interrupted_allgather(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """Ctrl-C inside a streamed block of an AllGather ring, at the same block on every rank
+    (its middle block, then its last), each followed by two generations."""
+    from .lifecycle import _interrupt_targets, _interrupted
+
+    request = _request(case, rank)
+    reference = case.run(case.build_resident(), request)
+    pipeline = case.build()
+    platform = case.platform()
+    backend = case.backend(_config(case, "allgather", world), platform)
+    backend.enable(pipeline)
+    obs: dict[str, Any] = {"after": []}
+    try:
+        for path, module in _interrupt_targets(case, pipeline):
+            interrupted = _interrupted(case, pipeline, module, request)
+            outputs = []
+            for _ in range(2):
+                try:
+                    outputs.append(case.run(pipeline, request))
+                except Exception as exc:  # noqa: BLE001 - judged by the check
+                    outputs.append(f"{type(exc).__name__}: {exc}")
+                    break
+            obs["after"].append({"path": path, "interrupted": interrupted, "outputs": outputs})
+    finally:
+        backend.disable()
+    obs["device_bytes_after_disable"] = platform.memory_allocated()
+    obs["reference"] = reference
+    return obs
+
+
+def _skipped_rank(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
+    """The last rank's pipeline declares no DiT (its ``_dit_modules`` emptied on the instance;
+    under a legacy config its plan is skipped, not refused), while the other ranks' stream."""
+    import dataclasses
+    import warnings
+
+    pipeline = case.build()
+    config = dataclasses.replace(_config(case, "rank-local", world), explicit=False)
+    if rank == world - 1:
+        pipeline.__dict__["_dit_modules"] = []
+    platform = case.platform()
+    backend = case.backend(config, platform)
+    backend.timeout_s = FAIL_TIMEOUT_S
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a legacy config warns of what it skips
+        try:
+            backend.enable(pipeline)
+            raised = None
+        except Exception as exc:  # noqa: BLE001 - judged by the check
+            raised = f"{type(exc).__name__}: {exc}"
+    enabled = backend.is_enabled()
+    if enabled:
+        backend.disable()
+    return {"raised": raised, "enabled": enabled, "plan_skipped": getattr(
+        getattr(backend, "plan", None), "skip_reason", None),
+        "device_bytes": platform.memory_allocated()}
+
+
+#: The rank-failure scenarios come last: against a broken implementation they may leave the ranks
 #: out of step (a rendezvous round one rank skipped, a collective the other never matches).
 _SCENARIOS = (
     ("allgather", _allgather),
     ("rank_local", _rank_local),
     ("waves", _waves),
     ("mmap", _mmap),
+    ("interrupted_allgather", _interrupted_allgather),
     ("rank_failure", _rank_failure),
+    # Also out of step against a broken implementation: a rank that skips enable takes no
+    # rendezvous round.
+    ("skipped_rank", _skipped_rank),
 )
 
 
@@ -573,3 +635,47 @@ def check_mmap_loaded_weights_keep_non_persistent_buffers(case) -> None:
 
 __all__ = [name for name in dir() if name.startswith("check_")] + [
     "observations", "streamed_block_bytes"]
+
+
+@check("H.5", strategies=DLO, applies=_applies,
+       needs=_NEEDS)
+def check_rank_whose_plan_is_skipped_makes_every_rank_raise(case) -> None:
+    """One rank's plan is skipped (it declares no DiT, under a legacy config) while the other's
+    streams: every rank raises, each naming the skipped rank and its skip reason,
+    no rank stays enabled, and no device bytes stay allocated; never a silent mix of offloaded
+    and un-offloaded ranks."""
+    ranks = _scenario(case, "skipped_rank")
+    skipped = len(ranks) - 1
+    for rank, obs in enumerate(ranks):
+        if obs["raised"] is None or obs["enabled"]:
+            state = "enabled" if obs["enabled"] else (
+                f"skipped ({obs['plan_skipped']})" if obs["plan_skipped"] else "not enabled")
+            fail(f"rank {rank} raised nothing and is {state} while rank {skipped}'s plan is "
+                 "skipped: the ranks would run a mix of offloaded and un-offloaded pipelines")
+        if f"rank {skipped}" not in obs["raised"] or "skipped" not in obs["raised"]:
+            fail(f"rank {rank} raised, but without naming rank {skipped} and its skip reason: "
+                 f"{obs['raised'][:400]}")
+        if obs["device_bytes"]:
+            fail(f"rank {rank}: {obs['device_bytes']} device bytes stay allocated")
+
+
+@check("H.7", strategies=DLO, applies=_applies,
+       needs=_NEEDS)
+def check_allgather_generation_after_an_interrupt_is_exact(case) -> None:
+    """A KeyboardInterrupt inside a streamed block of an AllGather ring (the same block on
+    both ranks, race amplifier on) leaves a state the next generations recover from: each
+    rank's output equals its reference, bit for bit, twice, and disable() then holds no device
+    bytes.  (Recovery must order the compute stream after the last writer of each slot: the
+    communication stream's gather, not only the copy stream.)"""
+    for rank, obs in enumerate(_scenario(case, "interrupted_allgather")):
+        if not any(a["interrupted"] for a in obs["after"]):
+            fail(f"rank {rank}: precondition: no interrupt target ran during a generation")
+        for after in obs["after"]:
+            for i, out in enumerate(after["outputs"]):
+                what = f"rank {rank}, generation {i + 1} after an interrupt inside {after['path']}"
+                if isinstance(out, str):
+                    fail(f"{what} raised {out}")
+                compare_outputs(what, out, obs["reference"])
+        if obs["device_bytes_after_disable"]:
+            fail(f"rank {rank}: after interrupts and disable, {obs['device_bytes_after_disable']} "
+                 "device bytes are still held")

@@ -19,7 +19,8 @@ from ._util import (
     weak_hooks,
 )
 
-#: Strategies with a built backend (distributed layerwise joins when its backend lands).
+#: The single-process strategies (distributed layerwise has its own checks, §H, across ranks;
+#: some single-process checks run it too, with a world of one).
 BACKENDS = ("model_level", "layer_wise")
 
 
@@ -384,7 +385,7 @@ def _interrupt_targets(case: Any, pipeline: Any) -> list[tuple[str, Any]]:
     """Where to interrupt: two blocks of every ring (layerwise: a second interrupt in another
     block of the same ring), or every swapped component (model level)."""
     plan = case.resolve(pipeline)
-    if case.strategy.value == "layer_wise":
+    if case.strategy.value != "model_level":
         targets = []
         for stack in plan.stacks:
             blocks = list(zip(stack.block_paths[stack.resident_head:], stack.streamed_blocks))
@@ -414,12 +415,12 @@ def _arm(module: Any) -> Any:
     return handle
 
 
-def _interrupted(case: Any, pipeline: Any, module: Any) -> bool:
+def _interrupted(case: Any, pipeline: Any, module: Any, inputs: Any = None) -> bool:
     """One generation with a Ctrl-C raised inside ``module``'s call (:func:`_arm`); whether it
     came out of the generation (it does not when the module never runs)."""
     handle = _arm(module)
     try:
-        case.run(pipeline)
+        case.run(pipeline, inputs)
     except _KitInterrupt:
         return True
     finally:
@@ -427,7 +428,7 @@ def _interrupted(case: Any, pipeline: Any, module: Any) -> bool:
     return False
 
 
-@check("J.1", strategies=BACKENDS)
+@check("J.1", strategies=(*BACKENDS, "distributed_layer_wise"))
 def check_interrupt_inside_a_block_leaves_a_recoverable_ring(case) -> None:
     """A KeyboardInterrupt inside a block's forward (model level: a component's) leaves a state
     the next generation recovers from: bitwise output, and from the pass after on the same

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..registry import check, fail
 from ._observe import observe
-from ._util import module_view, values_equal
+from ._util import first_dit, module_view, values_equal
 from .lifecycle import BACKENDS
 
 _EDIT_SCALE = 1.25  # a power-of-two-free factor: every edited weight changes
@@ -376,7 +376,9 @@ def _pause_point(case: Any, pipeline: Any) -> tuple[str, nn.Module]:
                   for name, sub in block.named_modules()
                   if any(True for _ in sub.parameters(recurse=False))]
         return owners[-1] if owners else (path, block)
-    dit = next(c for c in plan.components if c.role == "dit")
+    dit = next((c for c in plan.components if c.role == "dit"), None)
+    if dit is None:  # a split model delegates model level: its plan lists no component
+        return first_dit(pipeline)
     return dit.path, dit.module
 
 
@@ -411,16 +413,18 @@ def _in_thread(fn: Any) -> Any:
     return box["out"]
 
 
-@check("J.6", strategies=BACKENDS, applies=_guarded,
-       needs="a pipeline that does not delegate model level to its own component groups")
+@check("J.6", strategies=BACKENDS)
 def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
     """A second thread calling a pipeline while another thread is inside one of its offloaded
     modules gets a clear error (or an exact output), and the first thread's generation stays
-    exact; afterwards a single-threaded generation is exact again."""
+    exact; afterwards a single-threaded generation is exact again, and ``disable()`` leaves no
+    device bytes allocated (a split model delegating model level to its component groups
+    too)."""
     reference = case.reference()
     threaded_reference = _in_thread(lambda: case.run(case.build_resident()))
     pipeline = case.build()
-    backend = case.backend()
+    platform = case.platform()
+    backend = case.backend(platform=platform)
     backend.enable(pipeline)
     path, module = _pause_point(case, pipeline)
     entered, release = threading.Event(), threading.Event()
@@ -474,6 +478,9 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
     case.compare("first thread", result["out"], threaded_reference)
     case.compare("afterwards, one thread", case.run(pipeline), reference)
     backend.disable()
+    if case.impl.capabilities.internals and platform.memory_allocated():
+        fail(f"after two threads and disable(), {platform.memory_allocated()} device bytes stay "
+             "allocated: nothing may stay on the device after disable(), whatever threads did")
 
 
 @check("J.8", strategies=BACKENDS)
@@ -537,3 +544,84 @@ def _torch_round_trip(module: nn.Module, io: Any) -> nn.Module:
     torch.save(module, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
+
+
+@check("J.3", strategies=BACKENDS)
+def check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_change(case) -> None:
+    """Between generations, outside ``edit_weights()``, ``p.mul_(s)`` for each floating
+    parameter of the DiT in turn (a hand-written LoRA fuse, a rescale) either edits every one
+    or is refused at the first, before any weight changed, with an exception that says what to
+    do (``OffloadWeightEditError`` for offload-ref).  Never a mix: the next generation equals the
+    edited reference or the original one (or is refused), and after ``disable()`` the DiT holds
+    all of the edit or none of it."""
+    refusals = case.impl.capabilities.refusals
+    probe = case.build()
+    path, _ = first_dit(probe)
+    original = {n: t.detach().cpu().clone() for n, t in _dit_weights(probe, path)}
+    scaled = {n: t * _EDIT_SCALE for n, t in original.items()}
+    edited_reference = case.build_resident()
+    with torch.no_grad():
+        for _, t in _dit_weights(edited_reference, path):
+            t.mul_(_EDIT_SCALE)
+    pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    try:
+        case.run(pipeline)  # edit a pipeline that has run (prefetched blocks, a loaded one)
+        weights = _dit_weights(pipeline, path)
+        done, stopped = 0, None
+        with torch.no_grad():
+            for name, t in weights:
+                try:
+                    t.mul_(_EDIT_SCALE)
+                except Exception as exc:  # noqa: BLE001 - judged below
+                    stopped = (name, exc)
+                    break
+                done += 1
+        if stopped is not None:
+            name, exc = stopped
+            if done:
+                fail(f"p.mul_({_EDIT_SCALE}) for each of the {len(weights)} weights of DiT "
+                     f"{path!r} changed {done} and then stopped at {name} with "
+                     f"{type(exc).__name__}: {exc}: the pipeline now holds part of the edit.  "
+                     "Refuse the first weight the edit cannot honour before any weight changes "
+                     "(offload-ref refuses every in-place edit of a streamed component outside "
+                     "edit_weights())")
+            if not isinstance(exc, refusals):
+                fail(f"p.mul_({_EDIT_SCALE}) on {name} raised {type(exc).__name__}: {exc}; a "
+                     f"refusal must say what to do ({', '.join(r.__name__ for r in refusals)} "
+                     "naming edit_weights())")
+        expected, what = (original, "unedited") if stopped else (scaled, "edited")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a refused edit is reported with a warning
+                got = case.run(pipeline)
+        except refusals:
+            pass  # refused loudly
+        else:
+            case.compare(f"after an in-place edit of every DiT weight ({what})", got,
+                         case.reference() if stopped else case.run(edited_reference))
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # disable() may say what it restored
+            backend.disable()
+    after = {n: t.detach().cpu() for n, t in _dit_weights(pipeline, path)}
+    holds = [n for n in after if torch.equal(after[n], scaled[n])]
+    kept = [n for n in after if torch.equal(after[n], original[n])]
+    if len(holds) != len(after) and len(kept) != len(after):
+        fail(f"after disable(), DiT {path!r} holds the in-place edit in {len(holds)} of its "
+             f"{len(after)} weights (e.g. {holds[:2]}) and not in {len(kept)} (e.g. "
+             f"{kept[:2]}): a mix.  The edit must stay whole or be refused before any weight "
+             "changes")
+    if len(holds) != len(after) and expected is scaled:
+        fail(f"every weight of DiT {path!r} was edited in place, and disable() dropped the "
+             f"edit of {len(after) - len(holds)} (e.g. {sorted(set(after) - set(holds))[:2]})")
+
+
+def _dit_weights(pipeline: Any, path: str) -> list[tuple[str, torch.Tensor]]:
+    """The DiT's floating, non-empty parameters, in ``parameters()`` order."""
+    from offload_ref.discovery import get_submodule_path
+
+    dit = get_submodule_path(pipeline, path)
+    return [(f"{path}.{n}", p) for n, p in dit.named_parameters()
+            if p.is_floating_point() and p.numel()]

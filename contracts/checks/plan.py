@@ -502,11 +502,10 @@ def _last_block(pipeline: nn.Module, path: str, dit: nn.Module) -> nn.Module:
     return blocks[-1] if blocks else list(dit.modules())[-1]
 
 
-@check("J.7", strategies=_BUILT, applies=_not_delegated,
-       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
+@check("J.7", strategies=_BUILT)
 def check_sparse_buffer_is_rejected_before_mutation(case) -> None:
     """A sparse buffer in a DiT block is rejected by the resolver, naming its path and the fix
-    (.to_dense()); enable changes nothing."""
+    (.to_dense()); enable changes nothing (a split model that delegates model level too)."""
     pipeline = case.build()
     path, dit = first_dit(pipeline)
     block = _last_block(pipeline, path, dit)
@@ -523,11 +522,11 @@ def check_sparse_buffer_is_rejected_before_mutation(case) -> None:
         fail(f"the pipeline changed although a sparse buffer was rejected: {problems[:5]}")
 
 
-@check("J.7", strategies=_BUILT, applies=_not_delegated,
-       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
+@check("J.7", strategies=_BUILT)
 def check_cyclic_module_graph_is_rejected_before_mutation(case) -> None:
     """A DiT registered as a child of its own last block (a cycle) is rejected by the resolver,
-    naming the back edge; nothing recurses forever and enable changes nothing."""
+    naming the back edge; nothing recurses forever and enable changes nothing (a split model
+    that delegates model level too)."""
     pipeline = case.build()
     path, dit = first_dit(pipeline)
     block = _last_block(pipeline, path, dit)
@@ -568,24 +567,11 @@ def check_auto_mode_measured_peak_never_exceeds_the_budget(case) -> None:
     for budget in budgets:  # ascending: each strategy first comes up at its tightest budget
         expected = next(c for c in candidates if c.predicted is not None and c.predicted <= budget)
         what = f"strategy='auto', device_budget_bytes={budget}"
-        pipeline = case.build()
-        backend = case.backend(_auto_config(budget), platform)
         # One generation per strategy, at the tightest budget that picks it (a looser budget
         # that picks it again is checked at enable: its choice and the peak so far).
         generate = expected.name not in generated
-        try:
-            backend.enable(pipeline)
-            got = case.run(pipeline) if generate else None
-            stats = backend.stats()
-            if generate:  # while enabled: a parity diagnosis reruns the offloaded pipeline
-                case.compare(what, got, want)
-        finally:
-            backend.disable()
+        backend, stats, _ = _auto_at(case, platform, budget, expected, want if generate else None)
         generated.add(expected.name)
-        if stats.peak_device_weight_bytes > budget or stats.peak_device_bytes > budget:
-            fail(f"{what}: the measured peak device bytes exceed the budget (weights "
-                 f"{stats.peak_device_weight_bytes}, with padding {stats.peak_device_bytes}); "
-                 f"the budget allows {expected.label()} (predicted {expected.predicted})")
         chosen = getattr(backend, "chosen", None)
         if chosen is None or chosen.name != expected.name:
             fail(f"{what}: auto picked {getattr(chosen, 'name', None)!r}; the coarsest strategy "
@@ -643,33 +629,48 @@ def check_auto_mode_fills_the_budget_with_a_resident_head(case) -> None:
             f"no budget picks layerwise with a resident head: one head block already needs "
             f"{heads[1].predicted} bytes, and {limit} bytes pick a coarser strategy")
     base = resolve_offload_plan(case.build(), layer.config, resident_heads={})
-    rings = {s.owner_path: s.block_paths for s in base.stacks if s.owner_path in dict(heads[-1].heads)}
+    rings = {s.owner_path: s.block_paths for s in base.stacks
+             if s.owner_path in dict(heads[-1].heads)}
     want = case.reference()
     generated: set[tuple] = set()
     for budget in budgets:
         expected = [h for h in heads if h.predicted <= budget][-1]  # the largest that fits
         what = f"strategy='auto', device_budget_bytes={budget}"
-        pipeline = case.build()
-        backend = case.backend(_auto_config(budget), platform)
         generate = expected.heads not in generated
-        try:
-            backend.enable(pipeline)
-            got = case.run(pipeline) if generate else None
-            stats = backend.stats()
-            kept = {p: _leading_unhooked(pipeline, rings[p], platform) for p in rings}
-            if generate:
-                case.compare(what, got, want)
-        finally:
-            backend.disable()
+        _, _, kept = _auto_at(
+            case, platform, budget, expected, want if generate else None,
+            observe=lambda pipeline: {p: _leading_unhooked(pipeline, rings[p], platform)
+                                      for p in rings})
         generated.add(expected.heads)
-        if stats.peak_device_weight_bytes > budget or stats.peak_device_bytes > budget:
-            fail(f"{what}: the measured peak device bytes exceed the budget (weights "
-                 f"{stats.peak_device_weight_bytes}, with padding {stats.peak_device_bytes}); "
-                 f"the budget allows {expected.label()} (predicted {expected.predicted})")
         if kept != dict(expected.heads):
             fail(f"{what}: auto kept {kept} leading block(s) resident and unhooked; the "
                  f"largest head that fits is {expected.label()} (predicted "
                  f"{expected.predicted} bytes)")
+
+
+def _auto_at(case: Any, platform: Any, budget: int, expected: Any, want: Any,
+             observe: Any = lambda pipeline: None) -> tuple[Any, Any, Any]:
+    """Enable ``strategy="auto"`` at ``budget`` on a fresh pipeline; one generation compared
+    with ``want`` unless it is None; returns the backend, its stats and ``observe(pipeline)``,
+    both taken while enabled.  Fails if the measured peak exceeds the budget (``expected``:
+    the candidate the budget allows, for the message)."""
+    what = f"strategy='auto', device_budget_bytes={budget}"
+    pipeline = case.build()
+    backend = case.backend(_auto_config(budget), platform)
+    try:
+        backend.enable(pipeline)
+        got = case.run(pipeline) if want is not None else None
+        stats = backend.stats()
+        seen = observe(pipeline)
+        if want is not None:  # while enabled: a parity diagnosis reruns the offloaded pipeline
+            case.compare(what, got, want)
+    finally:
+        backend.disable()
+    if stats.peak_device_weight_bytes > budget or stats.peak_device_bytes > budget:
+        fail(f"{what}: the measured peak device bytes exceed the budget (weights "
+             f"{stats.peak_device_weight_bytes}, with padding {stats.peak_device_bytes}); "
+             f"the budget allows {expected.label()} (predicted {expected.predicted})")
+    return backend, stats, seen
 
 
 def _leading_unhooked(pipeline: Any, block_paths: tuple[str, ...], platform: Any) -> int:

@@ -131,6 +131,7 @@ class OffloadBackend:
                 self._install_state_hooks(pipeline, plan, txn)
                 self._guarded_named = self._rebound_tensors()
                 self._guarded = txn.guard_rebinds(self._guarded_named, type(self).__name__)
+                self._after_guard(txn)
                 txn.set_attr(pipeline, PIPELINE_ATTR, _Owner(self), type(pipeline).__name__)
                 interruption_point()  # a Ctrl-C during enable rolls it back
                 self.platform.synchronize()
@@ -303,6 +304,9 @@ class OffloadBackend:
         """Restore and release; ``pipeline`` is None if it was garbage-collected."""
         raise NotImplementedError
 
+    def _after_guard(self, txn: Transaction) -> None:
+        """After the rebound tensors are guarded (Note [Rebind guard] in guard.py)."""
+
     def _before_commit(self, txn: Transaction) -> None:
         """Called once everything is built and bound, before the undo log is dropped: the last
         point where enable can still fail and roll back (ranks agree here)."""
@@ -347,11 +351,28 @@ def _require_ownable(pipeline: Any) -> None:
     without one (``__slots__`` and no ``__dict__``) is rejected before the first mutation.  A
     pipeline without weak references is supported: the backend holds it strongly."""
     if not isinstance(getattr(pipeline, "__dict__", None), dict):
+        cls = type(pipeline)
+        declared = cls.__dict__.get("__slots__", ())
+        declared = (declared,) if isinstance(declared, str) else tuple(declared)
+        where = _defined_at(cls)
         raise TypeError(
-            f"{type(pipeline).__name__} cannot be offloaded: it has no instance __dict__ (for "
-            f"{PIPELINE_ATTR}, which says which backend owns it); use a pipeline class without "
-            "__slots__ (an nn.Module or a plain class), or add '__dict__' to its __slots__"
+            f"{cls.__name__} cannot be offloaded: it has no instance __dict__ (for "
+            f"{PIPELINE_ATTR}, which says which backend owns it).  Change "
+            f"{cls.__module__}.{cls.__qualname__}.__slots__{where} from {declared!r} to "
+            f"{(*declared, '__dict__')!r}, or use a pipeline class without __slots__ (an "
+            "nn.Module or a plain class)"
         )
+
+
+def _defined_at(cls: type) -> str:
+    """`` (file:line)`` of a class's definition, when the source can be found."""
+    import inspect
+
+    try:
+        lines = inspect.getsourcelines(cls)
+        return f" ({inspect.getsourcefile(cls)}:{lines[1]})"
+    except (OSError, TypeError):
+        return ""
 
 
 class _Owner(RefusesCopies):

@@ -60,7 +60,7 @@ import torch
 
 from .. import _spans
 from ..config import OffloadStrategy, WeightTransfer
-from ..plan import BlockStack, shard_bytes
+from ..plan import BlockStack, OffloadTopologyError, ResolvedOffloadPlan, shard_bytes
 from .groups import TensorGroup, restore_group
 from .layerwise import LayerWiseOffloadBackend
 from .ring import BlockRing, RankLocalTransport, Transport
@@ -236,6 +236,11 @@ class AllGatherTransport(Transport):
             _spans.stream_exit(platform, span)
             ring.ready[s].record(self.comm_stream)
 
+    def writers(self, ring: BlockRing) -> tuple[Any, ...]:
+        # A fill copies this rank's shard on the copy stream, then gathers on the
+        # communication stream: the last writer of a slot is the gather.
+        return (ring.copy_stream, self.comm_stream)
+
     def count_fill(self, ring: BlockRing, k: int) -> None:
         weight = self.shard_weight_bytes[k]
         ring.stats.add_h2d(weight, self.shard_bytes[k] - weight)
@@ -376,6 +381,20 @@ class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
         except BaseException as exc:
             self._enable_failed(exc)  # once per round: a no-op if the rendezvous itself raised
             raise
+
+    def _resolve(self, pipeline: Any) -> ResolvedOffloadPlan:
+        plan = super()._resolve(pipeline)
+        if plan.skip_reason is not None and self.world > 1:
+            # Note [Collective safety]: a rank that would skip while its peers enable would
+            # run un-offloaded beside them (and never meet their rounds).  It raises, before
+            # any collective, and enable() publishes the reason to the others' round.
+            raise OffloadTopologyError(
+                f"distributed layerwise offload on rank {self.rank} of {self.world}: this "
+                f"rank's plan is skipped ({plan.skip_reason}) while its peers enable theirs; "
+                "every rank must offload the same pipeline (a rank running un-offloaded beside "
+                "offloaded ones would never meet their collectives).  Fix this rank's pipeline "
+                "or declarations, or disable distributed offload on every rank")
+        return plan
 
     def _transport_for(self, stack: BlockStack) -> Transport | None:
         if stack.transfer is not WeightTransfer.ALLGATHER or self.world == 1:

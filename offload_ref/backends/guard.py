@@ -126,6 +126,7 @@ __all__ = [
     "guard_rebinds",
     "guarded_by",
     "readable_while",
+    "refuse_edits_between_forwards",
     "refuse_autograd",
     "refuse_copy",
     "set_data",
@@ -302,6 +303,11 @@ class CallGuard:
         if mine:
             self._prune_own(mine)
         mine.append((label, frame))
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``exclusive(close=True)`` has begun (the backend is being disabled)."""
+        return self._closed or self._exclusive is not None
 
     def entered_here(self) -> bool:
         """Whether this thread is inside a forward it entered (a block's parts run in the
@@ -542,9 +548,114 @@ class _GuardedParameter(nn.Parameter):
     __deepcopy__ = _parameter_deepcopy
 
 
+# -- Note [Edits between forwards] ------------------------------------------------------------
+#
+#     A layerwise backend cannot honour an in-place edit of a component it streams made outside
+#     ``edit_weights()``: a streamed tensor is bound to a placeholder (torch raises its raw
+#     "more than one element of the written-to tensor refers to a single memory location") or
+#     to a slot the next fill overwrites, and an edit applied to every weight in a loop (a LoRA
+#     fuse, ``p.mul_(2)`` for each parameter) would stop at the first such tensor with the
+#     resident weights before it already changed: a mix.  So outside the forward that uses
+#     them, the guarded parameters of every component with a ring (its streamed blocks and its
+#     resident rest) are :class:`_IdleParameter` s, whose ``__torch_function__`` refuses an
+#     in-place op on them (a ``*_`` method, an in-place operator, ``__setitem__``, an ``out=``
+#     argument) with :class:`OffloadWeightEditError` naming ``edit_weights()`` before the op
+#     runs: the loop stops at its first tensor, with nothing changed.  Every other op passes
+#     through as with the disabled implementation.  A hook on the component gives all its
+#     parameters the plain guarded class for the component's forward: two class assignments
+#     per parameter and call, nothing per block, and no per-op dispatch inside the forward
+#     (where the ring's own rebinds would otherwise pay it too).  The refusal is recorded with the backend (as a refused read is,
+#     Note [Reads between forwards]): the next generation warns that it runs the unedited
+#     weights, or refuses if weights outside the guard (another component's) were edited
+#     first, and ``disable()`` says the same.  Buffers keep their class (Note [Rebind guard]):
+#     an in-place edit of a streamed buffer is still caught by its version counter at the
+#     block's next forward.  A pipeline that calls the blocks without calling the component
+#     itself gives them the plain class at the first block call, for good: its edits are caught
+#     by the version counters alone (at the block's next forward), as before this guard.
+
+
+# id(tensor) -> what to tell its backend of a refused in-place edit: ``(name, op)``.
+_ON_EDIT_REFUSED: dict[int, Callable[[str, str], None]] = {}
+_INPLACE_DUNDERS = frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and",
+                            "or", "xor", "lshift", "rshift", "matmul")) | {"__setitem__"}
+_METADATA_ONLY = frozenset({"requires_grad_"})  # changes no value
+
+
+def _written(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The idle parameter an op named ``name`` would write, if any."""
+    out = kwargs.get("out")
+    for t in (out if isinstance(out, (tuple, list)) else (out,)):
+        if type(t) is _IdleParameter:
+            return t
+    inplace = name in _INPLACE_DUNDERS or (
+        name.endswith("_") and not name.endswith("__") and name not in _METADATA_ONLY)
+    if not inplace or not args:
+        return None
+    first = args[0]
+    if type(first) is _IdleParameter:
+        return first
+    if isinstance(first, (tuple, list)):  # torch._foreach_mul_(tensors, ...)
+        return next((t for t in first if type(t) is _IdleParameter), None)
+    return None
+
+
+def _refuse_edit(t: torch.Tensor, op: str) -> None:
+    name, owner = _GUARDED.get(id(t), ("an offloaded tensor", "an offload backend"))
+    report = _ON_EDIT_REFUSED.get(id(t))
+    if report is not None:
+        report(name, op)
+    raise OffloadWeightEditError(
+        f"{name}: an in-place edit ({op}) outside edit_weights() was refused before it changed "
+        f"anything: {owner} streams this component's blocks, so between forwards its weights "
+        "are bound to placeholders or to slots the next fill overwrites, and an edit applied "
+        "to weight after weight would stop part-way.  Make the edit inside "
+        "`with backend.edit_weights(): ...` (offload_ref.backend_of(pipeline) finds the "
+        "backend), which re-reads every weight on exit; no weight of this component changed"
+    )
+
+
+class _IdleParameter(_GuardedParameter):
+    """A guarded parameter of a streamed component outside the forward that uses it: refuses
+    in-place edits (Note [Edits between forwards])."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        written = _written(getattr(func, "__name__", ""), args, kwargs)
+        if written is not None:
+            _refuse_edit(written, getattr(func, "__name__", repr(func)))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+#: The class of a guarded parameter while the forward that uses it runs.
+RUNNING_PARAMETER: type = _GuardedParameter
+#: ... and outside it (Note [Edits between forwards]).
+IDLE_PARAMETER: type = _IdleParameter
+
+
+def refuse_edits_between_forwards(tensors: Sequence[torch.Tensor],
+                                  on_refused: Callable[[str, str], None]) -> list[torch.Tensor]:
+    """Make each guarded parameter of ``tensors`` refuse in-place edits until its forward runs
+    (Note [Edits between forwards]); a refused edit calls ``on_refused(name, op)`` first.
+    Returns the parameters it marked (the hooks swap their class); :func:`unguard_rebinds`
+    forgets them."""
+    marked = []
+    for t in tensors:
+        if type(t) is _GuardedParameter:
+            _ON_EDIT_REFUSED[id(t)] = on_refused
+            t.__class__ = _IdleParameter
+            marked.append(t)
+    return marked
+
+
 # Parameters only: a buffer's class stays ``torch.Tensor`` (Note [Rebind guard]).
 _GUARDED_CLASS: dict[type, type] = {nn.Parameter: _GuardedParameter}
 _ORIGINAL: dict[type, type] = {v: k for k, v in _GUARDED_CLASS.items()}
+_ORIGINAL[_IdleParameter] = nn.Parameter
 
 
 def guarded_by(t: torch.Tensor) -> tuple[str, str] | None:
@@ -576,3 +687,4 @@ def unguard_rebinds(tensors: Sequence[torch.Tensor]) -> None:
             t.__class__ = original
         _GUARDED.pop(id(t), None)
         _READABLE.pop(id(t), None)
+        _ON_EDIT_REFUSED.pop(id(t), None)

@@ -21,13 +21,16 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import _spans
 from ..config import OffloadStrategy
+from ..discovery import get_submodule_path
 from ..hooks import ModelHook, runs_after_offload
 from ..host import storage_key
-from ..plan import ResolvedOffloadPlan, pipeline_state
+from ..plan import OffloadTopologyError, ResolvedOffloadPlan, pipeline_state, staging_budget_error
 from .base import OffloadBackend
 from .groups import ComponentSwapper
 from .guard import (
     _INNER_CODE,
+    IDLE_PARAMETER,
+    RUNNING_PARAMETER,
     CallGuard,
     OffloadWeightEditError,
     RefusesCopies,
@@ -36,8 +39,10 @@ from .guard import (
     forget_readable,
     readable_while,
     refuse_autograd,
+    refuse_edits_between_forwards,
 )
-from .ring import BlockRing, Transport, _Placeholders
+from .ring import BlockRing, RankLocalTransport, Transport, _Placeholders
+from .staging import StagingPool
 from .transaction import Transaction, rebind_restored
 
 __all__ = ["LayerWiseOffloadBackend", "LayerwiseOffloadHook"]
@@ -72,6 +77,9 @@ class LayerwiseOffloadHook(RefusesCopies, ModelHook):
         # original storage.
         self.counters = [t.detach() for t in group.tensors]
         self._span: Any = None  # the block's compute range (Note [Spans] in _spans.py)
+        # The edit guard of the component the block belongs to (Note [Edits between forwards]
+        # in guard.py), set at enable.
+        self.component: _ComponentEditGuard | None = None
         # The backend's, shared by its hooks (Note [Reads between forwards] in guard.py).
         self.refusals = refusals if refusals is not None else _ReadRefusals()
 
@@ -89,6 +97,9 @@ class LayerwiseOffloadHook(RefusesCopies, ModelHook):
         hooks = module._forward_hooks
         if len(hooks) > 1:  # Note [Outermost hooks]
             self._run_post_hook_last(hooks)
+        component = self.component
+        if component is not None and component.idle:  # Note [Edits between forwards]
+            component.run()  # the pipeline called the block without its component
         try:
             if _grad_enabled():
                 refuse_autograd(self.path, self.names, self.tensors, args, kwargs, module)
@@ -251,35 +262,111 @@ class _OneShot:
 
 
 class _ReadRefusals:
-    """A refused ``.data`` read of a streamed tensor, and the resident state's version counters
-    at enable: the next block forward refuses a half-applied edit (Note [Reads between
-    forwards] in guard.py)."""
+    """A refused ``.data`` read of a streamed tensor, or a refused in-place edit (Note [Edits
+    between forwards] in guard.py), and the resident state's version counters at enable: the
+    next block forward refuses a half-applied edit, or warns that a refused edit left the
+    weights as they were (Note [Reads between forwards] in guard.py)."""
 
-    __slots__ = ("name", "owner", "resident")
+    __slots__ = ("name", "owner", "resident", "op")
 
     def __init__(self, owner: str = "the backend",
                  resident: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
         self.name: str | None = None
+        self.op: str | None = None  # the refused in-place op; None: a refused read
         self.owner = owner
         # Plain aliases sharing each counter (a guarded tensor's ``_version`` costs more).
         self.resident = [(n, t.detach(), t._version) for n, t in resident]
 
     def refused(self, name: str) -> None:
-        self.name = name
+        self.name, self.op = name, None
+
+    def refused_edit(self, name: str, op: str) -> None:
+        if self.name is None or self.op is not None:  # a refused read is the graver record
+            self.name, self.op = name, op
+
+    def edited(self) -> list[str]:
+        return [n for n, alias, v in self.resident if alias._version != v]
+
+    def what(self) -> str:
+        if self.op is None:
+            return f"a read of {self.name}.data was refused while {self.owner} streams it"
+        return (f"an in-place edit ({self.op}) of {self.name} outside edit_weights() was "
+                f"refused while {self.owner} streams it")
 
     def check(self) -> None:
-        edited = [n for n, alias, v in self.resident if alias._version != v]
+        edited = self.edited()
         if not edited:
-            self.name = None  # only a read: nothing was changed before it
+            if self.op is not None:
+                warnings.warn(
+                    f"{self.what()}, before it changed any weight: this generation runs the "
+                    "weights as they were.  Redo the edit inside "
+                    "`with backend.edit_weights(): ...`", RuntimeWarning, stacklevel=4)
+            self.name = self.op = None  # nothing was changed before it
             return
         raise OffloadWeightEditError(
-            f"a read of {self.name}.data was refused while {self.owner} streams it, and "
-            f"{len(edited)} resident weight(s) were edited in place since enable (e.g. "
-            f"{edited[:3]}): the code that read it was probably applying one edit to every "
+            f"{self.what()}, and {len(edited)} resident weight(s) were edited in place since "
+            f"enable (e.g. {edited[:3]}): the code was probably applying one edit to every "
             "weight (a LoRA merge, a cast) and stopped half-way, so this pipeline holds part of "
             "it.  Redo the edit inside `with backend.edit_weights(): ...` (undo the applied part "
             "first if the tool that made it keeps its own record, as peft does), or disable() "
             "to keep what was applied")
+
+    def at_disable(self) -> str | None:
+        """What ``disable()`` says of a refusal no generation has reported yet, if any."""
+        if self.name is None:
+            return None
+        edited = self.edited()
+        if edited:
+            return (f"{self.what()}; {len(edited)} resident weight(s) edited in place before "
+                    f"it keep their edit after disable() (e.g. {edited[:3]}): the pipeline "
+                    "holds part of that edit.  Undo it, or redo all of it now that the backend "
+                    "is disabled")
+        return (f"{self.what()}, before it changed any weight: disable() leaves the weights as "
+                "they were.  Redo the edit now that the backend is disabled, or inside "
+                "`with backend.edit_weights(): ...` next time")
+
+
+class _ComponentEditGuard(RefusesCopies, ModelHook):
+    """On the owner of a ring (a DiT, a streamed encoder): its parameters, streamed and
+    resident, take the plain guarded class for its forward and refuse in-place edits outside
+    it (Note [Edits between forwards] in guard.py).  Two class assignments per parameter and
+    forward of the component, nothing per block (it takes no entry in the call guard, whose
+    steady state is one entry per thread).  A parameter ``disable()`` has unguarded meanwhile
+    keeps its class."""
+
+    def __init__(self, path: str, calls: CallGuard) -> None:
+        self.path = path
+        self.calls = calls  # the backend's: closed once disable() has begun
+        self.tensors: list[torch.Tensor] = []  # its parameters (nested owners' excluded)
+        self.params: list[torch.Tensor] = []  # ... once guarded
+        self.idle = False
+
+    def _copy_subject(self) -> str:  # Note [No copies while enabled]
+        return f"{self.path!r} (a streamed component)"
+
+    # Each call sets the class whatever it was: an interrupted forward (no post-hook) leaves
+    # the parameters plain until the next one, never refusing inside a forward.
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.run()
+        return None
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.calls.closed:
+            return None
+        for t in self.params:
+            if type(t) is RUNNING_PARAMETER:
+                t.__class__ = IDLE_PARAMETER
+        self.idle = bool(self.params)
+        return None
+
+    def run(self) -> None:
+        """Give the parameters the plain guarded class (the component's forward runs)."""
+        self.idle = False
+        if self.calls.closed:
+            return
+        for t in self.params:
+            if type(t) is IDLE_PARAMETER:
+                t.__class__ = RUNNING_PARAMETER
 
 
 class LayerwisePartHook(RefusesCopies, ModelHook):
@@ -434,6 +521,9 @@ class LayerWiseOffloadBackend(OffloadBackend):
         self._copy_stream: Any = None
         self._hooks: list[LayerwiseOffloadHook] = []
         self._parts: list[LayerwisePartHook] = []
+        self._edit_guards: list[_ComponentEditGuard] = []
+        self._refusals: _ReadRefusals | None = None
+        self._staging: StagingPool | None = None
 
     def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         placeholders = _Placeholders()
@@ -457,6 +547,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
                                        transport=self._transport_for(stack))
                 self.rings.append(ring)
                 ring.prepare(txn, pipeline)
+        self._staging = self._staging_pool(txn)  # Note [Pinned staging] (staging.py)
         ring_storage = set().union(*(r.storage_keys() for r in self.rings)) if self.rings \
             else set()
         # Non-block state is placed by storage identity, so a tensor aliasing a streamed block
@@ -475,6 +566,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         streamed_tensors = [t for ring in self.rings for g in ring.groups for t in g.tensors]
         txn.on_rollback(lambda: forget_readable(streamed_tensors))
         refusals = _ReadRefusals(type(self).__name__, resident.named_tensors())
+        self._refusals = refusals
         for ring in self.rings:
             for k, group in enumerate(ring.groups):
                 readable_while(group.tensors, functools.partial(ring.is_running, k),
@@ -498,10 +590,64 @@ class LayerWiseOffloadBackend(OffloadBackend):
                     part = part_class(hook, f"{path}.{name}")
                     self._parts.append(part)
                     txn.register_hook(sub, self.hook_name + ".part", part, f"{path}.{name}")
+        # Note [Edits between forwards] (guard.py): each ring's owner, innermost first (a nested
+        # ring's owner guards its own parameters).
+        self._edit_guards = []
+        claimed: set[int] = set()
+        guards: dict[str, _ComponentEditGuard] = {}
+        for path in sorted({r.stack.owner_path for r in self.rings}, key=lambda p: -p.count(".")):
+            owner = get_submodule_path(pipeline, path)
+            if not isinstance(owner, nn.Module):
+                continue
+            guard = guards[path] = _ComponentEditGuard(path, self._guard)
+            guard.tensors = [t for t in owner.parameters() if id(t) not in claimed]
+            claimed.update(id(t) for t in guard.tensors)
+            self._edit_guards.append(guard)
+            txn.register_hook(owner, self.hook_name + ".edits", guard, path)
+        for hook in self._hooks:
+            hook.component = guards.get(hook.ring.stack.owner_path)
+
+    def _after_guard(self, txn: Transaction) -> None:
+        # Note [Edits between forwards] (guard.py): the rings' components refuse in-place edits
+        # outside their forwards.  A rollback unguards them with the rest.
+        txn.step("refuse in-place edits of streamed components between forwards")
+        report = self._refusals.refused_edit
+        for guard in self._edit_guards:
+            guard.params = refuse_edits_between_forwards(guard.tensors, report)
+            guard.idle = bool(guard.params)
 
     def _transport_for(self, stack: Any) -> Transport | None:
         """The transport of ``stack``'s ring (None: rank-local host masters)."""
         return None
+
+    def _staging_pool(self, txn: Transaction) -> StagingPool | None:
+        """The pinned staging pool of the rings served from file pages, if they use one (Note
+        [Pinned staging] in staging.py): ``OffloadConfig.staging_slots`` slots of the largest
+        file-backed block (default: two where the platform pins memory), as many as
+        ``staging_budget_bytes`` holds when it is set."""
+        mapped = [r for r in self.rings
+                  if isinstance(r.transport, RankLocalTransport) and r.transport.maps_files]
+        if not mapped:
+            return None
+        config = self.config
+        slots = config.staging_slots
+        if slots is None and config.staging_budget_bytes is None:
+            slots = 2 if config.pin_memory and self.platform.pin_memory_supported else 0
+        if slots == 0:
+            return None
+        slot_bytes = max(r.transport.mapped_image_bytes(r) for r in mapped)
+        if config.staging_budget_bytes is not None:
+            fit = config.staging_budget_bytes // slot_bytes
+            slots = fit if slots is None else min(slots, fit)
+            if slots < 2:  # the resolver refuses this before any mutation
+                raise OffloadTopologyError(staging_budget_error(config.staging_budget_bytes,
+                                                                slot_bytes))
+        pool = StagingPool(self.platform, self._stats, slot_bytes=slot_bytes, slots=slots,
+                           pin=config.pin_memory)
+        pool.prepare(txn, "layerwise")
+        for ring in mapped:
+            ring.transport.use_staging(ring, pool)
+        return pool
 
     def _rebound_tensors(self) -> list[tuple[str, Any]]:
         named = [n for ring in self.rings for g in ring.groups for n in g.named_tensors()]
@@ -522,6 +668,13 @@ class LayerWiseOffloadBackend(OffloadBackend):
         return out
 
     def _disable(self, pipeline: Any) -> None:
+        if self._staging is not None:
+            self._staging.close()  # no staging is issued from here on (synchronized below)
+        for guard in self._edit_guards:  # unguarded: no class swaps from now on
+            guard.params, guard.idle = [], False
+        refused = self._refusals.at_disable() if self._refusals is not None else None
+        if refused is not None:
+            warnings.warn(refused, RuntimeWarning, stacklevel=3)
         # A streamed block edited in place cannot keep the edit: between generations its slot
         # may still be filling (a prefetch in flight), so the edit may have raced with the copy.
         # Its masters are restored, loudly (Note [Weight edits]).
@@ -550,12 +703,18 @@ class LayerWiseOffloadBackend(OffloadBackend):
         self.platform.synchronize()
         for ring in self.rings:
             ring.release()
+        if self._staging is not None:
+            self._staging.release()
+            self._staging = None
 
     def _reset(self) -> None:
         # After a rollback the undo log has already freed the slots and masters.
         self.rings = []
         self._hooks = []
         self._parts = []
+        self._edit_guards = []
+        self._refusals = None
+        self._staging = None
         self._resident = None
 
     def materialized_blocks(self) -> dict[str, list[int]]:

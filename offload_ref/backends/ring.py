@@ -287,6 +287,21 @@ class BlockRing:
         # when every fill is plain copies (views, placeholders and fills are all built here).
         self.creates_no_tensors = all(p is not None for per_slot in self._fills for p in per_slot)
 
+    def refresh_fills(self) -> None:
+        """Ask the transport again which fills are plain copies (it changed how it fills)."""
+        self._fills = [[self.transport.fill_pairs(self, k, s) for k in range(len(self.groups))]
+                       for s in range(len(self.slots))]
+        self.creates_no_tensors = all(p is not None for per_slot in self._fills for p in per_slot)
+
+    def predict_after(self, q: int) -> int:
+        """The block expected after ``q`` when ``q`` is the one predicted next (a fill's
+        look-ahead: Note [Pinned staging] in staging.py)."""
+        order = self.order
+        m, h = order._match, order.history
+        if m is not None and m + 2 < len(h) and h[m + 1] == q:
+            return h[m + 2]
+        return (q + 1) % len(self.blocks)
+
     def _slot_views(self, k: int, s: int) -> list[torch.Tensor]:
         # Built once at enable (_build_flats), like the flats: a rebind creates no tensor.
         return self._views[s][k]
@@ -524,11 +539,16 @@ class BlockRing:
         live_blocks = {r for r, _ in live}
         keep = {self.slot_of[r] for r in live_blocks}
         compute = platform.current_stream()
+        writers = self.transport.writers(self)
         for s in range(_NUM_SLOTS):
             if s in keep:
                 continue
-            self.ready[s].record(self.copy_stream)  # after every copy issued into slot s
-            compute.wait_event(self.ready[s])
+            # After every write issued into slot s, on each stream that writes slots (the
+            # copy stream; AllGather's communication stream too): ready[s] ends recorded on the
+            # last writer, which the next fill into s waits for.
+            for stream in writers:
+                self.ready[s].record(stream)
+                compute.wait_event(self.ready[s])
             platform.discard(self.slots[s])
             self.free[s].record(compute)
         for b in range(len(self.blocks)):
@@ -624,6 +644,12 @@ class Transport:
         ending with ``ring.ready[s]`` recorded on the stream that finished it."""
         raise NotImplementedError
 
+    def writers(self, ring: BlockRing) -> tuple[Any, ...]:
+        """Every stream a fill of this transport writes a slot on, the last one last.  Recovery
+        (Note [Interrupted blocks]) orders the compute stream after each: an interrupted fill
+        may have stopped after any of them."""
+        return (ring.copy_stream,)
+
     def fill_pairs(self, ring: BlockRing, k: int, s: int
                    ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The ``(slot view, host view)`` copies that fill slot ``s`` with block ``k``, when a
@@ -667,6 +693,9 @@ class RankLocalTransport(Transport):
 
     def __init__(self, *, map_files: bool = True) -> None:
         self.map_files = map_files
+        #: Note [Pinned staging] (staging.py): the pool mapped blocks are filled through.
+        self.staging: Any = None
+        self._segments: dict[int, list[tuple[int, torch.dtype, int, torch.Tensor]]] = {}
         self._mapped: dict[int, list[torch.Tensor]] = {}  # id(group) -> one span per segment
         self._copies: dict[int, list[torch.Tensor]] = {}  # id(group) -> private host copies
         self._counts: dict[int, tuple[int, int]] = {}  # block -> h2d (weight, padding) per fill
@@ -700,8 +729,31 @@ class RankLocalTransport(Transport):
         ring.stats.add_host(group.weight_bytes, 0, pinned=False)
         ring.stats.file_backed_bytes += group.weight_bytes - copied
 
-    def fill_pairs(self, ring: BlockRing, k: int, s: int
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    @property
+    def maps_files(self) -> bool:
+        """Whether any block of the ring is served from file pages (Note [Mapped masters])."""
+        return bool(self._mapped)
+
+    def mapped_image_bytes(self, ring: BlockRing) -> int:
+        """The largest slot image of a block served from file pages (0: none is)."""
+        return max((sum(numel * dtype.itemsize for dtype, (_, numel) in ring.sections[k].items())
+                    for k, g in enumerate(ring.groups) if id(g) in self._mapped), default=0)
+
+    def use_staging(self, ring: BlockRing, pool: Any) -> None:
+        """Fill the ring's file-backed blocks through ``pool`` (Note [Pinned staging])."""
+        self.staging = pool
+        for k, group in enumerate(ring.groups):
+            mapped = self._mapped.get(id(group))
+            if mapped is None:
+                continue
+            sections = ring.sections[k]
+            self._segments[k] = [
+                (sections[seg.dtype][0] + seg.offset * seg.dtype.itemsize, seg.dtype,
+                 seg.numel, span)
+                for seg, span in zip(group.layout.segments, mapped) if seg.numel]
+        ring.refresh_fills()
+
+    def _pairs(self, ring: BlockRing, k: int, s: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         group = ring.groups[k]
         mapped = self._mapped.get(id(group))
         flats = ring._slot_flats(k, s)
@@ -710,18 +762,40 @@ class RankLocalTransport(Transport):
         return [(flats[seg.dtype].narrow(0, seg.offset, seg.numel), span)
                 for seg, span in zip(group.layout.segments, mapped) if seg.numel]
 
+    def fill_pairs(self, ring: BlockRing, k: int, s: int
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        if self.staging is not None and k in self._segments:
+            return None  # through the staging pool: more than plain copies
+        return self._pairs(ring, k, s)
+
     def fill(self, ring: BlockRing, k: int, s: int) -> None:
-        """The general path of a fill (a profiler running): the copies of :meth:`fill_pairs`
-        inside a copy span."""
+        """The general path of a fill (a profiler running, or a block staged through pinned
+        slots): the copies of :meth:`fill_pairs` inside a copy span."""
         platform = ring.platform
+        pool = self.staging if k in self._segments else None
+        if pool is not None:  # Note [Pinned staging]
+            key = (id(ring), k)
+            p = pool.acquire(key, self._segments[k])
+            pairs = pool.copies(p, key, self._segments[k],
+                                [dst for dst, _ in self._pairs(ring, k, s)])
+        else:
+            pairs = ring._fills[s][k] or self._pairs(ring, k, s)
         with platform.stream(ring.copy_stream):
             ring.copy_stream.wait_event(ring.free[s])
+            if pool is not None:
+                ring.copy_stream.wait_event(pool.filled[p])  # its own slot, not the pool
             copy_span = _spans.stream_enter(platform, "copy", "ring=%s block=%d slot=%d",
                                             ring.label, k, s)
-            for dst, src in ring._fills[s][k]:
+            for dst, src in pairs:
                 platform.copy_(dst, src)
             _spans.stream_exit(platform, copy_span)
+            if pool is not None:
+                pool.read[p].record(ring.copy_stream)  # the slot is free after this copy
             ring.ready[s].record(ring.copy_stream)
+        if pool is not None:
+            after = ring.predict_after(k)
+            if after in self._segments:
+                pool.prefetch((id(ring), after), self._segments[after], keep=p)
 
     def count_fill(self, ring: BlockRing, k: int) -> None:
         counts = self._counts.get(k)
@@ -773,6 +847,8 @@ class RankLocalTransport(Transport):
     def release(self, group: TensorGroup, platform: Platform) -> None:
         self._release_mapped(platform, id(group))
         self._counts.clear()
+        self._segments.clear()
+        self.staging = None
         super().release(group, platform)
 
 

@@ -29,6 +29,12 @@ class OffloadStats:
     peak_device_bytes: int = 0  # the most device bytes held at once, padding included
     file_backed_bytes: int = 0  # host weight bytes that are file pages (mmap-loaded), not copies
     collective_bytes: int = 0  # bytes written into slots by collectives (distributed AllGather)
+    # Note [Pinned staging] (backends/staging.py): fills of file-backed blocks.
+    staging_hits: int = 0  # the block was staged in advance
+    staging_misses: int = 0  # staged when its fill came
+    staging_bytes: int = 0  # bytes staged from file pages into the pool
+    staging_wait_ns: int = 0  # host time fills waited for their slot to be staged
+    staging_pool_bytes: int = 0  # bytes of the pool's slots
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

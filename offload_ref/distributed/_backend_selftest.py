@@ -402,6 +402,76 @@ def _asymmetric_calls(rank: int, world: int) -> dict[str, Any]:
     return {"errors": errors}
 
 
+def _skipped_rank(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's DiT has no blocks (a legacy config: its plan is skipped, not refused) while rank
+    0's streams.  Before: rank 1 ran un-offloaded with no error while rank 0 raised.  Now both
+    raise, rank 1 before any collective, each naming rank 1 and its skip reason, and nothing
+    changed on either."""
+    import dataclasses
+    import warnings
+
+    pipeline = _spec().build()
+    if rank == 1:
+        pipeline.transformer.transformer_blocks = nn.ModuleList()
+        pipeline.transformer.single_transformer_blocks = nn.ModuleList()
+    before = tensor_state(pipeline)
+    backend = _backend(dataclasses.replace(_config("rank-local"), explicit=False), timeout_s=5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy config warns about the empty containers
+        obs: dict[str, Any] = {"first": _catch(lambda: backend.enable(pipeline))}
+    obs["problems"] = untouched(pipeline, before, backend, backend.platform)
+    return obs
+
+
+class _InterruptOnce:
+    """A forward pre-hook raising KeyboardInterrupt at its block's first call (Ctrl-C inside a
+    streamed block, on every rank alike)."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt("inside a streamed block")
+
+
+def _interrupted_allgather(rank: int, world: int) -> dict[str, Any]:
+    """Ctrl-C inside a streamed block of an AllGather ring on both ranks, then new generations
+    (race amplifier on).  Before: the ring's recovery assumed the copy stream was the last
+    writer of each slot, but under AllGather it is the communication stream, so the next
+    generation raised StreamOrderError on both ranks (on CUDA: a fill racing a gather into the
+    same slot)."""
+    request = _request(rank)
+    want = _reference(request)
+    pipeline = _spec().build()
+    backend = _backend(_config("allgather"))
+    backend.enable(pipeline)
+    obs: dict[str, Any] = {"equal": [], "errors": []}
+    try:
+        for index in (2, 0, 4):  # inside the second ring's first block, block 0, the last
+            blocks = [*pipeline.transformer.transformer_blocks,
+                      *pipeline.transformer.single_transformer_blocks]
+            handle = blocks[index].register_forward_pre_hook(_InterruptOnce())
+            try:
+                _run(pipeline, request)
+                obs["errors"].append(f"block {index}: no interrupt")
+            except KeyboardInterrupt:
+                pass
+            finally:
+                handle.remove()
+            for _ in range(2):
+                try:
+                    obs["equal"].append(torch.equal(_run(pipeline, request), want))
+                except Exception as exc:  # noqa: BLE001 - recorded for the parent
+                    obs["errors"].append(f"after block {index}: {type(exc).__name__}: {exc}")
+                    break
+    finally:
+        backend.disable()
+    obs["device_bytes"] = backend.platform.memory_allocated()
+    return obs
+
+
 TWO_RANK_SCENARIOS = [
     ("world_size_one", _world_size_one),
     ("state_dict", _state_dict),
@@ -409,6 +479,8 @@ TWO_RANK_SCENARIOS = [
     ("enable_orders", _enable_orders),
     ("cli", _cli),
     ("skipped_block", _skipped_block),
+    ("interrupted_allgather", _interrupted_allgather),
+    ("skipped_rank", _skipped_rank),
     # Last: if a refusal took no round, every later enable of the batch would be out of step.
     ("asymmetric_config", _asymmetric_config),
     ("different_weights", _different_weights),
@@ -545,10 +617,14 @@ def mmap_weight_bytes(n_blocks: int = MMAP_BLOCKS) -> tuple[int, int]:
     return total, blocks
 
 
-def _streamed(pipeline: nn.Module, map_files: bool) -> tuple[Any, torch.Tensor]:
+def _streamed(pipeline: nn.Module, map_files: bool,
+              staging_slots: int | None = None) -> tuple[Any, torch.Tensor]:
     """Distributed layerwise (rank-local) enabled on ``pipeline`` and one forward: the backend
     (left enabled) and the output."""
-    backend = _backend(_config("rank-local", world_size=1))
+    import dataclasses
+
+    backend = _backend(dataclasses.replace(_config("rank-local", world_size=1),
+                                           staging_slots=staging_slots))
     if not map_files:  # the deliberately broken variant: a host copy of every block
         from offload_ref.backends.ring import RankLocalTransport
 
@@ -568,18 +644,19 @@ def _loaded(path: str, n_blocks: int) -> tuple[MmapPipeline, Any]:
 
 
 def mmap_rss(rank: int, world: int, path: str, warm_path: str,
-             map_files: bool = True) -> dict[str, Any]:
+             map_files: bool = True, staging_slots: int | None = None) -> dict[str, Any]:
     """RssAnon growth of (1) a meta-built DiT loaded from ``path`` with load_safetensors, then
     streamed rank-local, one forward; (2) the same DiT built on the CPU the ordinary way and
     streamed the same way.  ``warm_path`` holds a two-block twin that runs the same code once
     first (imports, first-call caches, worker threads).  ``map_files=False`` breaks (1) on
-    purpose (a host copy of every block)."""
+    purpose (a host copy of every block); ``staging_slots`` streams (1) through a pinned
+    staging pool of that many slots (Note [Pinned staging])."""
     import gc
 
     from offload_ref import anonymous_rss_bytes
 
     pipeline, _ = _loaded(warm_path, 2)  # the warm-up: every code path once
-    backend, _ = _streamed(pipeline, map_files)
+    backend, _ = _streamed(pipeline, map_files, staging_slots)
     backend.disable()
     backend.platform.close()
     del backend, pipeline
@@ -589,7 +666,7 @@ def mmap_rss(rank: int, world: int, path: str, warm_path: str,
 
     before = anonymous_rss_bytes()
     pipeline, report = _loaded(path, MMAP_BLOCKS)
-    backend, out = _streamed(pipeline, map_files)
+    backend, out = _streamed(pipeline, map_files, staging_slots)
     obs["mmap_growth"] = anonymous_rss_bytes() - before
     obs["report_file_backed_bytes"] = report.file_backed_bytes
     obs["stats"] = backend.stats().as_dict()

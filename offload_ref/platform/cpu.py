@@ -185,11 +185,12 @@ class _Allocation:
     nbytes: int
     last_write: tuple[int, int] | None = None  # (stream id, sequence)
     reads: dict[int, int] = field(default_factory=dict)  # stream id -> sequence of last read
+    host: bool = False  # host storage whose order is checked (CpuPlatform.order_host)
 
     def describe(self) -> str:
         return (
-            f"device allocation #{self.index} ({self.numel} x {self.tensor.dtype}, "
-            f"{self.nbytes} bytes)"
+            f"{'host' if self.host else 'device'} allocation #{self.index} ({self.numel} x "
+            f"{self.tensor.dtype}, {self.nbytes} bytes)"
         )
 
 
@@ -470,6 +471,9 @@ class CpuPlatform:
     pin_memory_supported = False  # tensor.pin_memory() raises without an accelerator
     alignment = 64  # MKL picks its kernel path by alignment (Note [Aligned layout], host.py)
     tracks_accesses = True  # record_use / discard feed the stream-order checker
+    #: A host-to-host copy_ runs in its stream's order, like any other (an accelerator runs it
+    #: at once): Note [Pinned staging] in backends/staging.py.
+    stream_ordered_host_copies = True
 
     def __init__(
         self, *, race_amplifier: bool = False, seed: int = 0, max_delay_s: float = 0.002,
@@ -501,6 +505,7 @@ class CpuPlatform:
         self._host_clock: dict[int, int] = {}
         self._ledger: dict[int, _Allocation] = {}
         self._host: dict[int, int] = {}  # host_empty storage pointer -> bytes
+        self._ordered_host: dict[int, _Allocation] = {}  # order_host(): checked host storage
         self._allocation_index = itertools.count(1)
         self._allocated = 0
         self._compute = self._new_stream("compute", worker=False)
@@ -724,7 +729,8 @@ class CpuPlatform:
 
     def is_resident(self, tensor: torch.Tensor) -> bool:
         with self._lock:
-            return self._lookup(tensor) is not None
+            found = self._lookup(tensor)
+            return found is not None and not found.host
 
     # -- host storage -------------------------------------------------------------------------
     def host_empty(self, numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
@@ -741,6 +747,7 @@ class CpuPlatform:
         if tensor.numel():
             with self._lock:
                 self._host.pop(tensor.untyped_storage().data_ptr(), None)
+                self._ordered_host.pop(tensor.untyped_storage().data_ptr(), None)
 
     def host_allocated(self) -> int:
         """Host bytes from :meth:`host_empty` not yet released (leaks show up here)."""
@@ -749,6 +756,19 @@ class CpuPlatform:
 
     def pinned_bytes(self) -> int:
         return 0
+
+    def order_host(self, tensor: torch.Tensor) -> None:
+        """Check the stream order of every access to ``tensor`` (host storage from
+        :meth:`host_empty`: a staging buffer, written on one stream and read on another) as for
+        device storage (Note [Stream-order checking]), until :meth:`host_free`.  It stays host
+        storage: :meth:`is_resident` is False, and it is counted in :meth:`host_allocated`."""
+        if not tensor.numel():
+            return
+        key = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            self._ordered_host[key] = _Allocation(
+                next(self._allocation_index), tensor, tensor.numel(),
+                tensor.numel() * tensor.element_size(), host=True)
 
     # -- internals ----------------------------------------------------------------------------
     def _new_stream(self, name: str, *, worker: bool) -> _CpuStream:
@@ -806,16 +826,24 @@ class CpuPlatform:
                 target[other] = seq
 
     def _lookup(self, tensor: torch.Tensor) -> _Allocation | None:
-        if tensor.device.type != self._device_type or tensor.is_sparse:
+        if tensor.is_sparse:
+            return None
+        device = tensor.device.type
+        if device != self._device_type and (device != "cpu" or not self._ordered_host):
             return None
         try:
             key = tensor.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):
             return None
-        return self._ledger.get(key)
+        found = self._ledger.get(key) if device == self._device_type else None
+        if found is None and device == "cpu":
+            found = self._ordered_host.get(key)
+        return found
 
     def _require_allocation(self, tensor: torch.Tensor, what: str) -> _Allocation:
         allocation = self._lookup(tensor)
+        if allocation is not None and allocation.host:
+            allocation = None  # device storage only: free/discard never take host storage
         if allocation is None:
             described = (
                 f"tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype} on {tensor.device}"

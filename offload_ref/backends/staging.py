@@ -1,0 +1,238 @@
+"""Pinned staging for blocks served from file pages.
+
+Note [Pinned staging]
+    A rank-local ring whose blocks are views of safetensors files (Note [Mapped masters] in
+    ring.py) keeps no host copy: each fill copies the block's spans from the page cache.  On a
+    GPU such a copy runs from pageable memory: the driver stages it through a bounce buffer of
+    its own, synchronously with respect to the host.  A :class:`StagingPool` gives those fills a
+    fixed set of page-locked slots instead, each one slot image (the layout of a ring slot,
+    Note [Slot layout]):
+
+    * **Background fill.**  After a fill issues its host-to-device copy, the pool stages the
+      block predicted after it on the *staging stream* (a worker thread on an accelerator;
+      a copy stream on the CPU platform), while the current block computes.
+    * **The copy waits only for its own slot.**  The host-to-device copy of block k waits for
+      the event recorded after k was staged (``filled[p]``), not for the pool.
+    * **Reuse after the reader.**  A slot is written again only after the event recorded after
+      the copy that last read it (``read[p]``, on the copy stream): the staging stream waits for
+      it (and the worker thread waits on the host first, since a host copy on an accelerator
+      runs at once).  The CPU platform checks this order (``order_host``): a slot reused before
+      its copy's event is a StreamOrderError.
+    * **Bounded.**  The pool holds ``OffloadConfig.staging_slots`` slots (at least two: one is
+      read while the next is filled), fewer if ``staging_budget_bytes`` allows fewer; a budget
+      below two slots of the largest file-backed block is refused by the resolver.
+    * **Counters** in ``stats()``: ``staging_hits`` (the block was staged in advance),
+      ``staging_misses`` (staged when its fill came), ``staging_bytes`` (bytes staged from
+      file pages), ``staging_wait_ns`` (host time a fill waited for its slot to be staged),
+      ``staging_pool_bytes``.
+
+    The pool holds no weights: the file pages stay the host side, ``state_dict()`` and
+    ``disable()`` read and restore the file views, and anonymous memory grows by the pool alone.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .stats import OffloadStats
+from .transaction import Transaction
+
+__all__ = ["StagingPool"]
+
+#: (byte offset in the slot image, dtype, element count, source span) per segment of a block.
+Segments = Sequence[tuple[int, torch.dtype, int, torch.Tensor]]
+
+
+class StagingPool:
+    """A fixed set of pinned staging slots shared by the rings of one backend.  See Note
+    [Pinned staging]."""
+
+    def __init__(self, platform: Any, stats: OffloadStats, *, slot_bytes: int, slots: int,
+                 pin: bool) -> None:
+        if slots < 2:
+            raise ValueError(f"a staging pool needs at least two slots, got {slots}")
+        self.platform = platform
+        self.stats = stats
+        self.slot_bytes = slot_bytes
+        self.n = slots
+        self.pin = pin
+        self.buffers: list[torch.Tensor] = []
+        self.filled: list[Any] = []  # per slot: recorded on the staging stream after a staging
+        self.read: list[Any] = []  # per slot: recorded on the copy stream after its last reader
+        self.holds: list[Any] = [None] * slots  # the block key staged (or staging) in each slot
+        self._tickets = [0] * slots  # stagings issued into each slot
+        self._done = [0] * slots  # ... and the last one the worker has issued on its stream
+        self._issued: list[threading.Event] = [threading.Event() for _ in range(slots)]
+        self._lru: list[int] = list(range(slots))  # least recently acquired first
+        self._views: dict[tuple[int, Any], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+        self._stream: Any = None
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        # Host copies on a stream run in that stream's order on the CPU platform; on an
+        # accelerator they run at once, so the worker waits on the host before it writes.
+        self._host_ordered = bool(getattr(platform, "stream_ordered_host_copies", False))
+
+    # -- enable -----------------------------------------------------------------------------
+
+    def prepare(self, txn: Transaction, label: str) -> None:
+        """Allocate the slots (pinned where the platform pins) and their events, as one
+        transaction step each; a rollback stops the worker and frees them."""
+        order_host = getattr(self.platform, "order_host", None)
+        for p in range(self.n):
+            buf = txn.host_empty(f"{label} staging slot {p}", self.slot_bytes, torch.uint8,
+                                 self.pin)
+            if order_host is not None:
+                order_host(buf)
+            self.buffers.append(buf)
+            self.filled.append(self.platform.Event())
+            self.read.append(self.platform.Event())
+        txn.on_rollback(self.close)  # runs before the buffers are freed (last in, first out)
+        self._stream = self.platform.Stream()
+        pinned = self.pin and bool(getattr(self.platform, "pin_memory_supported", False))
+        self.stats.staging_pool_bytes = self.n * self.slot_bytes
+        if pinned:
+            self.stats.pinned_bytes += self.n * self.slot_bytes
+
+    # -- fills ------------------------------------------------------------------------------
+
+    def acquire(self, key: Any, segments: Segments) -> int:
+        """The slot holding block ``key``, staged (in advance: a hit; now: a miss), once its
+        staging is issued; the caller's copy waits for ``filled[p]`` and records ``read[p]``."""
+        with self._lock:
+            p = self._slot_of(key)
+            hit = p is not None
+            if p is None:
+                p = self._victim(exclude=None)
+                ticket = self._enqueue(p, key, segments)
+            else:
+                ticket = self._tickets[p]
+            self._touch(p)
+        start = time.perf_counter_ns()
+        self._wait_issued(p, ticket)
+        waited = time.perf_counter_ns() - start
+        stats = self.stats
+        stats.staging_wait_ns += waited
+        if hit:
+            stats.staging_hits += 1
+        else:
+            stats.staging_misses += 1
+        return p
+
+    def prefetch(self, key: Any, segments: Segments, *, keep: int) -> None:
+        """Stage block ``key`` in the background, unless it is staged already; slot ``keep``
+        (the one a copy was just issued from) is not taken."""
+        with self._lock:
+            if self._slot_of(key) is not None:
+                return
+            self._enqueue(self._victim(exclude=keep), key, segments)
+
+    def copies(self, p: int, key: Any, segments: Segments, dsts: Sequence[torch.Tensor]
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(device view, staging view)`` pairs that copy block ``key`` out of slot ``p``."""
+        return list(zip(dsts, (view for view, _ in self._staging_views(p, key, segments))))
+
+    # -- internals (callers hold the lock where noted) --------------------------------------
+
+    def _slot_of(self, key: Any) -> int | None:
+        for p, held in enumerate(self.holds):
+            if held == key:
+                return p
+        return None
+
+    def _victim(self, exclude: int | None) -> int:
+        return next(p for p in self._lru if p != exclude)
+
+    def _touch(self, p: int) -> None:
+        self._lru.remove(p)
+        self._lru.append(p)
+
+    def _staging_views(self, p: int, key: Any, segments: Segments
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        views = self._views.get((p, key))
+        if views is None:
+            buf = self.buffers[p]
+            views = self._views[(p, key)] = [
+                (buf.narrow(0, offset, numel * dtype.itemsize).view(dtype), span)
+                for offset, dtype, numel, span in segments]
+        return views
+
+    def _enqueue(self, p: int, key: Any, segments: Segments) -> int:
+        """Issue a staging of ``key`` into slot ``p`` (caller holds the lock)."""
+        self.holds[p] = key
+        self._tickets[p] += 1
+        ticket = self._tickets[p]
+        work = (p, ticket, self._staging_views(p, key, segments))
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, name="offload-ref-staging",
+                                            daemon=True)
+            self._thread.start()
+        self._queue.put(work)
+        return ticket
+
+    def _wait_issued(self, p: int, ticket: int) -> None:
+        while True:
+            with self._lock:  # the worker sets the event under the lock, after ``_done``
+                if self._failure is not None:
+                    raise RuntimeError(f"staging a block into pinned slot {p} failed: "
+                                       f"{self._failure}") from self._failure
+                if self._done[p] >= ticket:
+                    return
+                self._issued[p].clear()
+            self._issued[p].wait()
+
+    def _run(self) -> None:
+        """The worker: each staging waits for the copy that last read its slot, then copies the
+        block's spans from the file pages into it and records ``filled[p]``."""
+        platform = self.platform
+        assert self._queue is not None
+        while True:
+            work = self._queue.get()
+            if work is None:
+                return
+            p, ticket, views = work
+            try:
+                with platform.stream(self._stream):
+                    self._after_reader(p)
+                    for dst, src in views:
+                        platform.copy_(dst, src)
+                    self.filled[p].record(self._stream)
+                self.stats.staging_bytes += sum(v.numel() * v.element_size() for v, _ in views)
+            except BaseException as exc:  # noqa: BLE001 - raised in the thread that waits
+                self._failure = exc
+            with self._lock:
+                self._done[p] = max(self._done[p], ticket)
+                self._issued[p].set()
+
+    def _after_reader(self, p: int) -> None:
+        """Order the staging of slot ``p`` after the copy that last read it: the staging stream
+        waits for ``read[p]`` (the order the CPU platform checks), and where a host copy runs at
+        once (an accelerator) the worker waits on the host first."""
+        if not self._host_ordered:
+            self.read[p].synchronize()
+        self._stream.wait_event(self.read[p])
+
+    def close(self) -> None:
+        """Stop the worker (after the stagings queued) and drop the slots' views."""
+        q, thread = self._queue, self._thread
+        if q is not None and thread is not None:
+            q.put(None)
+            thread.join()
+        self._queue = self._thread = None
+        self._views = {}
+
+    def release(self) -> None:
+        """Stop the worker and free the slots (disable; every copy has been synchronized)."""
+        self.close()
+        for buf in self.buffers:
+            self.platform.host_free(buf)
+        self.buffers = []
+        self.holds = [None] * self.n
