@@ -605,7 +605,10 @@ def check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_chang
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # disable() may say what it restored
             backend.disable()
-    after = {n: t.detach().cpu() for n, t in _dit_weights(pipeline, path)}
+    from offload_ref.discovery import get_submodule_path
+
+    # By the names of the pipeline as built: an offloader that broke a tie would list more.
+    after = {n: get_submodule_path(pipeline, n).detach().cpu() for n in original}
     holds = [n for n in after if torch.equal(after[n], scaled[n])]
     kept = [n for n in after if torch.equal(after[n], original[n])]
     if len(holds) != len(after) and len(kept) != len(after):
