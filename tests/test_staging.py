@@ -62,6 +62,7 @@ def _slot_bytes(checkpoint: Path) -> int:
 
 
 def _staging_threads() -> list[threading.Thread]:
+    """The staging threads alive (one per process at most: Note [Pinned staging])."""
     return [t for t in threading.enumerate() if t.name == "offload-ref-staging"]
 
 
@@ -87,7 +88,7 @@ def test_file_backed_blocks_stream_through_the_pool_exactly(checkpoint, want, sl
     finally:
         backend.disable()
     assert platform.memory_allocated() == 0 and platform.host_allocated() == 0
-    assert not _staging_threads()
+    assert len(_staging_threads()) <= 1  # one staging thread per process, idle
     platform.close()
 
 
@@ -142,7 +143,7 @@ def test_the_pool_is_pinned_and_on_by_default_where_the_platform_pins(checkpoint
         assert stats.staging_hits > stats.staging_misses
     finally:
         backend.disable()
-    assert not _staging_threads()
+    assert len(_staging_threads()) <= 1  # one staging thread per process, idle
 
 
 def test_no_pool_where_nothing_is_pinned_or_nothing_is_file_backed(checkpoint) -> None:

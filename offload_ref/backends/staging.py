@@ -9,8 +9,9 @@ Note [Pinned staging]
     Note [Slot layout]):
 
     * **Background fill.**  After a fill issues its host-to-device copy, the pool stages the
-      block predicted after it on the *staging stream* (a worker thread on an accelerator;
-      a copy stream on the CPU platform), while the current block computes.
+      block predicted after it, from the process's staging thread, on its *staging stream* (on
+      an accelerator the thread does the host copy itself; on the CPU platform the stream's
+      worker does), while the current block computes.
     * **The copy waits only for its own slot.**  The host-to-device copy of block k waits for
       the event recorded after k was staged (``filled[p]``), not for the pool.
     * **Reuse after the reader.**  A slot is written again only after the event recorded after
@@ -32,6 +33,8 @@ Note [Pinned staging]
 
 from __future__ import annotations
 
+import functools
+import os
 import queue
 import threading
 import time
@@ -47,6 +50,40 @@ __all__ = ["StagingPool"]
 
 #: (byte offset in the slot image, dtype, element count, source span) per segment of a block.
 Segments = Sequence[tuple[int, torch.dtype, int, torch.Tensor]]
+
+
+class _Worker:
+    """The staging thread of this process: every pool's stagings run on it, in the order they
+    were queued.  One per process, not one per enable: a fresh thread takes a fresh malloc
+    arena, whose pages made the anonymous memory of an enable vary by up to 2 MB."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="offload-ref-staging",
+                                       daemon=True)
+        self.thread.start()
+
+    def put(self, job: Any) -> None:
+        self.queue.put(job)
+
+    def _run(self) -> None:
+        while True:
+            self.queue.get()()  # a pool's _stage: it records its own failure
+
+
+_WORKER: _Worker | None = None
+_WORKER_LOCK = threading.Lock()
+
+
+def _worker() -> _Worker:
+    """The staging thread, started on first use (again in a forked child: threads do not
+    survive a fork)."""
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None or _WORKER.pid != os.getpid():
+            _WORKER = _Worker()
+        return _WORKER
 
 
 class StagingPool:
@@ -73,8 +110,8 @@ class StagingPool:
         self._views: dict[tuple[int, Any], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lock = threading.Lock()
         self._stream: Any = None
-        self._queue: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
+        self._pending = 0  # stagings queued and not yet issued
+        self._idle = threading.Event()
         self._failure: BaseException | None = None
         # Host copies on a stream run in that stream's order on the CPU platform; on an
         # accelerator they run at once, so the worker waits on the host before it writes.
@@ -169,13 +206,9 @@ class StagingPool:
         self.holds[p] = key
         self._tickets[p] += 1
         ticket = self._tickets[p]
-        work = (p, ticket, self._staging_views(p, key, segments))
-        if self._queue is None:
-            self._queue = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._run, name="offload-ref-staging",
-                                            daemon=True)
-            self._thread.start()
-        self._queue.put(work)
+        views = self._staging_views(p, key, segments)
+        self._pending += 1
+        _worker().put(functools.partial(self._stage, p, ticket, views))
         return ticket
 
     def _wait_issued(self, p: int, ticket: int) -> None:
@@ -189,28 +222,26 @@ class StagingPool:
                 self._issued[p].clear()
             self._issued[p].wait()
 
-    def _run(self) -> None:
-        """The worker: each staging waits for the copy that last read its slot, then copies the
-        block's spans from the file pages into it and records ``filled[p]``."""
+    def _stage(self, p: int, ticket: int, views: list[tuple[torch.Tensor, torch.Tensor]]
+               ) -> None:
+        """On the staging worker: wait for the copy that last read slot ``p``, copy the block's
+        spans from the file pages into it, record ``filled[p]``."""
         platform = self.platform
-        assert self._queue is not None
-        while True:
-            work = self._queue.get()
-            if work is None:
-                return
-            p, ticket, views = work
-            try:
-                with platform.stream(self._stream):
-                    self._after_reader(p)
-                    for dst, src in views:
-                        platform.copy_(dst, src)
-                    self.filled[p].record(self._stream)
-                self.stats.staging_bytes += sum(v.numel() * v.element_size() for v, _ in views)
-            except BaseException as exc:  # noqa: BLE001 - raised in the thread that waits
-                self._failure = exc
-            with self._lock:
-                self._done[p] = max(self._done[p], ticket)
-                self._issued[p].set()
+        try:
+            with platform.stream(self._stream):
+                self._after_reader(p)
+                for dst, src in views:
+                    platform.copy_(dst, src)
+                self.filled[p].record(self._stream)
+            self.stats.staging_bytes += sum(v.numel() * v.element_size() for v, _ in views)
+        except BaseException as exc:  # noqa: BLE001 - raised in the thread that waits
+            self._failure = exc
+        with self._lock:
+            self._done[p] = max(self._done[p], ticket)
+            self._pending -= 1
+            self._issued[p].set()
+            if not self._pending:
+                self._idle.set()
 
     def _after_reader(self, p: int) -> None:
         """Order the staging of slot ``p`` after the copy that last read it: the staging stream
@@ -221,16 +252,17 @@ class StagingPool:
         self._stream.wait_event(self.read[p])
 
     def close(self) -> None:
-        """Stop the worker (after the stagings queued) and drop the slots' views."""
-        q, thread = self._queue, self._thread
-        if q is not None and thread is not None:
-            q.put(None)
-            thread.join()
-        self._queue = self._thread = None
+        """Wait until every staging this pool queued has been issued, and drop the views."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    break
+                self._idle.clear()
+            self._idle.wait()
         self._views = {}
 
     def release(self) -> None:
-        """Stop the worker and free the slots (disable; every copy has been synchronized)."""
+        """Close the pool and free the slots (disable; every copy has been synchronized)."""
         self.close()
         for buf in self.buffers:
             self.platform.host_free(buf)
