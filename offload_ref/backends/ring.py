@@ -696,6 +696,8 @@ class RankLocalTransport(Transport):
         #: Note [Pinned staging] (staging.py): the pool mapped blocks are filled through.
         self.staging: Any = None
         self._segments: dict[int, list[tuple[int, torch.dtype, int, torch.Tensor]]] = {}
+        # (block, ring slot, staging slot) -> the copies of a staged fill
+        self._staged: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._mapped: dict[int, list[torch.Tensor]] = {}  # id(group) -> one span per segment
         self._copies: dict[int, list[torch.Tensor]] = {}  # id(group) -> private host copies
         self._counts: dict[int, tuple[int, int]] = {}  # block -> h2d (weight, padding) per fill
@@ -776,8 +778,10 @@ class RankLocalTransport(Transport):
         if pool is not None:  # Note [Pinned staging]
             key = (id(ring), k)
             p = pool.acquire(key, self._segments[k])
-            pairs = pool.copies(p, key, self._segments[k],
-                                [dst for dst, _ in self._pairs(ring, k, s)])
+            pairs = self._staged.get((k, s, p))
+            if pairs is None:  # built once per block, ring slot and staging slot
+                pairs = self._staged[(k, s, p)] = pool.copies(
+                    p, key, self._segments[k], [dst for dst, _ in self._pairs(ring, k, s)])
         else:
             pairs = ring._fills[s][k] or self._pairs(ring, k, s)
         with platform.stream(ring.copy_stream):
@@ -848,6 +852,7 @@ class RankLocalTransport(Transport):
         self._release_mapped(platform, id(group))
         self._counts.clear()
         self._segments.clear()
+        self._staged.clear()
         self.staging = None
         super().release(group, platform)
 
