@@ -283,7 +283,7 @@ def add_trace_parser(sub: Any, selection: Callable[[argparse.ArgumentParser], No
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from offload_ref.cli import _selection, _UsageError
+    from offload_ref._cli_selection import _selection, _UsageError
 
     if args.png:
         try:
