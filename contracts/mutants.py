@@ -705,7 +705,8 @@ def _reads_between_forwards_allowed() -> Any:
 def _frozen_backward_not_refused() -> Any:
     """Note [Autograd] checking only whether the offloaded weights require grad: a frozen
     weight is still saved for the gradient of an input, and read back as a placeholder."""
-    from offload_ref.backends import guard, layerwise
+    from offload_ref.backends import layerwise
+    from offload_ref.backends import refusals as guard
 
     def weights_only(label, names, tensors, args=(), kwargs=None, module=None):
         guard.refuse_autograd(label, names, tensors)
@@ -714,7 +715,7 @@ def _frozen_backward_not_refused() -> Any:
 
 
 def _unguarded_calls() -> Any:
-    from offload_ref.backends.guard import CallGuard
+    from offload_ref.backends.call_guard import CallGuard
 
     return _patched_all(CallGuard, enter=lambda self, label, frame: True,
                         holds=lambda self, frame: True, exit=lambda self, frame: True)
@@ -723,7 +724,7 @@ def _unguarded_calls() -> Any:
 def _copies_not_refused() -> Any:
     """Note [No copies while enabled] undone: a deep copy or pickle of an enabled module
     copies its hooks, and fails deep inside with torch's "cannot pickle '_thread.lock'"."""
-    from offload_ref.backends.guard import RefusesCopies
+    from offload_ref.backends.refusals import RefusesCopies
 
     return _patched_all(RefusesCopies, __deepcopy__=None, __copy__=None,
                         __reduce_ex__=object.__reduce_ex__)

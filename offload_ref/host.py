@@ -32,7 +32,7 @@ Note [Aligned layout]
 
 ``nn.Parameter`` objects are never replaced; only their ``.data`` is rebound (and, while a backend
 is enabled, their class is a subclass guarding ``.data``: Note [Rebind guard] in
-backends/guard.py).
+backends/rebind_guard.py).
 """
 
 from __future__ import annotations

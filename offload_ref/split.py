@@ -40,9 +40,9 @@ class ComponentGroups:
         self._groups = {str(name): tuple(mods) for name, mods in groups.items()}
         self._resident = tuple(resident)
         self._swapper: Any = None  # set while enabled
-        self._guarded: list[torch.Tensor] = []  # Note [Rebind guard] (backends/guard.py)
+        self._guarded: list[torch.Tensor] = []  # Note [Rebind guard] (backends/rebind_guard.py)
         self.stats: Any = None  # OffloadStats of the current (or last) enable
-        # Note [One thread at a time] (backends/guard.py): the threads inside a context(),
+        # Note [One thread at a time] (backends/call_guard.py): the threads inside a context(),
         # one per enable.
         self._calls: Any = None
 
@@ -52,9 +52,9 @@ class ComponentGroups:
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles of a disabled model are ordinary; an enabled one refuses (Note [No
-        copies while enabled] in backends/guard.py)."""
+        copies while enabled] in backends/refusals.py)."""
         if self.enabled:
-            from .backends.guard import refuse_copy
+            from .backends.refusals import refuse_copy
 
             refuse_copy(f"a model whose offload components {list(self._groups)} are enabled")
         return self.__dict__
@@ -105,7 +105,8 @@ class ComponentGroups:
             guarded: list[torch.Tensor] = []
             try:
                 swapper.prepare(txn, swappable, residents, pin=pin_memory)
-                # Note [Rebind guard] (backends/guard.py): an edit through .data is seen or refused.
+                # Note [Rebind guard] (backends/rebind_guard.py): an edit through .data is seen or
+                # refused.
                 guarded = txn.guard_rebinds(swapper.named_tensors(), type(self).__name__)
                 interruption_point()  # a Ctrl-C during enable rolls it back
                 platform.synchronize()
@@ -123,7 +124,7 @@ class ComponentGroups:
                     f"ComponentGroups.enable failed: {exc}; every change was rolled back (enable "
                     "can be retried)") from exc
             txn.commit()
-            from .backends.guard import CallGuard
+            from .backends.call_guard import CallGuard
 
             self._calls = CallGuard(f"{type(self).__name__}{list(self._groups)}")
             self._guarded = guarded
@@ -140,7 +141,7 @@ class ComponentGroups:
     def _disable_all(self) -> None:
         import contextlib
 
-        from .backends.guard import guard_rebinds, unguard_rebinds
+        from .backends.rebind_guard import guard_rebinds, unguard_rebinds
 
         calls = self._calls
         # Note [One thread at a time]: wait until no other thread is inside a context(); one
@@ -182,7 +183,7 @@ class ComponentGroups:
         if self._swapper is None or calls is None:
             yield
             return
-        # Note [One thread at a time] (backends/guard.py): the frame running the ``with``
+        # Note [One thread at a time] (backends/call_guard.py): the frame running the ``with``
         # (above contextlib's __enter__) stays on the stack for the whole block.  A second
         # thread gets OffloadConcurrencyError; two threads swapping at once lost a device copy.
         frame = sys._getframe(2)
@@ -215,8 +216,8 @@ class _Active:
 
     def check(self, name: str) -> None:
         """Refuse autograd and unhonoured weight edits (Notes [Autograd], [Weight edits] in
-        backends/guard.py); called before leaving inference mode, which turns grad mode on."""
-        from .backends.guard import refuse_autograd
+        backends/refusals.py); called before leaving inference mode, which turns grad mode on."""
+        from .backends.refusals import refuse_autograd
 
         group = self.swapper.swappable[name]
         refuse_autograd(name, [r.name for r in group.layout.records], group.tensors)

@@ -1,5 +1,5 @@
 """``call_frame``: the hooks find the ``nn.Module`` call that runs them (Note [One thread at a
-time] in guard.py keys every guard entry and running block by that frame)."""
+time] in call_guard.py keys every guard entry and running block by that frame)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload_ref.backends import guard
-from offload_ref.backends.guard import call_frame
+from offload_ref.backends import call_guard
+from offload_ref.backends.call_guard import call_frame
 
 
 def _walk() -> object:
@@ -31,7 +31,7 @@ class _Outer(nn.Module):
 
 
 def test_each_hook_finds_the_call_of_its_own_module() -> None:
-    assert guard._INNER_CODE is not None  # the pinned torch: the first guess is in use
+    assert call_guard._INNER_CODE is not None  # the pinned torch: the first guess is in use
     seen: list[tuple[str, nn.Module, bool]] = []
 
     def record(where: str):

@@ -19,14 +19,9 @@ from ..hooks import HookRegistry
 from ..plan import ResolvedOffloadPlan, resolve_offload_plan
 from ..platform import Platform
 from .._interrupts import deferred_interrupts, interruption_point
-from .guard import (
-    CallGuard,
-    OffloadWeightEditError,
-    RefusesCopies,
-    guard_rebinds,
-    guarded_by,
-    unguard_rebinds,
-)
+from .call_guard import CallGuard
+from .rebind_guard import guard_rebinds, guarded_by, unguard_rebinds
+from .refusals import OffloadWeightEditError, RefusesCopies
 from .stats import OffloadStats
 from .transaction import FaultInjector, Transaction
 
@@ -73,7 +68,7 @@ class OffloadBackend:
         self._stats = OffloadStats()
         self._guard = CallGuard(type(self).__name__)
         self._handles: list[Any] = []  # state-dict hooks of the current enable
-        # Note [Rebind guard] (guard.py): the tensors guarded by the current enable.
+        # Note [Rebind guard] (rebind_guard.py): the tensors guarded by the current enable.
         self._guarded: list[torch.Tensor] = []
         self._guarded_named: list[tuple[str, torch.Tensor]] = []
         self._finalizer: weakref.finalize | None = None
@@ -272,7 +267,7 @@ class OffloadBackend:
 
     def _rebound_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """``(qualified name, tensor)`` of every tensor the backend rebinds while enabled
-        (Note [Rebind guard] in guard.py guards them)."""
+        (Note [Rebind guard] in rebind_guard.py guards them)."""
         return []
 
     def _offloaded_tensors(self) -> dict[int, Callable[[], torch.Tensor | None] | None]:
@@ -305,7 +300,7 @@ class OffloadBackend:
         raise NotImplementedError
 
     def _after_guard(self, txn: Transaction) -> None:
-        """After the rebound tensors are guarded (Note [Rebind guard] in guard.py)."""
+        """After the rebound tensors are guarded (Note [Rebind guard] in rebind_guard.py)."""
 
     def _before_commit(self, txn: Transaction) -> None:
         """Called once everything is built and bound, before the undo log is dropped: the last
@@ -326,7 +321,7 @@ def _require_unowned_modules(pipeline: Any) -> None:
     """Refuse a pipeline that shares a module with a pipeline another backend has enabled
     (``Pipe2(**pipe1.components)``): the pipeline mark says nothing of that, and two backends
     rebinding one module's tensors would each undo the other's work.  Guarded tensors (Note
-    [Rebind guard] in guard.py) exist only while their backend is enabled, so one found here
+    [Rebind guard] in rebind_guard.py) exist only while their backend is enabled, so one found here
     names the owner."""
     roots = [pipeline] if isinstance(pipeline, nn.Module) else [
         v for v in getattr(pipeline, "__dict__", {}).values() if isinstance(v, nn.Module)]

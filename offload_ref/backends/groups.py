@@ -20,7 +20,8 @@ import torch
 from .. import _spans
 from ..host import HostMaster, Layout, aligned_empty, storage_key, unique_tensors
 from ..platform import Platform
-from .guard import OffloadWeightEditError, set_data
+from .rebind_guard import set_data
+from .refusals import OffloadWeightEditError
 from .stats import OffloadStats
 from .transaction import Transaction, rebind_restored
 
@@ -187,7 +188,7 @@ class ComponentSwapper:
         for group in self.resident:
             txn.rebind(group.label, group.tensors, group.layout.views(group.device_flats))
         txn.on_rollback(self.forget)
-        # Note [Weight edits] (guard.py): our own rebinds never bump a version counter.
+        # Note [Weight edits] (refusals.py): our own rebinds never bump a version counter.
         self.versions = {label: [t._version for t in g.tensors]
                          for label, g in self.swappable.items()}
 

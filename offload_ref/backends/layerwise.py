@@ -27,20 +27,15 @@ from ..host import storage_key
 from ..plan import OffloadTopologyError, ResolvedOffloadPlan, pipeline_state, staging_budget_error
 from .base import OffloadBackend
 from .groups import ComponentSwapper
-from .guard import (
-    _INNER_CODE,
+from .call_guard import _INNER_CODE, CallGuard, _on_stack, call_frame
+from .rebind_guard import (
     IDLE_PARAMETER,
     RUNNING_PARAMETER,
-    CallGuard,
-    OffloadWeightEditError,
-    RefusesCopies,
-    _on_stack,
-    call_frame,
     forget_readable,
     readable_while,
-    refuse_autograd,
     refuse_edits_between_forwards,
 )
+from .refusals import OffloadWeightEditError, RefusesCopies, refuse_autograd
 from .ring import BlockRing, RankLocalTransport, Transport, _Placeholders
 from .staging import StagingPool
 from .transaction import Transaction, rebind_restored
@@ -57,8 +52,8 @@ if _leave_inference_mode is None:  # pragma: no cover - older or newer torch
 
 class LayerwiseOffloadHook(RefusesCopies, ModelHook):
     """Thin callbacks from one block into its ring, inside the backend's call guard (Note [One
-    thread at a time] in guard.py), refusing autograd and weight edits it cannot honour (Notes
-    [Autograd], [Weight edits])."""
+    thread at a time] in call_guard.py), refusing autograd and weight edits it cannot honour (Notes
+    [Autograd], [Weight edits] in refusals.py)."""
 
     def __init__(self, ring: BlockRing, index: int, guard: CallGuard | None = None,
                  refusals: _ReadRefusals | None = None) -> None:
@@ -72,15 +67,15 @@ class LayerwiseOffloadHook(RefusesCopies, ModelHook):
         self.versions = [t._version for t in group.tensors]  # our rebinds never bump them
         # Plain aliases sharing each tensor's version counter (detach() keeps it, across our
         # rebinds too): a guarded tensor's own ``_version`` getter looks up
-        # ``__torch_function__`` first (Note [Rebind guard] in guard.py), twice per tensor per
-        # block.  Made after the ring's commit, they view placeholders or a slot, never the
+        # ``__torch_function__`` first (Note [Rebind guard] in rebind_guard.py), twice per tensor
+        # per block.  Made after the ring's commit, they view placeholders or a slot, never the
         # original storage.
         self.counters = [t.detach() for t in group.tensors]
         self._span: Any = None  # the block's compute range (Note [Spans] in _spans.py)
         # The edit guard of the component the block belongs to (Note [Edits between forwards]
-        # in guard.py), set at enable.
+        # in rebind_guard.py), set at enable.
         self.component: _ComponentEditGuard | None = None
-        # The backend's, shared by its hooks (Note [Reads between forwards] in guard.py).
+        # The backend's, shared by its hooks (Note [Reads between forwards] in rebind_guard.py).
         self.refusals = refusals if refusals is not None else _ReadRefusals()
 
     def _copy_subject(self) -> str:  # Note [No copies while enabled]
@@ -106,7 +101,7 @@ class LayerwiseOffloadHook(RefusesCopies, ModelHook):
             for t, v in zip(self.counters, self.versions):
                 if t._version != v:
                     self._refuse_edit()
-            if self.refusals.name is not None:  # Note [Reads between forwards] (guard.py)
+            if self.refusals.name is not None:  # Note [Reads between forwards] (rebind_guard.py)
                 self.refusals.check()
             ring = self.ring
             if ring.creates_no_tensors:  # Note [Hooks leave inference mode]
@@ -263,9 +258,9 @@ class _OneShot:
 
 class _ReadRefusals:
     """A refused ``.data`` read of a streamed tensor, or a refused in-place edit (Note [Edits
-    between forwards] in guard.py), and the resident state's version counters at enable: the
+    between forwards] in rebind_guard.py), and the resident state's version counters at enable: the
     next block forward refuses a half-applied edit, or warns that a refused edit left the
-    weights as they were (Note [Reads between forwards] in guard.py)."""
+    weights as they were (Note [Reads between forwards] in rebind_guard.py)."""
 
     __slots__ = ("name", "owner", "resident", "op")
 
@@ -329,7 +324,7 @@ class _ReadRefusals:
 class _ComponentEditGuard(RefusesCopies, ModelHook):
     """On the owner of a ring (a DiT, a streamed encoder): its parameters, streamed and
     resident, take the plain guarded class for its forward and refuse in-place edits outside
-    it (Note [Edits between forwards] in guard.py).  Two class assignments per parameter and
+    it (Note [Edits between forwards] in rebind_guard.py).  Two class assignments per parameter and
     forward of the component, nothing per block (it takes no entry in the call guard, whose
     steady state is one entry per thread).  A parameter ``disable()`` has unguarded meanwhile
     keeps its class."""
@@ -561,8 +556,8 @@ class LayerWiseOffloadBackend(OffloadBackend):
         resident.prepare(txn, [], [("<resident>", rest)], pin=False)
         for ring in self.rings:
             ring.commit(txn)
-        # Note [Reads between forwards] (guard.py): a streamed tensor's guarded .data reads only
-        # while its block runs.
+        # Note [Reads between forwards] (rebind_guard.py): a streamed tensor's guarded .data reads
+        # only while its block runs.
         streamed_tensors = [t for ring in self.rings for g in ring.groups for t in g.tensors]
         txn.on_rollback(lambda: forget_readable(streamed_tensors))
         refusals = _ReadRefusals(type(self).__name__, resident.named_tensors())
@@ -590,8 +585,8 @@ class LayerWiseOffloadBackend(OffloadBackend):
                     part = part_class(hook, f"{path}.{name}")
                     self._parts.append(part)
                     txn.register_hook(sub, self.hook_name + ".part", part, f"{path}.{name}")
-        # Note [Edits between forwards] (guard.py): each ring's owner, innermost first (a nested
-        # ring's owner guards its own parameters).
+        # Note [Edits between forwards] (rebind_guard.py): each ring's owner, innermost first (a
+        # nested ring's owner guards its own parameters).
         self._edit_guards = []
         claimed: set[int] = set()
         guards: dict[str, _ComponentEditGuard] = {}
@@ -608,8 +603,8 @@ class LayerWiseOffloadBackend(OffloadBackend):
             hook.component = guards.get(hook.ring.stack.owner_path)
 
     def _after_guard(self, txn: Transaction) -> None:
-        # Note [Edits between forwards] (guard.py): the rings' components refuse in-place edits
-        # outside their forwards.  A rollback unguards them with the rest.
+        # Note [Edits between forwards] (rebind_guard.py): the rings' components refuse in-place
+        # edits outside their forwards.  A rollback unguards them with the rest.
         txn.step("refuse in-place edits of streamed components between forwards")
         report = self._refusals.refused_edit
         for guard in self._edit_guards:

@@ -34,7 +34,8 @@ from ..plan import ResolvedComponent, ResolvedOffloadPlan, owned_tensors, pipeli
 from .base import OffloadBackend
 from .groups import ComponentSwapper
 from .stats import OffloadStats
-from .guard import CallGuard, RefusesCopies, call_frame, refuse_autograd
+from .call_guard import CallGuard, call_frame
+from .refusals import RefusesCopies, refuse_autograd
 from .transaction import Transaction
 
 __all__ = ["ComponentSwapper", "ModelLevelOffloadBackend", "SequentialOffloadHook"]
@@ -42,7 +43,7 @@ __all__ = ["ComponentSwapper", "ModelLevelOffloadBackend", "SequentialOffloadHoo
 
 class SequentialOffloadHook(RefusesCopies, ModelHook):
     """Hooks of one component: make it the resident swap group before its forward; enter and
-    leave the backend's call guard (Note [One thread at a time] in guard.py)."""
+    leave the backend's call guard (Note [One thread at a time] in call_guard.py)."""
 
     def __init__(self, backend: ModelLevelOffloadBackend, component: ResolvedComponent,
                  guard: CallGuard) -> None:

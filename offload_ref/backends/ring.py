@@ -67,7 +67,8 @@ from ..plan import BlockStack, named_tensors
 from ..platform import Platform
 from ..platform.base import fast_calls
 from .groups import TensorGroup, restore_group
-from .guard import call_frame, set_data
+from .call_guard import call_frame
+from .rebind_guard import set_data
 from .stats import OffloadStats
 from .transaction import Transaction
 
@@ -317,7 +318,7 @@ class BlockRing:
 
     def _rebind(self, k: int, views: Sequence[torch.Tensor]) -> None:
         for t, v in zip(self.groups[k].tensors, views):
-            set_data(t, v)  # Note [Rebind guard] (guard.py)
+            set_data(t, v)  # Note [Rebind guard] (rebind_guard.py)
 
     # -- transfers ------------------------------------------------------------------------------
 
@@ -411,7 +412,7 @@ class BlockRing:
     #     are inlined; a prefetch is one ``platform.fill`` (Note [One-call fills] in
     #     platform/base.py); ``record_use`` / ``discard`` are not called on platforms whose
     #     ``tracks_accesses`` is False; spans cost one attribute read while no profiler runs;
-    #     the call guard takes its own lock directly (Note [Guard locking] in guard.py); the
+    #     the call guard takes its own lock directly (Note [Guard locking] in call_guard.py); the
     #     hooks do not leave inference mode when the ring creates no tensor in them; torch
     #     calls the hooks' bound methods with no wrapper between.  Every other state (recovery,
     #     a miss, a running profiler, a collective transport) takes the general calls, which do

@@ -32,7 +32,7 @@ from torch import nn
 from ..hooks import HookRegistry, ModelHook
 from ..host import HostMaster, Layout
 from ..platform import Platform
-from .guard import get_data, guard_rebinds, set_data, unguard_rebinds
+from .rebind_guard import get_data, guard_rebinds, set_data, unguard_rebinds
 
 __all__ = ["FaultInjector", "Transaction", "rebind_restored"]
 
@@ -104,7 +104,8 @@ class Transaction:
 
     def guard_rebinds(self, named: Sequence[tuple[str, torch.Tensor]], owner: str
                       ) -> list[torch.Tensor]:
-        """Note [Rebind guard] (guard.py) on every tensor the backend rebinds, as one step."""
+        """Note [Rebind guard] (rebind_guard.py) on every tensor the backend rebinds, as one
+        step."""
         self.step(f"guard .data of {len(named)} rebound tensors")
         guarded: list[torch.Tensor] = []
         self.on_rollback(lambda: unguard_rebinds(guarded))
