@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload_ref.backends.ring import CallOrderPredictor
+from offload_ref.backends.predictor import CallOrderPredictor
 
 
 def _misses(predictor: CallOrderPredictor, calls: list[int]) -> list[int]:

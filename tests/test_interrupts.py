@@ -231,7 +231,7 @@ def test_an_interrupt_at_any_line_of_the_hook_work_is_recovered(name: str, strat
 def test_an_interrupted_call_order_update_is_repaired() -> None:
     """Found by the fuzz above at 600 positions: an interrupt inside ``observe`` (or the trim
     of its history) left a match index past the end, so every later prediction raised."""
-    from offload_ref.backends.ring import CallOrderPredictor
+    from offload_ref.backends.predictor import CallOrderPredictor
 
     calls = [0, 1, 2] * 10  # a cap of 24 calls: the history is trimmed on the way
     predictor = CallOrderPredictor(3, history=8)

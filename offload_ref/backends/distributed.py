@@ -63,8 +63,9 @@ from ..config import OffloadStrategy, WeightTransfer
 from ..plan import BlockStack, OffloadTopologyError, ResolvedOffloadPlan, shard_bytes
 from .groups import TensorGroup, restore_group
 from .layerwise import LayerWiseOffloadBackend
-from .ring import BlockRing, RankLocalTransport, Transport
+from .ring import BlockRing
 from .transaction import Transaction
+from .transports import RankLocalTransport, Transport
 
 __all__ = ["AllGatherTransport", "DistributedLayerwiseOffloadBackend"]
 

@@ -26,8 +26,8 @@ from ..hooks import ModelHook, runs_after_offload
 from ..host import storage_key
 from ..plan import OffloadTopologyError, ResolvedOffloadPlan, pipeline_state, staging_budget_error
 from .base import OffloadBackend
-from .groups import ComponentSwapper
 from .call_guard import _INNER_CODE, CallGuard, _on_stack, call_frame
+from .groups import ComponentSwapper
 from .rebind_guard import (
     IDLE_PARAMETER,
     RUNNING_PARAMETER,
@@ -36,9 +36,10 @@ from .rebind_guard import (
     refuse_edits_between_forwards,
 )
 from .refusals import OffloadWeightEditError, RefusesCopies, refuse_autograd
-from .ring import BlockRing, RankLocalTransport, Transport, _Placeholders
+from .ring import BlockRing, _Placeholders
 from .staging import StagingPool
 from .transaction import Transaction, rebind_restored
+from .transports import RankLocalTransport, Transport
 
 __all__ = ["LayerWiseOffloadBackend", "LayerwiseOffloadHook"]
 

@@ -2,7 +2,7 @@
 
 Note [Pinned staging]
     A rank-local ring whose blocks are views of safetensors files (Note [Mapped masters] in
-    ring.py) keeps no host copy: each fill copies the block's spans from the page cache.  On a
+    transports.py) keeps no host copy: each fill copies the block's spans from the page cache.  On a
     GPU such a copy runs from pageable memory: the driver stages it through a bounce buffer of
     its own, synchronously with respect to the host.  A :class:`StagingPool` gives those fills a
     fixed set of page-locked slots instead, each one slot image (the layout of a ring slot,

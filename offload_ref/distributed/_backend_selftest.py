@@ -626,7 +626,7 @@ def _streamed(pipeline: nn.Module, map_files: bool,
     backend = _backend(dataclasses.replace(_config("rank-local", world_size=1),
                                            staging_slots=staging_slots))
     if not map_files:  # the deliberately broken variant: a host copy of every block
-        from offload_ref.backends.ring import RankLocalTransport
+        from offload_ref.backends.transports import RankLocalTransport
 
         backend._transport_for = lambda stack: RankLocalTransport(map_files=False)
     backend.enable(pipeline)
