@@ -20,22 +20,18 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from .calling import RefError, call_seeded, call_unseeded, load_object, takes_seed
 from .spec import PipelineSpec
 
 __all__ = ["RefError", "call_seeded", "call_unseeded", "load_specs", "no_inputs", "resolve",
            "specs_from", "without_seed"]
 
 DEFAULT_STRATEGIES = ("model_level", "layer_wise")
-
-
-class RefError(ValueError):
-    """A ``module:attr`` reference that cannot be used; the message is one line."""
 
 
 def import_from_the_current_folder() -> None:
@@ -109,41 +105,6 @@ def specs_from(ref: str, obj: Any, *, inputs: str | None = None,
                    f"them, or a factory (a callable taking no arguments or seed=)")
 
 
-def takes_seed(func: Callable[..., Any], ref: str) -> bool:
-    """Whether ``func`` is called ``func(seed=...)`` (else ``func()``); :class:`RefError` when it
-    needs any other argument."""
-    try:
-        params = inspect.signature(func).parameters.values()
-    except (TypeError, ValueError):  # no signature (a builtin): call it without arguments
-        return False
-    required = [p.name for p in params if p.default is p.empty and p.name != "seed"
-                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if required:
-        raise RefError(f"{ref!r} needs argument(s) {', '.join(required)}: a factory must take "
-                       f"no arguments or only seed= (wrap it in one that does)")
-    return any(p.name == "seed" and p.kind != p.POSITIONAL_ONLY or p.kind == p.VAR_KEYWORD
-               for p in params)
-
-
-def call_unseeded(func: Callable[[], Any], seed: int) -> Any:
-    """``func()`` under ``torch.manual_seed(seed)``; the caller's RNG state (the host's and every
-    accelerator device's, which ``torch.manual_seed`` also reseeds) is restored after."""
-    import torch
-
-    accelerator = torch.accelerator.current_accelerator()
-    devices = range(torch.accelerator.device_count()) if accelerator is not None else []
-    with torch.random.fork_rng(devices=devices,
-                               device_type=accelerator.type if accelerator else "cuda"):
-        torch.manual_seed(seed)
-        return func()
-
-
-def call_seeded(func: Callable[..., Any], seed: int, ref: str) -> Any:
-    """``func(seed=seed)``, or :func:`call_unseeded` for a callable taking no arguments
-    (:func:`takes_seed`; ``ref`` names ``func`` in its :class:`RefError`)."""
-    return func(seed=seed) if takes_seed(func, ref) else call_unseeded(func, seed)
-
-
 def _adapted(ref: str, func: Callable[..., Any]) -> str:
     return ref if takes_seed(func, ref) else f"{__name__}:without_seed.{ref}"
 
@@ -185,8 +146,6 @@ class _WithoutSeed:
         return _WithoutSeed(f"{self._ref}.{part}" if self._ref else part)
 
     def __call__(self, seed: int = 0) -> Any:
-        from .spec import load_object
-
         return call_unseeded(load_object(self._ref), seed)
 
     def __repr__(self) -> str:

@@ -2,34 +2,19 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .calling import call_seeded, load_object
 from .registry import strategy_names
 
 __all__ = ["PipelineSpec", "load_object"]
 
 
-def load_object(ref: str | Callable[..., Any]) -> Callable[..., Any]:
-    """Import ``"package.module:attr"`` (dotted attrs allowed); callables pass through."""
-    if callable(ref):
-        return ref
-    if not isinstance(ref, str) or ":" not in ref:
-        raise ValueError(f"expected an importable reference 'package.module:attr', got {ref!r}")
-    module_name, _, attr = ref.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _seeded(ref: str | Callable[..., Any], seed: int) -> Any:
     """Call a factory or inputs reference for ``seed``: ``ref(seed=seed)``, or ``ref()`` under a
     seeded, restored RNG when it takes no arguments (as ``refs.without_seed`` does)."""
-    from .refs import call_seeded
-
     return call_seeded(load_object(ref), seed, ref if isinstance(ref, str) else
                        f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', ref)}")
 
