@@ -20,10 +20,11 @@ import torch
 from .. import _spans
 from ..host import HostMaster, Layout, aligned_empty, storage_key, unique_tensors
 from ..platform import Platform
+from .inference import rebind_restored
 from .rebind_guard import set_data
 from .refusals import OffloadWeightEditError
 from .stats import OffloadStats
-from .transaction import Transaction, rebind_restored
+from .transaction import Transaction
 
 __all__ = ["ComponentSwapper", "TensorGroup", "restore_group"]
 

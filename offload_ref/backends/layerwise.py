@@ -28,6 +28,7 @@ from ..plan import OffloadTopologyError, ResolvedOffloadPlan, pipeline_state, st
 from .base import OffloadBackend
 from .call_guard import _INNER_CODE, CallGuard, _on_stack, call_frame
 from .groups import ComponentSwapper
+from .inference import rebind_restored
 from .rebind_guard import (
     IDLE_PARAMETER,
     RUNNING_PARAMETER,
@@ -38,7 +39,7 @@ from .rebind_guard import (
 from .refusals import OffloadWeightEditError, RefusesCopies, refuse_autograd
 from .ring import BlockRing, _Placeholders
 from .staging import StagingPool
-from .transaction import Transaction, rebind_restored
+from .transaction import Transaction
 from .transports import RankLocalTransport, Transport
 
 __all__ = ["LayerWiseOffloadBackend", "LayerwiseOffloadHook"]
