@@ -17,9 +17,11 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HOOKS_ATTR", "HookRegistry", "ModelHook", "after_offload", "hook_names"]
+__all__ = ["HOOKS_ATTR", "PIPELINE_ATTR", "HookRegistry", "ModelHook", "after_offload", "hook_names"]
 
 HOOKS_ATTR = "_offload_ref_hooks"
+#: Set on the pipeline while a backend owns it (at most one strategy owns offload hooks).
+PIPELINE_ATTR = "_offload_ref_backend"
 _AFTER_ATTR = "_offload_ref_after_offload"
 
 

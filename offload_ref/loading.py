@@ -43,10 +43,9 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-# Imported here, not when first needed: an import inside a load would show up as that load's
-# anonymous memory (about 2 MB for the backends).
-from .backends.base import PIPELINE_ATTR
-from .hooks import HOOKS_ATTR
+# The ownership markers come from hooks.py, not from the backends: the resolver imports this
+# module, and importing the backends inside a load would count as that load's anonymous memory.
+from .hooks import HOOKS_ATTR, PIPELINE_ATTR
 
 __all__ = ["LoadReport", "anonymous_rss_bytes", "is_file_backed", "load_safetensors"]
 

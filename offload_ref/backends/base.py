@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..config import OffloadConfig, OffloadStrategy
-from ..hooks import HookRegistry
+from ..hooks import PIPELINE_ATTR, HookRegistry
 from ..plan import ResolvedOffloadPlan, resolve_offload_plan
 from ..platform import Platform
 from .._interrupts import deferred_interrupts, interruption_point
@@ -32,10 +32,6 @@ __all__ = [
     "OffloadEnableError",
     "PIPELINE_ATTR",
 ]
-
-#: Set on the pipeline while a backend owns it (at most one strategy owns offload hooks).
-PIPELINE_ATTR = "_offload_ref_backend"
-
 
 class OffloadEnableError(RuntimeError):
     """``enable`` failed; every change was rolled back (the cause is chained)."""
