@@ -102,6 +102,10 @@ class Implementation:
     capabilities: Capabilities = OFFLOAD_REF
     #: ``(strategy, why)`` for each strategy it does not offer: those cases are not applicable.
     unsupported_strategies: tuple[tuple[str, str], ...] = ()
+    #: How a spawned rank (catalogue §H) rebuilds it when its callables are not importable by
+    #: name: a ``"module:attr"`` reference to a function taking :attr:`name` and returning the
+    #: implementation and a context to enter around the rank's work (the kit's mutants).
+    in_rank: str | None = None
 
     def unsupported(self, strategy: str) -> str | None:
         """Why this implementation does not offer ``strategy``, or None when it does."""

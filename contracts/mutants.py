@@ -789,7 +789,7 @@ _HEAD = dict(pipelines=("qwen_image",), sections=("A.8", "F.7"), strategies=("la
 
 def _m(name: str, defect: str, scope: dict, *, patch: Any = None, factory: Any = None,
        **changes: Any) -> Mutant:
-    impl = DEFAULT_IMPLEMENTATION.replace(name=name, **changes)
+    impl = DEFAULT_IMPLEMENTATION.replace(name=name, in_rank=f"{__name__}:in_rank", **changes)
     return Mutant(name, defect, impl, kills=frozenset(KILLS[name]), patch=patch,
                   factory=factory, placement_kills=frozenset(PLACEMENT_KILLS.get(name, ())),
                   **scope)
@@ -1484,3 +1484,10 @@ MUTANTS: tuple[Mutant, ...] = (
                                    "simple_first_snapshot", "simple_no_rollback",
                                    "simple_stacks_hooks", "simple_interrupt_leak")),
 )
+
+
+def in_rank(name: str) -> tuple[Implementation, Any]:
+    """The mutant ``name``'s implementation and patch context, in a spawned rank
+    (``Implementation.in_rank``)."""
+    mutant = next(m for m in MUTANTS if m.name == name)
+    return mutant.impl, (mutant.patch() if mutant.patch else contextlib.nullcontext())

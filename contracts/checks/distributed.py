@@ -91,7 +91,8 @@ def observations(case: Any) -> list[dict[str, Any]]:
     key = (case.spec, case.impl.name)
     if key not in _RESULTS:
         try:
-            _RESULTS[key] = run_ranks(_rank_batch, WORLD, args=(case.spec, case.impl.name),
+            _RESULTS[key] = run_ranks(_rank_batch, WORLD,
+                                      args=(case.spec, case.impl.name, case.impl.in_rank),
                                       timeout_s=BATCH_TIMEOUT_S,
                                       collective_timeout_s=COLLECTIVE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - every check of the batch reports it, once run
@@ -102,20 +103,25 @@ def observations(case: Any) -> list[dict[str, Any]]:
     return result
 
 
-def _implementation(name: str) -> tuple[Any, Any]:
-    if name == DEFAULT_IMPLEMENTATION.name:
-        return DEFAULT_IMPLEMENTATION, contextlib.nullcontext()
-    from ..mutants import MUTANTS
+def _implementation(name: str, in_rank: str | None) -> tuple[Any, Any]:
+    """The implementation the parent ran as ``name``, rebuilt in a spawned rank: offload-ref's
+    own, or what ``in_rank`` (``Implementation.in_rank``, a ``module:attr`` reference) returns for
+    ``name`` -- the implementation and a context to enter around the rank's scenarios."""
+    if in_rank is not None:
+        return load_object(in_rank)(name)
+    if name != DEFAULT_IMPLEMENTATION.name:
+        raise RuntimeError(f"implementation {name!r} cannot be rebuilt in a spawned rank: give it "
+                           f"Implementation.in_rank, a 'module:attr' reference to a function "
+                           f"returning (implementation, context) for its name")
+    return DEFAULT_IMPLEMENTATION, contextlib.nullcontext()
 
-    mutant = next(m for m in MUTANTS if m.name == name)
-    return mutant.impl, (mutant.patch() if mutant.patch else contextlib.nullcontext())
 
-
-def _rank_batch(rank: int, world: int, spec: Any, impl_name: str) -> dict[str, Any]:
+def _rank_batch(rank: int, world: int, spec: Any, impl_name: str,
+                in_rank: str | None) -> dict[str, Any]:
     """What one rank observes in every scenario (runs in a spawned rank)."""
     from offload_ref.distributed import Rendezvous
 
-    impl, patch = _implementation(impl_name)
+    impl, patch = _implementation(impl_name, in_rank)
     rendezvous = Rendezvous.default(namespace="offload_ref/kit", timeout_s=BATCH_TIMEOUT_S)
     out: dict[str, Any] = {"rank": rank}
     with patch, tempfile.TemporaryDirectory() as tmp:
