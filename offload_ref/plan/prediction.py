@@ -1,0 +1,98 @@
+"""Byte arithmetic of a resolved plan: its predicted peak device bytes (:func:`_predict`), the
+span bytes of tensors, ring slots and AllGather shards, and the staging budget's refusal."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import OffloadStrategy, WeightTransfer
+from ..host import padded_span_bytes
+from .resolved import ResolvedComponent, ResolvedOffloadPlan
+from .tree import _streamed_tensors, _tensors, owned_tensors
+
+
+def _predict(plan: ResolvedOffloadPlan) -> int:
+    """Model level keeps the resident state plus the largest swap group (one DiT, or the
+    encoders); layerwise keeps everything but the streamed blocks, plus two of each ring's
+    largest block.  A swap group is its component's own tensors (:func:`owned_tensors`);
+    pipeline-managed (on-demand) components hold no bytes of ours, but their rings do.  Bytes
+    are storage spans, counted once however many paths reach them, each in its aligned region
+    (the bytes a host master or device copy allocates, padding included)."""
+    if not plan.components:
+        return plan.other_state_bytes
+    a = plan.alignment
+    placed = [c for c in plan.components if not c.on_demand]
+    if plan.strategy is OffloadStrategy.MODEL_LEVEL:
+        swapped = [c for c in placed if c.selected and c.role in ("dit", "encoder")]
+        kept = _span_bytes(_tensors(*(c.module for c in placed if c not in swapped)), a)
+        groups = [_span_bytes((t for _, t in owned_tensors(plan, c)), a)
+                  for c in swapped if c.role == "dit"]
+        groups.append(_span_bytes((t for c in swapped if c.role == "encoder"
+                                   for _, t in owned_tensors(plan, c)), a))
+        return plan.other_state_bytes + kept + max(groups)
+    held = _tensors(*(c.module for c in placed))
+    held_ids = {id(t) for t in held}
+    rings = [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
+    # One walk per block: its streamed tensors serve both its slot size and the streamed total.
+    block_tensors = [[_streamed_tensors(s, k) for k in range(len(s.streamed_blocks))]
+                     for s in rings]
+    per_block = [[_span_bytes(ts, a) for ts in blocks] for blocks in block_tensors]
+    streamed = _span_bytes([t for blocks in block_tensors for ts in blocks for t in ts
+                            if id(t) in held_ids], a)
+    return (plan.other_state_bytes + _span_bytes(held, a) - streamed
+            + sum(2 * _slot_bytes(max(sizes), s.transfer, plan.world_size, a)
+                  for s, sizes in zip(rings, per_block)))
+
+
+def staging_budget_error(budget: int, slot_bytes: int) -> str:
+    """The refusal of a staging budget that cannot hold two slots (Note [Pinned staging] in
+    backends/staging.py)."""
+    return (f"OffloadConfig.staging_budget_bytes = {budget} cannot hold two pinned staging "
+            f"slots of the largest file-backed block ({slot_bytes} bytes each, "
+            f"{2 * slot_bytes} for two): one slot is filled while the copy reads the other.  "
+            f"Raise it to at least {2 * slot_bytes}, or set staging_slots=0 to copy from the "
+            "file pages directly")
+
+
+def shard_bytes(image_bytes: int, world: int, alignment: int) -> int:
+    """Bytes of each rank's shard of a block whose slot image has ``image_bytes`` bytes, for an
+    AllGather across ``world`` ranks: ceil(image / world), rounded up to ``alignment`` (Note
+    [AllGather transport] in backends/distributed.py)."""
+    if not image_bytes:
+        return 0
+    share = -(-image_bytes // world)
+    return -(-share // alignment) * alignment
+
+
+def _slot_bytes(image_bytes: int, transfer: WeightTransfer, world: int, alignment: int) -> int:
+    """Bytes of one ring slot for the largest block's ``image_bytes``: the image itself, or
+    ``world`` shards of it for AllGather."""
+    if transfer is not WeightTransfer.ALLGATHER or world == 1:
+        return image_bytes
+    return world * shard_bytes(image_bytes, world, alignment)
+
+
+def _span_bytes(tensors: Iterable[torch.Tensor], alignment: int) -> int:
+    """Bytes a host master of ``tensors`` allocates: per storage (counted once), the aligned
+    region of the span its tensors touch (Note [Aligned layout] in host.py)."""
+    return padded_span_bytes(tensors, alignment)
+
+
+def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent],
+                       alignment: int) -> int:
+    """Span bytes of the pipeline's tensors reachable from no component (they stay on the
+    device whatever the strategy); a view into a component's storage adds only what it touches
+    beyond that storage's span."""
+    if not isinstance(pipeline, nn.Module):
+        return 0
+    mine = _tensors(*(c.module for c in components))
+    # The same distinct tensors as _tensors(pipeline, *modules), without walking the components
+    # twice (a span total does not depend on the order).
+    seen = {id(t) for t in mine}
+    everything = list(mine)
+    everything += [t for t in _tensors(pipeline) if id(t) not in seen]
+    return _span_bytes(everything, alignment) - _span_bytes(mine, alignment)

@@ -1,0 +1,236 @@
+"""What the offloader will do: the resolved types (:class:`ResolvedOffloadPlan`, its components
+(:class:`ResolvedComponent`) and their rings (:class:`BlockStack`, with :class:`RingAlias`
+entries)), and what ``strategy="auto"`` weighed (:class:`AutoCandidate`, :class:`AutoChoice`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..config import OffloadConfig, OffloadStrategy, WeightTransfer
+from ..host import ALLOCATOR_ALIGNMENT
+from .tree import _nbytes_of
+
+
+@dataclass(frozen=True)
+class RingAlias:
+    """A tensor outside the blocks that shares storage with a streamed block's tensor."""
+
+    path: str  # qualified name of the aliasing parameter/buffer, relative to the pipeline
+    block_path: str  # the block whose host master owns the storage
+    tensor_path: str  # the block tensor it aliases
+
+
+@dataclass(frozen=True, eq=False)
+class BlockStack:
+    """One ring of blocks streamed in order (the concatenation of its containers)."""
+
+    owner_path: str
+    container_paths: tuple[str, ...]
+    blocks: tuple[nn.Module, ...]
+    block_paths: tuple[str, ...]
+    #: Leading blocks kept on the device, never streamed nor hooked (``OffloadPlan.
+    #: layerwise_resident_layers``, or ``resident_layers`` under distributed layerwise).
+    resident_head: int = 0
+    transfer: WeightTransfer = WeightTransfer.RANK_LOCAL
+    aliases: tuple[RingAlias, ...] = ()
+    #: Block tensors also used outside their block (another block, another component): kept
+    #: resident once instead of streamed with two masters.
+    shared: tuple[str, ...] = ()
+
+    @property
+    def streamed_blocks(self) -> tuple[nn.Module, ...]:
+        return self.blocks[self.resident_head:]
+
+    def _key(self) -> tuple:
+        return (self.owner_path, self.container_paths, tuple(map(id, self.blocks)),
+                self.block_paths, self.resident_head, self.transfer, self.aliases, self.shared)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockStack) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+@dataclass(frozen=True, eq=False)
+class ResolvedComponent:
+    path: str
+    module: nn.Module
+    role: str  # "dit" | "encoder" | "vae" | "resident"
+    selected: bool  # offloaded by the strategy (otherwise kept on the device)
+    on_demand: bool = False  # residency owned by the pipeline (load_to_device / offload_to_cpu)
+    stacks: tuple[BlockStack, ...] = ()
+    kind: str = ""  # the config name that selects it: "dit", "text_encoder", "image_encoder", ...
+    #: Paths of the other components inside this one's module tree: their tensors follow their
+    #: own rule (a resident nested in a DiT stays on the device while the DiT swaps).
+    nested: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            object.__setattr__(self, "kind", self.role)
+
+    def _key(self) -> tuple:
+        return (self.path, id(self.module), self.role, self.selected, self.on_demand, self.stacks,
+                self.kind, self.nested)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ResolvedComponent) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+@dataclass(frozen=True)
+class AutoCandidate:
+    """One strategy ``strategy="auto"`` considers: its concrete config, its predicted peak device
+    bytes (None when it cannot serve the pipeline, or its peak cannot be predicted: ``reason``)."""
+
+    name: str  # "none", "model_level", "layer_wise" or "layer_wise+encoders"
+    config: OffloadConfig
+    predicted: int | None
+    reason: str = ""
+    #: Layer strategies: the resident head of each DiT ring, as (path, leading blocks) pairs,
+    #: replacing the model's ``layerwise_resident_layers`` (``()``: no head); None elsewhere.
+    heads: tuple[tuple[str, int], ...] | None = None
+
+    def label(self) -> str:
+        if self.name == "none":
+            return "none (every weight resident)"
+        kept = [f"{path}: {k}" for path, k in self.heads or () if k]
+        head = f"; resident head {', '.join(kept)}" if kept else ""
+        return f"{self.name} ({', '.join(self.config.components)}{head})"
+
+    @property
+    def resident_heads(self) -> dict[str, int] | None:
+        """The heads as ``resolve_offload_plan(resident_heads=...)`` takes them."""
+        return None if self.heads is None else dict(self.heads)
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``strategy="auto"`` chose for a budget, and every strategy it weighed."""
+
+    budget: int
+    chosen: str
+    candidates: tuple[AutoCandidate, ...]
+    #: The chosen layer strategy with each resident head it weighed (k = 0, 1, ...); the
+    #: largest whose prediction fits is ``picked``.  Empty for other strategies.
+    heads: tuple[AutoCandidate, ...] = ()
+
+    @property
+    def picked(self) -> AutoCandidate:
+        """The candidate enable builds: the chosen strategy, with its resident head."""
+        fitting = [c for c in self.heads if c.predicted is not None
+                   and c.predicted <= self.budget]
+        if fitting:
+            return fitting[-1]
+        return next(c for c in self.candidates if c.name == self.chosen)
+
+    def describe(self) -> list[str]:
+        picked = self.picked
+        lines = [f"auto: picked {picked.label()} (predicted peak {picked.predicted} bytes <= "
+                 f"budget {self.budget})"]
+        if self.heads:
+            k = self.heads.index(picked)
+            more = (f"; a head of {k + 1} would need {self.heads[k + 1].predicted} bytes"
+                    if k + 1 < len(self.heads) else "; no larger head leaves two blocks "
+                    "streaming")
+            lines.append(f"  resident head: {k} leading block(s) of each DiT ring kept on the "
+                         f"device{more}")
+        for c in self.candidates:
+            if c.predicted is None:
+                verdict = f"not achievable: {c.reason}"
+            elif c.name == self.chosen:
+                verdict = f"{c.predicted} bytes  <- picked"
+            elif c.predicted > self.budget:
+                verdict = f"would need {c.predicted} bytes (over budget)"
+            else:
+                verdict = f"{c.predicted} bytes (fits; a coarser strategy was picked)"
+            lines.append(f"  {c.label()}: {verdict}")
+        return lines
+
+
+@dataclass(frozen=True)
+class ResolvedOffloadPlan:
+    """What a backend will do to a pipeline.  ``skip_reason`` set means: nothing at all."""
+
+    strategy: OffloadStrategy
+    components: tuple[ResolvedComponent, ...] = ()
+    skip_reason: str | None = None
+    delegated: bool = False  # split model: the pipeline's enable_omni_model_cpu_offload owns it
+    warnings: tuple[str, ...] = ()
+    other_state_bytes: int = 0  # parameters/buffers of the pipeline outside every component
+    device_bytes_bound: int = 0  # predicted peak device bytes, padding included (see _predict)
+    alignment: int = ALLOCATOR_ALIGNMENT  # the platform's alignment the prediction assumes
+    world_size: int = 1  # ranks an AllGather ring shards across (distributed layerwise)
+    #: ``strategy="auto"``: the choice this plan is (``strategy`` is the chosen one; ``NONE``
+    #: with no skip_reason means every weight resident on the device).
+    auto: AutoChoice | None = None
+
+    def by_role(self, role: str) -> tuple[ResolvedComponent, ...]:
+        return tuple(c for c in self.components if c.role == role)
+
+    @property
+    def dits(self) -> tuple[ResolvedComponent, ...]:
+        return self.by_role("dit")
+
+    @property
+    def encoders(self) -> tuple[ResolvedComponent, ...]:
+        return self.by_role("encoder")
+
+    @property
+    def stacks(self) -> tuple[BlockStack, ...]:
+        return tuple(s for c in self.components for s in c.stacks)
+
+    def component(self, path: str) -> ResolvedComponent:
+        for c in self.components:
+            if c.path == path:
+                return c
+        raise KeyError(path)
+
+    def describe(self) -> str:
+        """A human-readable account of the topology (used by ``offload-ref plan``)."""
+        lines = list(self.auto.describe()) if self.auto is not None else []
+        lines.append(f"strategy: {self.strategy.value}")
+        if self.strategy is OffloadStrategy.NONE and self.skip_reason is None:
+            lines.append(f"every weight resident on the device: predicted peak device bytes: "
+                         f"{self.predicted_device_bytes()} (tensors in {self.alignment}-byte "
+                         "aligned regions)")
+        if self.skip_reason:
+            lines.append(f"skipped: {self.skip_reason}")
+        if self.delegated:
+            lines.append("delegated to the pipeline's enable_omni_model_cpu_offload")
+        for c in self.components:
+            flags = [c.role if c.kind == c.role else f"{c.role} ({c.kind})",
+                     "offloaded" if c.selected else "resident"]
+            if c.on_demand:
+                flags.append("on-demand")
+            if c.nested:
+                flags.append(f"nested {', '.join(c.nested)} not in its group")
+            lines.append(f"  {c.path} ({', '.join(flags)}): {_nbytes_of(c.module)} bytes")
+            for s in c.stacks:
+                sizes = [_nbytes_of(b) for b in s.blocks]
+                lines.append(
+                    f"    ring {'+'.join(s.container_paths)}: {len(s.blocks)} blocks, largest "
+                    f"{max(sizes)} bytes, resident head {s.resident_head}, transfer "
+                    f"{s.transfer.value}"
+                )
+                for a in s.aliases:
+                    lines.append(f"      alias {a.path} -> {a.tensor_path}")
+                for name in s.shared:
+                    lines.append(f"      shared (kept resident) {name}")
+        if self.components:
+            lines.append(f"predicted peak device bytes: {self.predicted_device_bytes()} "
+                         f"(of which {self.other_state_bytes} outside every component; tensors "
+                         f"in {self.alignment}-byte aligned regions)")
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
+        return "\n".join(lines)
+
+    def predicted_device_bytes(self) -> int:
+        """The strategy's residency bound, computed when the plan was resolved (before any
+        tensor moved): see :func:`_predict`.  It equals ``stats().peak_device_bytes`` after a
+        generation on a platform with the same ``alignment``."""
+        return self.device_bytes_bound

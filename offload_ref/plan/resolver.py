@@ -1,0 +1,644 @@
+"""The resolver: :class:`_Resolver` turns a pipeline's declarations and an
+:class:`OffloadConfig` into a :class:`ResolvedOffloadPlan` (components, roles, selection, rings),
+raising every topology error before anything is placed (Note [Resolution is pure] in
+plan/__init__.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ENCODER_KINDS, OffloadConfig, OffloadStrategy, WeightTransfer
+from ..host import ALLOCATOR_ALIGNMENT
+from ..discovery import (
+    _MISSING,
+    ModuleCycleError,
+    OffloadDeclarationWarning,
+    discover_components,
+    get_submodule_path,
+    require_acyclic,
+    supports_model_cpu_offload,
+)
+from .declarations import OffloadPlan, OffloadTopologyError, encoder_kind
+from .ownership import _ring_aliases, _with_shared
+from .prediction import _other_state_bytes, _predict, _span_bytes, staging_budget_error
+from .resolved import BlockStack, ResolvedComponent, ResolvedOffloadPlan
+from .tree import (
+    _has_readable_storage,
+    _storage_key,
+    _streamed_tensors,
+    named_tensors,
+    owned_tensors,
+    pipeline_state,
+)
+
+
+class _Resolver:
+    def __init__(self, pipeline: Any, config: OffloadConfig,
+                 alignment: int = ALLOCATOR_ALIGNMENT,
+                 resident_heads: Mapping[str, int] | None = None) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        self.alignment = alignment
+        self.cls_name = type(pipeline).__name__
+        self.warnings: list[str] = []
+        plan = getattr(pipeline, "_offload_plan", None)
+        if plan is not None and not isinstance(plan, OffloadPlan):
+            raise TypeError(
+                f"{self.cls_name}._offload_plan must be an offload_ref.OffloadPlan, got "
+                f"{type(plan).__name__}"
+            )
+        self.plan = plan or OffloadPlan()
+        # Plain layerwise's resident heads: the model's declaration, or auto's choice.
+        self.heads: Mapping[str, int] = (self.plan.layerwise_resident_layers
+                                         if resident_heads is None else resident_heads)
+        self.head_source = ("OffloadPlan.layerwise_resident_layers" if resident_heads is None
+                            else "the resident head strategy='auto' chose")
+
+    @property
+    def explicit(self) -> bool:
+        return self.config.explicit
+
+    def fail_or_warn(self, message: str) -> None:
+        """Explicit selections turn declaration problems into errors; legacy ones warn."""
+        if self.explicit:
+            raise OffloadTopologyError(message)
+        self.warnings.append(message)
+        warnings.warn(message, OffloadDeclarationWarning, stacklevel=4)
+
+    def resolve(self) -> ResolvedOffloadPlan:
+        strategy = self.config.strategy
+        if strategy is OffloadStrategy.NONE:
+            return ResolvedOffloadPlan(strategy, skip_reason="offloading is disabled")
+        if strategy is OffloadStrategy.MODEL_LEVEL and supports_model_cpu_offload(self.pipeline):
+            self._validate_delegated()
+            return ResolvedOffloadPlan(strategy, delegated=True)
+
+        try:
+            found = discover_components(self.pipeline, warn=self._warn_scan)
+        except ModuleCycleError as exc:
+            raise OffloadTopologyError(f"{self.cls_name}: {exc}") from None
+        for role, path in found.missing:
+            wanted = {"dit": "dit", "encoder": "text_encoder"}.get(role)
+            message = (
+                f"{self.cls_name}: declared {role} path {path!r} does not exist on the pipeline; "
+                "fix the declaration in _" + role + "_modules"
+            )
+            if wanted is not None and self.config.selects(wanted):
+                self.fail_or_warn(message)
+            else:
+                self.warnings.append(message)
+
+        self._reject_unreadable_storage(found)
+        self._check_plan_keys(found)  # before a strategy reads them: a typo would be ignored
+        if strategy is OffloadStrategy.MODEL_LEVEL:
+            components = self._model_level(found)
+        else:
+            components = self._layerwise(found)
+        if isinstance(components, str):
+            return ResolvedOffloadPlan(strategy, skip_reason=components,
+                                       warnings=tuple(self.warnings))
+        components = _with_nested(components)
+        self._check_nesting(components)
+        self._check_unique_ownership(components)
+        if strategy is OffloadStrategy.MODEL_LEVEL:
+            self._check_one_group_per_storage(components)
+        components = _with_shared(self.pipeline, components)
+        self._check_staging_budget(components)
+        plan = ResolvedOffloadPlan(strategy, tuple(components), warnings=tuple(self.warnings),
+                                   other_state_bytes=_other_state_bytes(
+                                       self.pipeline, components, self.alignment),
+                                   alignment=self.alignment,
+                                   world_size=self.config.world_size)
+        return dataclasses.replace(plan, device_bytes_bound=_predict(plan))
+
+    def _check_staging_budget(self, components: list[ResolvedComponent]) -> None:
+        """A staging budget must hold two slots of the largest block served from file pages
+        (Note [Pinned staging] in backends/staging.py); refused here, before any mutation."""
+        budget = self.config.staging_budget_bytes
+        if budget is None or self.config.strategy is OffloadStrategy.MODEL_LEVEL:
+            return
+        from ..loading import is_file_backed
+
+        largest = 0
+        for c in components:
+            for s in c.stacks:
+                if len(s.streamed_blocks) < 2 or s.transfer is not WeightTransfer.RANK_LOCAL:
+                    continue
+                for k in range(len(s.streamed_blocks)):
+                    tensors = _streamed_tensors(s, k)
+                    if any(t.numel() and is_file_backed(t) for t in tensors):
+                        largest = max(largest, _span_bytes(tensors, self.alignment))
+        if largest and budget < 2 * largest:
+            raise OffloadTopologyError(f"{self.cls_name}: "
+                                       f"{staging_budget_error(budget, largest)}")
+
+    def _validate_delegated(self) -> None:
+        """A split model's own component groups walk its module tree and copy its tensors as
+        any backend does: it gets the same input validation (a cycle, a sparse or unreadable
+        tensor named with its path), before its enable_omni_model_cpu_offload mutates it."""
+        try:
+            found = discover_components(self.pipeline, warn=lambda message: None)
+        except ModuleCycleError as exc:
+            raise OffloadTopologyError(f"{self.cls_name}: {exc}") from None
+        self._reject_unreadable_storage(found)
+
+    def _reject_unreadable_storage(self, found) -> None:
+        """Tensor subclasses without readable storage (DTensor, other wrapper subclasses) have
+        no storage a host master could copy or a rebind could keep: reject them here, before
+        anything is placed (the storage-key helpers would crash on them later)."""
+        if isinstance(self.pipeline, nn.Module):
+            roots = [("", self.pipeline)]
+        else:
+            roots = [(f"{path}.", module) for group in (found.dits, found.encoders, found.vaes,
+                                                        found.residents)
+                     for path, module in group]
+        for prefix, root in roots:
+            for name, t in named_tensors(root, ""):
+                if isinstance(t, nn.parameter.UninitializedTensorMixin):
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: tensor {prefix + name!r} is uninitialized (a lazy "
+                        f"module such as nn.LazyLinear that has not run yet): its size is not "
+                        "known, so no host master or device slot can be planned.  Run one "
+                        "forward of the pipeline (or of that module) before enabling offload"
+                    )
+                if t.layout is not torch.strided:
+                    layout = str(t.layout)
+                    kind = "sparse" if t.is_sparse or "sparse" in layout else "non-strided"
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: tensor {prefix + name!r} has layout {layout} "
+                        f"({kind}); offload-ref offloads dense strided tensors only (a host "
+                        "master is a flat copy of a strided storage).  Convert it with "
+                        ".to_dense() before enabling offload, or keep it out of the module tree "
+                        "(a plain attribute, not a parameter or buffer), where it stays where it "
+                        "is (docs/model-authors.md)"
+                    )
+                if not _has_readable_storage(t):
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: tensor {prefix + name!r} is a {type(t).__name__}, a "
+                        "tensor subclass whose storage cannot be read (a DTensor from FSDP/HSDP "
+                        "or tensor parallelism, or another wrapper subclass); offload-ref offloads "
+                        "plain dense tensors only.  Materialize it before enabling offload (a "
+                        "DTensor: .full_tensor() or .to_local()), or do not combine offload with "
+                        "sharded parameters (docs/model-authors.md)"
+                    )
+
+    def _warn_scan(self, message: str) -> None:
+        warnings.warn(message, OffloadDeclarationWarning, stacklevel=5)
+        self.warnings.append(message)
+
+    # -- model level ---------------------------------------------------------------------------
+
+    def _model_level(self, found) -> list[ResolvedComponent] | str:
+        wants_dit = self.config.selects("dit")
+        wants_encoder = any(self.config.selects(kind) for kind in ENCODER_KINDS)
+        if not found.dits:
+            message = (
+                f"{self.cls_name}: model-level offload requires a DiT/transformer module; declare "
+                "it in _dit_modules (offload_ref.SupportsComponentDiscovery)"
+            )
+            if self.explicit:
+                raise OffloadTopologyError(message)
+            return "no DiT module found; model-level offload has nothing to swap"
+        dits_swap_each_other = wants_dit and not wants_encoder and len(found.dits) > 1
+        if not found.encoders and self.explicit and not dits_swap_each_other:
+            raise OffloadTopologyError(
+                f"{self.cls_name}: model-level offload requires an encoder execution stage to "
+                "swap against; declare it in _encoder_modules (or select only 'dit' on a "
+                "pipeline with at least two DiTs)"
+            )
+        comps = [ResolvedComponent(p, m, "dit", wants_dit) for p, m in found.dits]
+        for p, m in found.encoders:
+            kind = self._encoder_kind(p)
+            comps.append(ResolvedComponent(p, m, "encoder", self.config.selects(kind), kind=kind))
+        comps += self._vaes(found, on_demand=set())
+        comps += [ResolvedComponent(p, m, "resident", False) for p, m in found.residents]
+        return comps
+
+    # -- kinds and lifecycles ------------------------------------------------------------------
+
+    def _encoder_kind(self, path: str) -> str:
+        return encoder_kind(self.plan, path)
+
+    def _vaes(self, found, on_demand: set[str]) -> list[ResolvedComponent]:
+        """Selecting ``"vae"`` hands every VAE to the lifecycle its pipeline declares; a VAE
+        that is not selected stays on the device (or, listed in ``on_demand``, the pipeline's)."""
+        selected = self.config.selects("vae")
+        if selected and not found.vaes:
+            raise OffloadTopologyError(
+                f"{self.cls_name}: No VAE modules found for the 'vae' selection; declare them in "
+                "_vae_modules (offload_ref.SupportsComponentDiscovery) or drop 'vae' from "
+                "components"
+            )
+        comps = []
+        for path, module in found.vaes:
+            if selected:
+                if path not in self.plan.on_demand_component_paths:
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: selected VAE {path!r} requires a pipeline-managed "
+                        f"lifecycle: list {path!r} in OffloadPlan.on_demand_component_paths and "
+                        f"implement load_to_device() and offload_to_cpu() on "
+                        f"{type(module).__name__}, or drop 'vae' from components"
+                    )
+                self._require_lifecycle(path, module)
+                comps.append(ResolvedComponent(path, module, "vae", True, True))
+                continue
+            staged = path in on_demand
+            if staged:
+                self._require_lifecycle(path, module)
+            comps.append(ResolvedComponent(path, module, "vae", False, staged))
+        return comps
+
+    # -- layerwise -----------------------------------------------------------------------------
+
+    def _layerwise(self, found) -> list[ResolvedComponent] | str:
+        wants_dit = self.config.selects("dit")
+        wants_encoder = any(self.config.selects(kind) for kind in ENCODER_KINDS)
+        if not found.dits:
+            if wants_dit and self.explicit:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: No DiT/transformer modules found for layerwise offload; "
+                    "declare them in _dit_modules (offload_ref.SupportsComponentDiscovery)"
+                )
+            if not wants_encoder or not self.explicit:
+                return "no DiT module found; layerwise offload is a no-op for this pipeline"
+        if wants_encoder and self.explicit and not found.encoders:
+            raise OffloadTopologyError(
+                f"{self.cls_name}: component 'text_encoder' is selected but no text encoder "
+                "modules were found; declare them in _encoder_modules "
+                "(offload_ref.SupportsComponentDiscovery) or drop 'text_encoder' from components"
+            )
+        on_demand = set(self.plan.on_demand_component_paths)
+        comps: list[ResolvedComponent] = []
+        for path, module in found.dits:
+            stacks: list[BlockStack] = []
+            if wants_dit:
+                stacks = self._dit_stacks(path, module)
+            comps.append(ResolvedComponent(path, module, "dit", bool(stacks), False, tuple(stacks)))
+        for path, module in found.encoders:
+            # A pipeline-managed encoder is left to the pipeline whether or not it is selected
+            # (as a VAE is): the backend never places it, but streams its declared rings.
+            stacks, staged = [], path in on_demand
+            if staged:
+                self._require_lifecycle(path, module)
+            kind = self._encoder_kind(path)
+            selected = self.config.selects(kind)
+            if selected:
+                stacks = self._encoder_stacks(path, module, kind)
+                if staged and not stacks and self._transfer(kind) is \
+                        WeightTransfer.ALLGATHER and self.config.world_size > 1:
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: on-demand encoder {path!r} cannot use AllGather "
+                        "without a model-declared streamable block plan; declare "
+                        "OffloadPlan.encoder_block_attrs or use weight_transfer='rank-local'"
+                    )
+                if not stacks and not staged:
+                    self.fail_or_warn(
+                        f"{self.cls_name}: selected {kind.replace('_', ' ')} {path!r} requires a "
+                        "model-declared streamable or on-demand plan; declare "
+                        f"OffloadPlan(encoder_block_attrs={{{path!r}: (<container>,)}}) or list "
+                        "it in OffloadPlan.on_demand_component_paths"
+                    )
+            comps.append(ResolvedComponent(path, module, "encoder",
+                                           bool(stacks) or (staged and selected),
+                                           staged, tuple(stacks), kind))
+        comps += self._vaes(found, on_demand)
+        for path, module in found.residents:
+            comps.append(ResolvedComponent(path, module, "resident", False))
+        for path, container in self.plan.offload_submodules.items():
+            comps.append(self._submodule(path, container))
+        if not self.explicit and not any(c.selected for c in comps):
+            return ("nothing to stream: no selected component has a streamable block plan "
+                    f"({'; '.join(self.warnings) or 'see the declarations'})")
+        if self.explicit and not any(c.selected for c in comps):
+            raise OffloadTopologyError(
+                f"{self.cls_name}: none of the selected components {list(self.config.components)} "
+                "has a model-declared streamable or on-demand plan"
+            )
+        return comps
+
+    def _transfer(self, component: str) -> WeightTransfer:
+        if self.config.strategy is not OffloadStrategy.DISTRIBUTED_LAYER_WISE:
+            return WeightTransfer.RANK_LOCAL
+        return self.config.options_for(component).weight_transfer
+
+    def _require_lifecycle(self, path: str, module: nn.Module) -> None:
+        missing = [
+            name for name in ("load_to_device", "offload_to_cpu")
+            if not callable(getattr(module, name, None))
+        ]
+        if missing:
+            raise OffloadTopologyError(
+                f"{self.cls_name}: on-demand component {path!r} ({type(module).__name__}) must "
+                f"implement load_to_device() and offload_to_cpu(); missing: {missing}"
+            )
+
+    def _container_names(self, path: str, module: nn.Module) -> tuple[tuple[str, ...], str]:
+        if path in self.plan.block_attrs:
+            return tuple(self.plan.block_attrs[path]), f"OffloadPlan.block_attrs[{path!r}]"
+        names = getattr(module, "_layerwise_offload_blocks_attrs", None)
+        if names is None:
+            single = getattr(module, "_layerwise_offload_blocks_attr", None)
+            names = None if single is None else [single]
+        if names is None:
+            return (), ""
+        if isinstance(names, str):
+            names = [names]
+        return tuple(names), f"{type(module).__name__}._layerwise_offload_blocks_attrs"
+
+    def _blocks_of(
+        self, owner_path: str, owner: nn.Module, names: Iterable[str], source: str
+    ) -> tuple[list[nn.Module], list[str], list[str]]:
+        blocks, block_paths, container_paths = [], [], []
+        for name in names:
+            container = get_submodule_path(owner, name)
+            full = f"{owner_path}.{name}"
+            if container is _MISSING or container is None:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: container {full!r} declared in {source} does not exist on "
+                    f"{type(owner).__name__}; fix the declaration or add the attribute"
+                )
+            container_paths.append(full)
+            if isinstance(container, (nn.ModuleList, nn.Sequential)):
+                for i, block in enumerate(container):
+                    blocks.append(block)
+                    block_paths.append(f"{full}.{i}")
+            elif isinstance(container, nn.ModuleDict):
+                for key, block in container.items():
+                    blocks.append(block)
+                    block_paths.append(f"{full}.{key}")
+            elif isinstance(container, nn.Module):
+                blocks.append(container)  # a single module is one block
+                block_paths.append(full)
+            else:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: {full!r} declared in {source} is a "
+                    f"{type(container).__name__}, not a module container; point it at an "
+                    "nn.ModuleList of blocks"
+                )
+        return blocks, block_paths, container_paths
+
+    def _dit_stacks(self, path: str, module: nn.Module) -> list[BlockStack]:
+        names, source = self._container_names(path, module)
+        if not names:
+            self.fail_or_warn(
+                f"{self.cls_name}: DiT {path!r} ({type(module).__name__}) has no streamable "
+                "layerwise-offload blocks; declare _layerwise_offload_blocks_attrs on "
+                f"{type(module).__name__} or OffloadPlan(block_attrs={{{path!r}: (...)}})"
+            )
+            return []
+        blocks, block_paths, container_paths = self._blocks_of(path, module, names, source)
+        head = 0
+        options = self.config.options_for("dit")
+        strategy = self.config.strategy
+        if strategy is OffloadStrategy.LAYER_WISE and self.heads.get(path, 0):
+            head = self.heads[path]
+            if len(blocks) - head < 2:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: {self.head_source}[{path!r}] = {head} leaves "
+                    f"{max(len(blocks) - head, 0)} of the {len(blocks)} blocks of DiT {path!r} "
+                    "streaming; layerwise offload streams at least two; lower it to at most "
+                    f"{max(len(blocks) - 2, 0)}"
+                )
+        if strategy is OffloadStrategy.DISTRIBUTED_LAYER_WISE and options.resident_layers:
+            if path not in self.plan.resident_dit_paths:
+                self.fail_or_warn(
+                    f"{self.cls_name}: resident_layers={options.resident_layers} needs DiT "
+                    f"{path!r} in OffloadPlan.resident_dit_paths"
+                )
+            else:
+                head = min(options.resident_layers, len(blocks))
+                if len(blocks) - head == 1:
+                    if self.explicit:
+                        raise OffloadTopologyError(
+                            f"{self.cls_name}: DiT {path!r} has {len(blocks)} blocks; "
+                            f"resident_layers={options.resident_layers} leaves only one streaming "
+                            "block; lower resident_layers or keep every block resident"
+                        )
+                    head = len(blocks)
+        streaming = len(blocks) - head
+        if streaming == 0 and head:
+            pass  # every block resident: nothing streams, nothing to check
+        elif streaming < 2:
+            self.fail_or_warn(
+                f"{self.cls_name}: layerwise offload requires at least two blocks; DiT {path!r} "
+                f"has {len(blocks)} in {list(container_paths)} ({source})"
+            )
+            return []
+        return [self._stack(path, module, container_paths, blocks, block_paths, head,
+                            self._transfer("dit"))]
+
+    def _encoder_stacks(self, path: str, module: nn.Module, kind: str) -> list[BlockStack]:
+        names = self.plan.encoder_block_attrs.get(path)
+        if not names:
+            return []
+        transfer = self._transfer(kind)
+        if transfer is WeightTransfer.ALLGATHER and self.config.world_size > 1 and \
+                path not in self.plan.encoder_dlo_weight_replication:
+            raise OffloadTopologyError(
+                f"{self.cls_name}: encoder {path!r} with weight_transfer='allgather' needs its "
+                "loaded weights declared identical on every rank: add it to "
+                "OffloadPlan.encoder_dlo_weight_replication, or use weight_transfer='rank-local'"
+            )
+        stacks = []
+        source = f"OffloadPlan.encoder_block_attrs[{path!r}]"
+        for name in names:  # each declared encoder container streams as its own ring
+            blocks, block_paths, container_paths = self._blocks_of(path, module, [name], source)
+            if len(blocks) < 2:
+                self.fail_or_warn(
+                    f"{self.cls_name}: {container_paths[0]!r} declared in {source} is not a "
+                    f"streamable block list (it has {len(blocks)} block)"
+                )
+                continue
+            stacks.append(self._stack(path, module, container_paths, blocks, block_paths, 0,
+                                      transfer))
+        return stacks
+
+    def _submodule(self, path: str, container: str) -> ResolvedComponent:
+        module = get_submodule_path(self.pipeline, path)
+        if not isinstance(module, nn.Module):
+            raise OffloadTopologyError(
+                f"{self.cls_name}: OffloadPlan.offload_submodules names {path!r}, which is not a "
+                "module of the pipeline"
+            )
+        try:
+            require_acyclic(module, f"{path}.")
+        except ModuleCycleError as exc:
+            raise OffloadTopologyError(f"{self.cls_name}: {exc}") from None
+        target = get_submodule_path(module, container)
+        if isinstance(target, (nn.ModuleList, nn.Sequential)) and len(target) >= 2:
+            blocks, block_paths, container_paths = self._blocks_of(
+                path, module, [container], f"OffloadPlan.offload_submodules[{path!r}]")
+            stack = self._stack(path, module, container_paths, blocks, block_paths, 0,
+                                self._transfer("dit"))
+            return ResolvedComponent(path, module, "dit", True, False, (stack,))
+        self.warnings.append(
+            f"{self.cls_name}: {path}.{container} is not a streamable block list; {path!r} is "
+            "treated as an on-demand component"
+        )
+        self._require_lifecycle(path, module)
+        return ResolvedComponent(path, module, "dit", True, True)
+
+    def _stack(self, owner_path, owner, container_paths, blocks, block_paths, head, transfer):
+        aliases = _ring_aliases(owner_path, owner, blocks, block_paths)
+        return BlockStack(owner_path, tuple(container_paths), tuple(blocks), tuple(block_paths),
+                          head, transfer, aliases)
+
+    # -- declarations and nesting --------------------------------------------------------------
+
+    def _check_plan_keys(self, found) -> None:
+        """Every path an :class:`OffloadPlan` field keys on names a discovered component of the
+        field's role: a key that names nothing would be ignored, so what it asks for (a ring, a
+        resident head, AllGather) would silently not happen.  Keys naming a declared path that
+        does not exist were already reported (with the declaration to fix)."""
+        missing = {path for _, path in found.missing}
+        dits = [p for p, _ in found.dits]
+        encoders = [p for p, _ in found.encoders]
+        fields = (("block_attrs", self.plan.block_attrs, "DiT", dits, "_dit_modules"),
+                  ("resident_dit_paths", self.plan.resident_dit_paths, "DiT", dits,
+                   "_dit_modules"),
+                  ("encoder_block_attrs", self.plan.encoder_block_attrs, "encoder", encoders,
+                   "_encoder_modules"),
+                  ("encoder_dlo_weight_replication", self.plan.encoder_dlo_weight_replication,
+                   "encoder", encoders, "_encoder_modules"))
+        other = {"DiT": ("encoder", encoders), "encoder": ("DiT", dits)}
+        # A resident head is new: a key naming no DiT is refused under every config.
+        for key in self.plan.layerwise_resident_layers:
+            if key not in dits and key not in missing:
+                close = difflib.get_close_matches(key, dits, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: OffloadPlan.layerwise_resident_layers names {key!r}, which "
+                    f"is no DiT of the pipeline; discovered DiTs: {dits}{hint}.  Fix the key, or "
+                    f"declare {key!r} in _dit_modules"
+                )
+        for name, keys, role, paths, declaration in fields:
+            if not paths:
+                continue  # no component of the role at all: the strategy reports that (legacy
+                # configs record a no-op), with the declaration to fix
+            for key in keys:
+                if key in paths or key in missing:
+                    continue
+                close = difflib.get_close_matches(key, paths, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                if key in other[role][1]:
+                    hint = f" ({key!r} is an {other[role][0]}, not a {role})"
+                self.fail_or_warn(
+                    f"{self.cls_name}: OffloadPlan.{name} names {key!r}, which is no {role} of "
+                    f"the pipeline; discovered {role}s: {paths}{hint}.  Fix the key, or declare "
+                    f"{key!r} in {declaration}"
+                )
+
+    def _check_nesting(self, components: list[ResolvedComponent]) -> None:
+        """A component inside another component's module tree keeps a residency of its own only
+        as a declared resident (or as a part of the same role: a DiT submodule of a DiT).  An
+        encoder inside a DiT (or a DiT inside an encoder, or a VAE inside either) would be
+        swapped out while the module around it runs, or the other way round: reject it here,
+        so what ``plan`` shows is what ``enable`` does."""
+        by_path = {c.path: c for c in components}
+        for outer in components:
+            for path in outer.nested:
+                inner = by_path[path]
+                if inner.role in ("resident", outer.role):
+                    continue
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: {_ROLE_WORD[inner.role]} {inner.path!r} lies inside the "
+                    f"{_ROLE_WORD[outer.role]} {outer.path!r} (one module tree); a component "
+                    f"nested in a component of another role must be declared in "
+                    f"_resident_modules (it then stays on the "
+                    f"device), or drop {inner.path!r} from _{inner.role}_modules (it then "
+                    f"follows {outer.path!r}); or move the module out of {outer.path!r}"
+                )
+
+    # -- ownership -----------------------------------------------------------------------------
+
+    def _check_unique_ownership(self, components: list[ResolvedComponent]) -> None:
+        """A block belongs to one ring.  (Submodules or tensors shared between blocks are
+        handled by storage, see Note [Ownership by identity] in plan/ownership.py: a stateless
+        module such as one GELU reused by every block is harmless.)"""
+        owners: dict[int, str] = {}
+        for comp in components:
+            for stack in comp.stacks:
+                for block, bpath in zip(stack.blocks, stack.block_paths):
+                    other = owners.get(id(block))
+                    if other is not None and other != bpath:
+                        raise OffloadTopologyError(
+                            f"{self.cls_name}: block {bpath!r} is claimed by both {other!r} and "
+                            f"{bpath!r}; a block may belong to one ring only"
+                        )
+                    owners[id(block)] = bpath
+        # A streamed block must not also be a whole component of another role, nor contain one:
+        # a block streams whole, so nothing inside it can keep a residency of its own.
+        inside: dict[int, str] = {}  # id of a module strictly inside a streamed block -> block
+        for comp in components:
+            for stack in comp.stacks:
+                for block, bpath in zip(stack.streamed_blocks,
+                                        stack.block_paths[stack.resident_head:]):
+                    for sub in block.modules():
+                        if sub is not block:
+                            inside.setdefault(id(sub), bpath)
+        for comp in components:
+            if id(comp.module) in owners and not comp.stacks:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: component {comp.path!r} is claimed by both its own "
+                    f"declaration and the ring block {owners[id(comp.module)]!r}"
+                )
+            if id(comp.module) in inside:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: {comp.role} {comp.path!r} lies inside the streamed block "
+                    f"{inside[id(comp.module)]!r}; a block streams whole, so nothing inside it "
+                    f"can stay {'resident' if comp.role == 'resident' else 'its own component'}: "
+                    f"drop {comp.path!r} from _{comp.role}_modules (it then streams with its "
+                    "block), or move it out of the block container"
+                )
+
+    def _check_one_group_per_storage(self, components: list[ResolvedComponent]) -> None:
+        """Model level moves each swap group (one DiT, one encoder) on its own and keeps the
+        rest on the device (or leaves it to the pipeline): a storage reachable from two groups
+        would need two masters, or two device copies that drift apart."""
+        plan = ResolvedOffloadPlan(self.config.strategy, tuple(components))
+        claimed: dict[tuple, tuple[str, str]] = {}  # storage -> (tensor path, group)
+        resident = "the resident state (kept on the device)"
+
+        def claim(group: str, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for name, t in named:
+                if t is None or not t.numel():
+                    continue
+                other = claimed.setdefault(_storage_key(t), (name, group))
+                if other[1] != group:
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: {name} (in {group}) shares storage with {other[0]} "
+                        f"(in {other[1]}); a tensor can belong to one offload group only, and "
+                        "model-level offload moves these groups separately: untie the tensors, "
+                        "or declare both parts as one component"
+                    )
+
+        for comp in components:
+            if comp.on_demand:
+                group = f"pipeline-managed {comp.path!r}"
+            elif comp.selected and comp.role in ("dit", "encoder"):
+                group = f"swap group {comp.path!r}"
+            else:
+                group = resident
+            claim(group, owned_tensors(plan, comp))
+        claim(resident, pipeline_state(self.pipeline, [c.module for c in components]))
+
+
+_ROLE_WORD = {"dit": "DiT", "encoder": "encoder", "vae": "VAE", "resident": "resident"}
+
+
+def _with_nested(components: list[ResolvedComponent]) -> list[ResolvedComponent]:
+    """Record, per component, the other components inside its module tree (by identity)."""
+    out = []
+    for comp in components:
+        subs = {id(m) for m in comp.module.modules()}
+        nested = tuple(c.path for c in components
+                       if c.module is not comp.module and id(c.module) in subs)
+        out.append(dataclasses.replace(comp, nested=nested) if nested else comp)
+    return out

@@ -1,0 +1,187 @@
+"""Walks of module trees: the tensors of a pipeline, a component or a block (by identity, every
+path included or each tensor once), read from the modules' registries directly, and the storage
+key of a tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..discovery import require_acyclic
+from ..host import storage_key
+from .declarations import OffloadTopologyError
+
+if TYPE_CHECKING:
+    from .resolved import BlockStack, ResolvedComponent, ResolvedOffloadPlan
+
+
+def owned_tensors(plan: ResolvedOffloadPlan,
+                  comp: ResolvedComponent) -> list[tuple[str, torch.Tensor]]:
+    """``(qualified name, tensor)`` of ``comp``'s own tensors: its module's, minus those of the
+    components nested in it (``comp.nested``), which follow their own rule."""
+    inner: set[int] = set()
+    for path in comp.nested:
+        inner.update(id(t) for t in _tensors(plan.component(path).module))
+    return [(name, t) for name, t in named_tensors(comp.module, comp.path) if id(t) not in inner]
+
+
+def pipeline_state(pipeline: Any, exclude: Iterable[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers of ``pipeline`` outside the ``exclude`` subtrees (what no
+    component owns: it stays on the device under every strategy)."""
+    if isinstance(pipeline, nn.Module):
+        require_acyclic(pipeline, error=OffloadTopologyError)  # the walk below is recursive
+    excluded = {id(m) for root in exclude for m in root.modules()}
+    out = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        if id(module) in excluded:
+            return
+        for registry in ("_parameters", "_buffers"):
+            for name, t in module.__dict__.get(registry, {}).items():
+                if t is not None:
+                    out.append((f"{prefix}{name}", t))
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.")
+
+    if isinstance(pipeline, nn.Module):
+        walk(pipeline, "")
+    else:
+        # A plain-object pipeline (diffusers-style): its nn.Module attributes are its tree, so
+        # an undeclared module attribute is pipeline state too, as a child of an nn.Module
+        # pipeline would be; skipping it would leave it on the host under every strategy.
+        for name, module in _module_attributes(pipeline):
+            if id(module) not in excluded:
+                require_acyclic(module, f"{name}.", error=OffloadTopologyError)
+                walk(module, f"{name}.")
+    return out
+
+
+def _module_attributes(pipeline: Any) -> list[tuple[str, nn.Module]]:
+    """The nn.Module attributes of a plain-object pipeline: instance attributes, then the values
+    of its ``__slots__`` (discovery resolves both)."""
+    out = [(n, v) for n, v in getattr(pipeline, "__dict__", {}).items()
+           if isinstance(v, nn.Module)]
+    seen = {n for n, _ in out}
+    for cls in type(pipeline).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in seen and name not in ("__dict__", "__weakref__"):
+                value = getattr(pipeline, name, None)
+                if isinstance(value, nn.Module):
+                    seen.add(name)
+                    out.append((name, value))
+    return out
+
+
+def _tensors(*modules: nn.Module) -> list[torch.Tensor]:
+    """The distinct parameters and buffers of ``modules``, in the order of ``parameters()``
+    then ``buffers()`` per module.  The walk reads the modules' registries directly, as
+    ``named_modules`` does: torch's generators cost several times more per module, and the
+    resolver walks each component more than once."""
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+    for module in modules:
+        subtree = _subtree(module)
+        for registry in ("_parameters", "_buffers"):
+            for m in subtree:
+                for t in m.__dict__.get(registry, {}).values():
+                    if t is not None and id(t) not in seen:
+                        seen.add(id(t))
+                        out.append(t)
+    return out
+
+
+def _subtree(module: nn.Module) -> list[nn.Module]:
+    """``module.modules()``: each module of the subtree once, in pre-order."""
+    out = [module]
+    seen = {id(module)}
+    stack = [iter(module._modules.values())]
+    while stack:
+        for child in stack[-1]:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                out.append(child)
+                stack.append(iter(child._modules.values()))
+                break
+        else:
+            stack.pop()
+    return out
+
+
+def _streamed_tensors(stack: BlockStack, k: int) -> list[torch.Tensor]:
+    """Block k's tensors that its ring streams (its shared ones stay resident)."""
+    shared = set(stack.shared)
+    path = stack.block_paths[stack.resident_head + k]
+    return [t for name, t in named_tensors(stack.streamed_blocks[k], path) if name not in shared]
+
+
+def _nbytes_of(*modules: nn.Module) -> int:
+    """Bytes of the distinct tensors of ``modules``."""
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        for t in list(module.parameters()) + list(module.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def named_tensors(module: nn.Module, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """``named_parameters`` then ``named_buffers`` of ``module`` under ``prefix``, every path
+    to a tensor included (``remove_duplicate=False``), None entries skipped; read from the
+    registries directly (see :func:`_tensors`)."""
+    paths = _named_subtree(module, prefix)
+    if paths is None:  # a cycle: torch's own walk reports it (RecursionError), as it did
+        paths = list(module.named_modules(prefix=prefix, remove_duplicate=False))
+    out = []
+    for registry in ("_parameters", "_buffers"):
+        for path, m in paths:
+            for name, t in m.__dict__.get(registry, {}).items():
+                if t is not None:
+                    out.append((f"{path}.{name}" if path else name, t))
+    return out
+
+
+def _named_subtree(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]] | None:
+    """``named_modules(prefix=prefix, remove_duplicate=False)`` as a list (a module reached by
+    two paths is listed under each), or None if a module contains itself."""
+    out = [(prefix, module)]
+    ancestors = [id(module)]
+    stack = [(prefix, iter(module._modules.items()))]
+    while stack:
+        path, children = stack[-1]
+        for name, child in children:
+            if child is None:
+                continue
+            if id(child) in ancestors:
+                return None
+            child_path = f"{path}.{name}" if path else name
+            out.append((child_path, child))
+            ancestors.append(id(child))
+            stack.append((child_path, iter(child._modules.items())))
+            break
+        else:
+            stack.pop()
+            ancestors.pop()
+    return out
+
+
+def _has_readable_storage(t: torch.Tensor) -> bool:
+    if t.is_meta:
+        return True  # rejected later, with its own message (it was never materialized)
+    try:
+        t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    if t.is_meta:
+        return ("meta", id(t))
+    return storage_key(t)
