@@ -6,7 +6,6 @@ the shared leaf modules (``stats``, ``transaction``, ``groups``, ``ring``) and n
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ from ..config import OffloadConfig, OffloadStrategy
 from ..platform import Platform, get_platform
 from .base import OffloadBackend, OffloadDisableError, OffloadEnableError, backend_of
 from .stats import OffloadStats
+from .strategies import BACKENDS, backend_class
 
 __all__ = [
     "OffloadBackend",
@@ -24,14 +24,6 @@ __all__ = [
     "backend_of",
     "get_offload_backend",
 ]
-
-#: strategy -> (module, class) of its backend.
-BACKENDS: dict[OffloadStrategy, tuple[str, str]] = {
-    OffloadStrategy.MODEL_LEVEL: (".model_level", "ModelLevelOffloadBackend"),
-    OffloadStrategy.LAYER_WISE: (".layerwise", "LayerWiseOffloadBackend"),
-    OffloadStrategy.DISTRIBUTED_LAYER_WISE: (".distributed", "DistributedLayerwiseOffloadBackend"),
-}
-
 
 def get_offload_backend(
     config: OffloadConfig,
@@ -62,5 +54,4 @@ def get_offload_backend(
         from .auto import AutoOffloadBackend
 
         return AutoOffloadBackend(config, platform, **options)
-    module, name = BACKENDS[config.strategy]
-    return getattr(importlib.import_module(module, __name__), name)(config, platform, **options)
+    return backend_class(config.strategy)(config, platform, **options)

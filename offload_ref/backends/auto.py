@@ -21,6 +21,7 @@ from ..plan import AutoCandidate, ResolvedOffloadPlan, resolve_offload_plan
 from ..platform import Platform
 from .base import OffloadBackend
 from .stats import OffloadStats
+from .strategies import backend_class
 
 __all__ = ["AutoOffloadBackend"]
 
@@ -107,8 +108,4 @@ def _backend_for(config: OffloadConfig, platform: Platform, options: dict) -> Of
         from .resident import ResidentBackend
 
         return ResidentBackend(config, platform)
-    from . import get_offload_backend
-
-    backend = get_offload_backend(config, platform=platform, **options)
-    assert backend is not None
-    return backend
+    return backend_class(config.strategy)(config, platform, **options)
