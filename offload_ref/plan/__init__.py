@@ -7,15 +7,15 @@ Note [Resolution is pure]
     raised here, so a pipeline the offloader cannot serve is rejected before its first component
     is placed.  Backends consume the resolved plan alone; they never rediscover containers by name.
 
-The package, one file per concept (at import time a submodule imports only those above it
-in this list):
+The package, one file per concept (a submodule imports only those above it in this list):
 
 * ``declarations.py``: :class:`OffloadPlan`, :class:`OffloadTopologyError`, and what the
   declarations alone imply (:func:`encoder_kind`, :func:`selectable_components`);
-* ``tree.py``: walks of module trees (:func:`named_tensors`, :func:`pipeline_state`,
-  :func:`owned_tensors`, storage keys);
+* ``tree.py``: walks of module trees (:func:`named_tensors`, :func:`pipeline_state`, storage
+  keys);
 * ``resolved.py``: the resolved types (:class:`ResolvedOffloadPlan`, :class:`ResolvedComponent`,
-  :class:`BlockStack`, :class:`RingAlias`, :class:`AutoCandidate`, :class:`AutoChoice`);
+  :class:`BlockStack`, :class:`RingAlias`, :class:`AutoCandidate`, :class:`AutoChoice`) and the
+  tensors a component owns (:func:`owned_tensors`);
 * ``prediction.py``: byte arithmetic (the predicted peak device bytes, slots, shards, staging);
 * ``ownership.py``: ring aliases and shared tensors (Note [Ownership by identity]);
 * ``resolver.py``: ``_Resolver``, every topology check;
@@ -54,9 +54,10 @@ from .resolved import (
     ResolvedComponent,
     ResolvedOffloadPlan,
     RingAlias,
+    owned_tensors,
 )
 from .resolver import _Resolver
-from .tree import _tensors, named_tensors, owned_tensors, pipeline_state
+from .tree import _tensors, named_tensors, pipeline_state
 
 __all__ = [
     "AutoCandidate",

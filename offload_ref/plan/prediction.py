@@ -11,8 +11,8 @@ from torch import nn
 
 from ..config import OffloadStrategy, WeightTransfer
 from ..host import padded_span_bytes
-from .resolved import ResolvedComponent, ResolvedOffloadPlan
-from .tree import _streamed_tensors, _tensors, owned_tensors
+from .resolved import ResolvedComponent, ResolvedOffloadPlan, _streamed_tensors, owned_tensors
+from .tree import _tensors
 
 
 def _predict(plan: ResolvedOffloadPlan) -> int:

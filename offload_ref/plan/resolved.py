@@ -1,16 +1,18 @@
 """What the offloader will do: the resolved types (:class:`ResolvedOffloadPlan`, its components
 (:class:`ResolvedComponent`) and their rings (:class:`BlockStack`, with :class:`RingAlias`
-entries)), and what ``strategy="auto"`` weighed (:class:`AutoCandidate`, :class:`AutoChoice`)."""
+entries)), and what ``strategy="auto"`` weighed (:class:`AutoCandidate`, :class:`AutoChoice`);
+with the tensors a resolved component owns (:func:`owned_tensors`) and a ring block streams."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..config import OffloadConfig, OffloadStrategy, WeightTransfer
 from ..host import ALLOCATOR_ALIGNMENT
-from .tree import _nbytes_of
+from .tree import _nbytes_of, _tensors, named_tensors
 
 
 @dataclass(frozen=True)
@@ -234,3 +236,20 @@ class ResolvedOffloadPlan:
         tensor moved): see :func:`_predict`.  It equals ``stats().peak_device_bytes`` after a
         generation on a platform with the same ``alignment``."""
         return self.device_bytes_bound
+
+
+def owned_tensors(plan: ResolvedOffloadPlan,
+                  comp: ResolvedComponent) -> list[tuple[str, torch.Tensor]]:
+    """``(qualified name, tensor)`` of ``comp``'s own tensors: its module's, minus those of the
+    components nested in it (``comp.nested``), which follow their own rule."""
+    inner: set[int] = set()
+    for path in comp.nested:
+        inner.update(id(t) for t in _tensors(plan.component(path).module))
+    return [(name, t) for name, t in named_tensors(comp.module, comp.path) if id(t) not in inner]
+
+
+def _streamed_tensors(stack: BlockStack, k: int) -> list[torch.Tensor]:
+    """Block k's tensors that its ring streams (its shared ones stay resident)."""
+    shared = set(stack.shared)
+    path = stack.block_paths[stack.resident_head + k]
+    return [t for name, t in named_tensors(stack.streamed_blocks[k], path) if name not in shared]

@@ -28,15 +28,14 @@ from ..discovery import (
 from .declarations import OffloadPlan, OffloadTopologyError, encoder_kind
 from .ownership import _ring_aliases, _with_shared
 from .prediction import _other_state_bytes, _predict, _span_bytes, staging_budget_error
-from .resolved import BlockStack, ResolvedComponent, ResolvedOffloadPlan
-from .tree import (
-    _has_readable_storage,
-    _storage_key,
+from .resolved import (
+    BlockStack,
+    ResolvedComponent,
+    ResolvedOffloadPlan,
     _streamed_tensors,
-    named_tensors,
     owned_tensors,
-    pipeline_state,
 )
+from .tree import _has_readable_storage, _storage_key, named_tensors, pipeline_state
 
 
 class _Resolver:

@@ -5,7 +5,7 @@ key of a tensor."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,19 +13,6 @@ from torch import nn
 from ..discovery import require_acyclic
 from ..host import storage_key
 from .declarations import OffloadTopologyError
-
-if TYPE_CHECKING:
-    from .resolved import BlockStack, ResolvedComponent, ResolvedOffloadPlan
-
-
-def owned_tensors(plan: ResolvedOffloadPlan,
-                  comp: ResolvedComponent) -> list[tuple[str, torch.Tensor]]:
-    """``(qualified name, tensor)`` of ``comp``'s own tensors: its module's, minus those of the
-    components nested in it (``comp.nested``), which follow their own rule."""
-    inner: set[int] = set()
-    for path in comp.nested:
-        inner.update(id(t) for t in _tensors(plan.component(path).module))
-    return [(name, t) for name, t in named_tensors(comp.module, comp.path) if id(t) not in inner]
 
 
 def pipeline_state(pipeline: Any, exclude: Iterable[nn.Module]) -> list[tuple[str, torch.Tensor]]:
@@ -110,13 +97,6 @@ def _subtree(module: nn.Module) -> list[nn.Module]:
         else:
             stack.pop()
     return out
-
-
-def _streamed_tensors(stack: BlockStack, k: int) -> list[torch.Tensor]:
-    """Block k's tensors that its ring streams (its shared ones stay resident)."""
-    shared = set(stack.shared)
-    path = stack.block_paths[stack.resident_head + k]
-    return [t for name, t in named_tensors(stack.streamed_blocks[k], path) if name not in shared]
 
 
 def _nbytes_of(*modules: nn.Module) -> int:
