@@ -38,6 +38,30 @@ class CallOrderPredictor:
         if len(h) > self.cap:
             self._trim()
 
+    def call(self, k: int) -> int:
+        """Observe the call of block ``k`` and return the block expected after it: the ring's
+        pre-hook makes this one call per block (Note [Fast path] in ring.py).  While the order
+        keeps repeating it takes the short path; otherwise it is ``observe`` then ``predict``."""
+        h = self.history
+        m = self._match
+        if m is not None and h[m + 1] == k and len(h) < self.cap:
+            self._match = m = m + 1
+            self._positions[k].append(len(h))
+            h.append(k)
+        else:
+            self.observe(k)
+            h = self.history  # a trim replaces the list
+            m = self._match
+        return h[m + 1] if m is not None else (k + 1) % self.n
+
+    def predict_after(self, q: int) -> int:
+        """The block expected after ``q`` when ``q`` is the one predicted next (a fill's
+        look-ahead: Note [Pinned staging] in staging.py)."""
+        m, h = self._match, self.history
+        if m is not None and m + 2 < len(h) and h[m + 1] == q:
+            return h[m + 2]
+        return (q + 1) % self.n
+
     def repair(self) -> None:
         """Rebuild the derived state from the history, after an ``observe`` or a trim that was
         interrupted between two statements (Note [Interrupted blocks] in ring.py)."""

@@ -212,11 +212,7 @@ class BlockRing:
     def predict_after(self, q: int) -> int:
         """The block expected after ``q`` when ``q`` is the one predicted next (a fill's
         look-ahead: Note [Pinned staging] in staging.py)."""
-        order = self.order
-        m, h = order._match, order.history
-        if m is not None and m + 2 < len(h) and h[m + 1] == q:
-            return h[m + 2]
-        return (q + 1) % len(self.blocks)
+        return self.order.predict_after(q)
 
     def _slot_views(self, k: int, s: int) -> list[torch.Tensor]:
         # Built once at enable (_build_flats), like the flats: a rebind creates no tensor.
@@ -292,16 +288,7 @@ class BlockRing:
             self._recover(k, None)  # cheap when every running block is live (nested calls)
             running = self._running
         self._dirty = True
-        order = self.order
-        m = order._match
-        h = order.history
-        if m is not None and h[m + 1] == k and len(h) < order.cap:  # observe(k), inlined
-            order._match = m + 1
-            order._positions[k].append(len(h))
-            h.append(k)
-        else:
-            order.observe(k)  # learn the order the caller actually runs
-            h = order.history  # a trim replaces the list
+        q = self.order.call(k)  # learn the order the caller runs; q: the block predicted next
         s = self.slot_of[k]
         if s is None or self._tracks_accesses:
             s = self._materialize(k)
@@ -311,8 +298,6 @@ class BlockRing:
         running.append((k, frame if frame is not None else call_frame()))
         t = 1 - s
         if self.prefetch_enabled and t not in busy:
-            m = order._match  # order.predict(k), inlined (Note [Fast path])
-            q = h[m + 1] if m is not None else (k + 1) % order.n
             if q != k and self.slot_of[q] is None:
                 if self.occupant[t] is not None:
                     self._evict(t)
@@ -323,9 +308,9 @@ class BlockRing:
 
     # Note [Fast path]
     #     Per-block host overhead is Python calls, so the steady state of a block's hooks (in
-    #     order, prefetch hit) makes few: the predictor's observe and predict and the rebinds
-    #     are inlined; a prefetch is one ``platform.fill`` (Note [One-call fills] in
-    #     platform/base.py); ``record_use`` / ``discard`` are not called on platforms whose
+    #     order, prefetch hit) makes few: the predictor observes and predicts in one call
+    #     (``CallOrderPredictor.call``); the rebinds are inlined; a prefetch is one
+    #     ``platform.fill`` (Note [One-call fills] in platform/base.py); ``record_use`` / ``discard`` are not called on platforms whose
     #     ``tracks_accesses`` is False; spans cost one attribute read while no profiler runs;
     #     the call guard takes its own lock directly (Note [Guard locking] in call_guard.py); the
     #     hooks do not leave inference mode when the ring creates no tensor in them; torch
