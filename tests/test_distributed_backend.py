@@ -1,4 +1,4 @@
-"""DistributedLayerwiseOffloadBackend on real ranks, beyond the conformance kit's §H checks.
+"""DistributedLayerWiseOffloadBackend on real ranks, beyond the conformance kit's §H checks.
 
 The kit (contracts/checks/distributed.py) covers outputs, host bytes per rank, slots, shard
 padding, restore, waves, a rank failure injected into enable and mmap buffers, across two

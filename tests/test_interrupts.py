@@ -389,7 +389,7 @@ def test_an_interrupt_right_after_registering_a_one_shot_leaks_no_hook() -> None
     from offload_ref.backends import layerwise
     from test_backend_edges import _enabled_submodule_pipe, _forward_hooks
 
-    lines, first = inspect.getsourcelines(layerwise.LayerwisePartHook.pre_forward)
+    lines, first = inspect.getsourcelines(layerwise.LayerWisePartHook.pre_forward)
     lineno = first + next(i for i, line in enumerate(lines) if "refuse_autograd(" in line)
     (x, labels), reference, platform, backend, pipeline = _enabled_submodule_pipe()
     enabled = _forward_hooks(pipeline)

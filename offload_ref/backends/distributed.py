@@ -67,7 +67,8 @@ from .ring import BlockRing
 from .transaction import Transaction
 from .transports import RankLocalTransport, Transport
 
-__all__ = ["AllGatherTransport", "DistributedLayerwiseOffloadBackend"]
+__all__ = ["AllGatherTransport", "DistributedLayerWiseOffloadBackend",
+           "DistributedLayerwiseOffloadBackend"]
 
 
 _WHERE = "ring=%s block=%d slot=%d"  # span names (Note [Spans] in _spans.py)
@@ -289,7 +290,7 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
+class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
     """Layerwise offload across the ranks of a process group.  Selected by
     ``enable_distributed_layerwise_offload`` (+ ``dlo_use_allgather``, ``dlo_resident_layers``,
     ``data_parallel_size``) or compact ``mode="layer"`` with ``weight_transfer="allgather"`` or
@@ -332,7 +333,7 @@ class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
             self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         elif self.process_group is not None:
             raise RuntimeError(
-                "DistributedLayerwiseOffloadBackend: a process_group was given but "
+                "DistributedLayerWiseOffloadBackend: a process_group was given but "
                 "torch.distributed is not initialized; call torch.distributed.init_process_group "
                 "first (torchrun sets up what it needs)")
         else:
@@ -453,3 +454,7 @@ class DistributedLayerwiseOffloadBackend(LayerWiseOffloadBackend):
         """Ring label -> this rank's host shard of each block (AllGather rings only)."""
         return {ring.label: list(ring.transport.shards) for ring in self.rings
                 if isinstance(ring.transport, AllGatherTransport)}
+
+
+# The old name (``Layerwise``), kept for one release.
+DistributedLayerwiseOffloadBackend = DistributedLayerWiseOffloadBackend  # old name

@@ -42,7 +42,7 @@ from .staging import StagingPool
 from .transaction import Transaction
 from .transports import RankLocalTransport, Transport
 
-__all__ = ["LayerWiseOffloadBackend", "LayerwiseOffloadHook"]
+__all__ = ["LayerWiseOffloadBackend", "LayerWiseOffloadHook", "LayerwiseOffloadHook"]
 
 # Note [Hooks leave inference mode], at the cost of the C++ guard alone: torch.inference_mode's
 # Python wrapper costs several times more, twice per block.
@@ -52,7 +52,7 @@ if _leave_inference_mode is None:  # pragma: no cover - older or newer torch
     _leave_inference_mode = torch.inference_mode
 
 
-class LayerwiseOffloadHook(RefusesCopies, ModelHook):
+class LayerWiseOffloadHook(RefusesCopies, ModelHook):
     """Thin callbacks from one block into its ring, inside the backend's call guard (Note [One
     thread at a time] in call_guard.py), refusing autograd and weight edits it cannot honour (Notes
     [Autograd], [Weight edits] in refusals.py)."""
@@ -366,13 +366,13 @@ class _ComponentEditGuard(RefusesCopies, ModelHook):
                 t.__class__ = RUNNING_PARAMETER
 
 
-class LayerwisePartHook(RefusesCopies, ModelHook):
+class LayerWisePartHook(RefusesCopies, ModelHook):
     """On a tensor-owning submodule of a streamed block: when the model calls it outside the
     block's forward, the block is materialized and waited for around the call (Note [Block
     parts] in ring.py).  Inside the block's forward it does nothing.  Its post-hook exists only
     for an outside call (Note [One-shot part post-hooks])."""
 
-    def __init__(self, block_hook: LayerwiseOffloadHook, path: str) -> None:
+    def __init__(self, block_hook: LayerWiseOffloadHook, path: str) -> None:
         self.block_hook = block_hook
         self.ring = block_hook.ring
         self.index = block_hook.index
@@ -469,7 +469,7 @@ class LayerwisePartHook(RefusesCopies, ModelHook):
             self._remove(self._one_shots[-1])
 
 
-class _PermanentPostPartHook(LayerwisePartHook):
+class _PermanentPostPartHook(LayerWisePartHook):
     """A part hook with a permanent post-hook, for a torch that does not run a post-hook
     registered during the same call (Note [One-shot part post-hooks])."""
 
@@ -516,8 +516,8 @@ class LayerWiseOffloadBackend(OffloadBackend):
         self.rings: list[BlockRing] = []
         self._resident: ComponentSwapper | None = None
         self._copy_stream: Any = None
-        self._hooks: list[LayerwiseOffloadHook] = []
-        self._parts: list[LayerwisePartHook] = []
+        self._hooks: list[LayerWiseOffloadHook] = []
+        self._parts: list[LayerWisePartHook] = []
         self._edit_guards: list[_ComponentEditGuard] = []
         self._refusals: _ReadRefusals | None = None
         self._staging: StagingPool | None = None
@@ -574,7 +574,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         parts: set[int] = set()
         for ring in self.rings:
             for k, (block, path) in enumerate(zip(ring.blocks, ring.block_paths)):
-                hook = LayerwiseOffloadHook(ring, k, self._guard, refusals)
+                hook = LayerWiseOffloadHook(ring, k, self._guard, refusals)
                 self._hooks.append(hook)
                 txn.register_hook(block, self.hook_name, hook, path)
                 # Note [Block parts] (ring.py): a submodule the model calls outside the block.
@@ -582,7 +582,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
                     if id(sub) in parts:  # shared by two blocks: served by its first
                         continue
                     parts.add(id(sub))
-                    part_class = (LayerwisePartHook if _one_shot_post_hooks_run()
+                    part_class = (LayerWisePartHook if _one_shot_post_hooks_run()
                                   else _PermanentPostPartHook)
                     part = part_class(hook, f"{path}.{name}")
                     self._parts.append(part)
@@ -717,3 +717,9 @@ class LayerWiseOffloadBackend(OffloadBackend):
     def materialized_blocks(self) -> dict[str, list[int]]:
         """Ring label -> indices of the blocks currently bound to device slots."""
         return {ring.label: ring.materialized() for ring in self.rings}
+
+
+# Old names (``Layerwise``), kept for one release: the class names spell it ``LayerWise``, as
+# ``OffloadStrategy.LAYER_WISE`` and :class:`LayerWiseOffloadBackend` do.
+LayerwiseOffloadHook = LayerWiseOffloadHook  # old name, kept for one release
+LayerwisePartHook = LayerWisePartHook  # old name, kept for one release

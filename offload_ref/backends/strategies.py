@@ -15,7 +15,7 @@ __all__ = ["BACKENDS", "backend_class"]
 BACKENDS: dict[OffloadStrategy, tuple[str, str]] = {
     OffloadStrategy.MODEL_LEVEL: (".model_level", "ModelLevelOffloadBackend"),
     OffloadStrategy.LAYER_WISE: (".layerwise", "LayerWiseOffloadBackend"),
-    OffloadStrategy.DISTRIBUTED_LAYER_WISE: (".distributed", "DistributedLayerwiseOffloadBackend"),
+    OffloadStrategy.DISTRIBUTED_LAYER_WISE: (".distributed", "DistributedLayerWiseOffloadBackend"),
 }
 
 
