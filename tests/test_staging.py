@@ -229,7 +229,7 @@ def test_an_interrupt_inside_a_block_leaves_the_pool_usable(checkpoint, want) ->
 
 def test_the_pool_leaves_no_anonymous_memory_beyond_itself(tmp_path) -> None:
     """As the mmap test, with a pool of two slots: RssAnon grows by at most 5% of the weights
-    plus the pool."""
+    plus the pool (and the allocator's slack, ``MMAP_RSS_SLACK``)."""
     from offload_ref.distributed import run_ranks
 
     path, warm = str(tmp_path / "dit.safetensors"), str(tmp_path / "warm.safetensors")
@@ -239,5 +239,6 @@ def test_the_pool_leaves_no_anonymous_memory_beyond_itself(tmp_path) -> None:
     weights, stats = obs["weight_bytes"], obs["stats"]
     pool = stats["staging_pool_bytes"]
     assert pool > 0 and stats["staging_hits"] > 0, stats
-    assert obs["mmap_growth"] <= 0.05 * weights + pool, (obs["mmap_growth"], weights, pool)
+    bound = 0.05 * weights + pool + st.MMAP_RSS_SLACK
+    assert obs["mmap_growth"] <= bound, (obs["mmap_growth"], weights, pool)
     assert torch.equal(obs["mmap_output"], obs["cpu_output"])
