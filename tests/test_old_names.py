@@ -13,6 +13,7 @@ RENAMED = [
     ("offload_ref.backends.layerwise", "LayerwisePartHook", "LayerWisePartHook", False),
     ("offload_ref.backends.distributed", "DistributedLayerwiseOffloadBackend",
      "DistributedLayerWiseOffloadBackend", True),
+    ("offload_ref.backends.model_level", "SequentialOffloadHook", "ModelLevelOffloadHook", True),
 ]
 
 
@@ -31,3 +32,21 @@ def test_the_backend_table_names_the_new_classes() -> None:
     from offload_ref.backends.strategies import BACKENDS
 
     assert not [name for _, name in BACKENDS.values() if "Layerwise" in name]
+
+
+def test_the_model_level_hook_is_named_after_its_strategy() -> None:
+    """``hook_names(module)`` shows ``offload_ref.model_level`` (``offload_ref.sequential``
+    before), as docs/strategies.md says."""
+    from offload_ref import OffloadConfig, get_offload_backend
+    from offload_ref.fixtures import get_spec
+    from offload_ref.hooks import hook_names
+    from offload_ref.platform.cpu import CpuPlatform
+
+    pipe = get_spec("flux2").build()
+    backend = get_offload_backend(OffloadConfig(strategy="model_level"), platform=CpuPlatform())
+    backend.enable(pipe)
+    try:
+        names = {n for _, m in pipe.named_modules() for n in hook_names(m)}
+    finally:
+        backend.disable()
+    assert names == {"offload_ref.model_level"}

@@ -38,10 +38,11 @@ from .call_guard import CallGuard, call_frame
 from .refusals import RefusesCopies, refuse_autograd
 from .transaction import Transaction
 
-__all__ = ["ComponentSwapper", "ModelLevelOffloadBackend", "SequentialOffloadHook"]
+__all__ = ["ComponentSwapper", "ModelLevelOffloadBackend", "ModelLevelOffloadHook",
+           "SequentialOffloadHook"]
 
 
-class SequentialOffloadHook(RefusesCopies, ModelHook):
+class ModelLevelOffloadHook(RefusesCopies, ModelHook):
     """Hooks of one component: make it the resident swap group before its forward; enter and
     leave the backend's call guard (Note [One thread at a time] in call_guard.py)."""
 
@@ -80,7 +81,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
     """See the module docstring.  Selected by ``enable_cpu_offload`` or ``mode="module"``."""
 
     strategy = OffloadStrategy.MODEL_LEVEL
-    hook_name = "offload_ref.sequential"
+    hook_name = "offload_ref.model_level"
     swapper_class: type[ComponentSwapper] = ComponentSwapper
 
     def __init__(self, config, platform) -> None:
@@ -113,7 +114,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
         for comp in plan.components:
             if comp.role in ("dit", "encoder") and not comp.on_demand:
                 txn.register_hook(comp.module, self.hook_name,
-                                  SequentialOffloadHook(self, comp, self._guard), comp.path)
+                                  ModelLevelOffloadHook(self, comp, self._guard), comp.path)
 
     def _enable_delegated(self, pipeline: Any, txn: Transaction) -> None:
         kwargs = {"device": self.platform.device, "pin_memory": self.config.pin_memory}
@@ -220,3 +221,9 @@ class ModelLevelOffloadBackend(OffloadBackend):
         if self._swapper is None:
             return ()
         return tuple(p for p in self._swapper.swappable if self._swapper.is_loaded(p))
+
+
+# The old name, kept for one release: the hook is named after its strategy
+# (``OffloadStrategy.MODEL_LEVEL``), as its backend is; its hook name is ``offload_ref.model_level``
+# (``offload_ref.sequential`` before).
+SequentialOffloadHook = ModelLevelOffloadHook  # old name, kept for one release
