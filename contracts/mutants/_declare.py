@@ -1,11 +1,12 @@
-"""What the mutant modules share: the :class:`Mutant` record, the scopes a mutant runs in,
-and the helpers that swap a backend's class or patch a name for the run."""
+"""What the mutant modules share: the :class:`Mutant` record and its one declaration
+(:func:`declare`), the scopes a mutant runs in, and the helpers that swap a backend's class or
+patch a name for the run."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,16 +14,17 @@ from offload_ref.backends import get_offload_backend
 from offload_ref.backends.layerwise import LayerWiseOffloadBackend
 from offload_ref.backends.ring import BlockRing
 
-from ..case import Implementation
+from ..case import DEFAULT_IMPLEMENTATION, Implementation
 
 
 @dataclass(frozen=True)
 class Mutant:
     """One defect, where to run the catalogue against it, and exactly which checks it fails.
 
-    ``pipelines`` are fixture names; ``sections`` select checks by catalogue section prefix (see `registry.doc_for`);
-    ``patch`` (optional) is entered around the run for defects in shared helpers; ``factory``
-    (optional) replaces the pipelines' factory for defects in the pipeline itself.
+    ``pipelines`` are fixture names; ``sections`` select checks by catalogue section prefix
+    (see `registry.doc_for`); ``patch`` (optional) is entered around the run for defects in
+    shared helpers; ``factory`` (optional) replaces the pipelines' factory for defects in the
+    pipeline itself.
     """
 
     name: str
@@ -79,6 +81,44 @@ class Mutant:
         return {r.id.check for r in results if not r.ok}
 
 
+#: How a spawned rank gets a mutant back (``Implementation.in_rank``): the package's ``in_rank``,
+#: which looks it up by name among the declared ones.
+IN_RANK = f"{__package__}:in_rank"
+
+_DECLARED: list[Mutant] = []
+
+
+def declare(name: str, defect: str, scope: dict[str, Any], *, kills: Iterable[str],
+            placement_kills: Iterable[str] = (), patch: Callable[[], Any] | None = None,
+            factory: Callable[..., Any] | None = None, impl: Implementation | None = None,
+            **changes: Any) -> Mutant:
+    """Declare the mutant ``name``: one defect, where the catalogue runs against it, and exactly
+    the checks it fails (asserted by tests/test_mutants.py).
+
+    ``scope``: its ``pipelines``, ``sections`` and ``strategies`` (the scopes below).  ``kills``:
+    the checks it fails on every machine.  ``placement_kills``: what one device hides: where host
+    and device differ, a tensor the defect leaves on the wrong device meets the other device's
+    tensors in the next forward and raises torch's same-device error, so every check that runs
+    one fails too (:meth:`Mutant.expected_kills`).  ``patch``, ``factory``: see :class:`Mutant`.
+    ``changes`` replace parts of offload-ref's own implementation (``make_backend=``,
+    ``resolve_offload_plan=``); ``impl`` is another offloader instead (the protocol mutants).
+    """
+    if impl is None:
+        impl = DEFAULT_IMPLEMENTATION.replace(name=name, in_rank=IN_RANK, **changes)
+    elif changes:
+        raise TypeError(f"mutant {name!r}: impl= replaces the whole implementation; "
+                        f"{sorted(changes)} would be ignored")
+    mutant = Mutant(name, defect, impl, kills=frozenset(kills), patch=patch, factory=factory,
+                    placement_kills=frozenset(placement_kills), **scope)
+    _DECLARED.append(mutant)
+    return mutant
+
+
+def declared() -> tuple[Mutant, ...]:
+    """Every mutant declared so far, in the order of the declarations."""
+    return tuple(_DECLARED)
+
+
 def _backend_with(**classes: type) -> Callable[[Any, Any], Any]:
     """``make_backend`` that swaps the class of the backend the real factory would build."""
 
@@ -114,35 +154,35 @@ def _layerwise(ring: type[BlockRing], base: type = LayerWiseOffloadBackend) -> t
     return type(f"Mutant{ring.__name__}", (base,), {"ring_class": ring})
 
 
-_RESOLVER = dict(pipelines=("flux2",), sections=("A",),
-                 strategies=("model_level", "layer_wise", "distributed_layer_wise"))
-_MODEL_LEVEL = dict(pipelines=("wan22_t2v",), sections=("B", "C", "D", "F"),
-                    strategies=("model_level",))
-_LAYERWISE = dict(pipelines=("flux2",), sections=("B", "C", "D", "F"),
-                  strategies=("layer_wise",))
-_SPLIT = dict(pipelines=("cosmos3",), sections=("E",), strategies=("model_level",))
+RESOLVER = dict(pipelines=("flux2",), sections=("A",),
+                strategies=("model_level", "layer_wise", "distributed_layer_wise"))
+MODEL_LEVEL = dict(pipelines=("wan22_t2v",), sections=("B", "C", "D", "F"),
+                   strategies=("model_level",))
+LAYERWISE = dict(pipelines=("flux2",), sections=("B", "C", "D", "F"),
+                 strategies=("layer_wise",))
+SPLIT = dict(pipelines=("cosmos3",), sections=("E",), strategies=("model_level",))
 # Alignment defects change outputs only on machines whose kernels pick their path by alignment
 # (MKL's GEMV on AMD EPYC): the parity checks would fail there and pass elsewhere, so these
 # mutants run the alignment check alone, which fails on every machine.
-_ALIGNMENT = dict(pipelines=("flux2", "cosmos3"), sections=("F.6",),
-                  strategies=("model_level", "layer_wise"))
-_MISUSE = ("J.3", "J.4", "J.5", "J.6", "J.8")
-_MISUSE_LAYER = dict(pipelines=("flux2",), sections=_MISUSE, strategies=("layer_wise",))
-_MISUSE_MODEL = dict(pipelines=("wan22_t2v",), sections=_MISUSE, strategies=("model_level",))
-_J7 = dict(pipelines=("flux2",), sections=("J.7",), strategies=("model_level", "layer_wise"))
-_SPLIT_THREADS = dict(pipelines=("cosmos3",), sections=("J.6",), strategies=("model_level",))
-_J7_SPLIT = dict(pipelines=("cosmos3",), sections=("J.7",), strategies=("model_level",))
-_INTERRUPTS = dict(pipelines=("flux2",), sections=("J.1",), strategies=("layer_wise",))
-_DISTRIBUTED = dict(pipelines=("flux2",), sections=("H",),
-                    strategies=("distributed_layer_wise",))
-_NESTED_RESIDENT = dict(pipelines=("soulx_singer",), sections=("F",), strategies=("model_level",))
+ALIGNMENT = dict(pipelines=("flux2", "cosmos3"), sections=("F.6",),
+                 strategies=("model_level", "layer_wise"))
+MISUSE = ("J.3", "J.4", "J.5", "J.6", "J.8")
+MISUSE_LAYER = dict(pipelines=("flux2",), sections=MISUSE, strategies=("layer_wise",))
+MISUSE_MODEL = dict(pipelines=("wan22_t2v",), sections=MISUSE, strategies=("model_level",))
+J7 = dict(pipelines=("flux2",), sections=("J.7",), strategies=("model_level", "layer_wise"))
+SPLIT_THREADS = dict(pipelines=("cosmos3",), sections=("J.6",), strategies=("model_level",))
+J7_SPLIT = dict(pipelines=("cosmos3",), sections=("J.7",), strategies=("model_level",))
+INTERRUPTS = dict(pipelines=("flux2",), sections=("J.1",), strategies=("layer_wise",))
+DISTRIBUTED = dict(pipelines=("flux2",), sections=("H",),
+                   strategies=("distributed_layer_wise",))
+NESTED_RESIDENT = dict(pipelines=("soulx_singer",), sections=("F",), strategies=("model_level",))
 # wan22: every auto candidate has a prediction (encoder rings included)
-_AUTO = dict(pipelines=("wan22_t2v",), sections=("A.8",), strategies=("layer_wise",))
+AUTO = dict(pipelines=("wan22_t2v",), sections=("A.8",), strategies=("layer_wise",))
 # qwen_image: four blocks (heads of one and two), and a budget between layerwise's peak and
 # model level's leaves room for a head
-_HEAD = dict(pipelines=("qwen_image",), sections=("A.8", "F.7"), strategies=("layer_wise",))
+HEAD = dict(pipelines=("qwen_image",), sections=("A.8", "F.7"), strategies=("layer_wise",))
 # Offloaders judged through the public protocol alone (contracts/simple_offloader.py): a plain,
 # correct offloader with one defect each.  Run on flux2 (both strategies) and sd3 (layerwise:
 # a buffer outside the blocks views a block's weight).
-_PROTOCOL = dict(pipelines=("flux2", "sd3"), sections=("B", "C", "D", "F", "J"),
-                 strategies=("model_level", "layer_wise"))
+PROTOCOL = dict(pipelines=("flux2", "sd3"), sections=("B", "C", "D", "F", "J"),
+                strategies=("model_level", "layer_wise"))

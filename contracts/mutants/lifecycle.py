@@ -10,6 +10,11 @@ from offload_ref.backends.model_level import ModelLevelOffloadBackend
 from offload_ref.backends.ring import BlockRing
 from offload_ref.backends.transaction import Transaction
 
+from ._declare import INTERRUPTS, MODEL_LEVEL, _backend_with, _layerwise, declare
+
+
+# -- §B, §C: rollback and cycles (model level) -----------------------------------------------------
+
 
 class _ForgetsOneHookTransaction(Transaction):
     _forgotten = False
@@ -26,6 +31,17 @@ class _RollbackMissesAHook(ModelLevelOffloadBackend):
     transaction_class = _ForgetsOneHookTransaction
 
 
+declare(
+    "rollback_misses_a_hook", "a failed enable leaves one hook installed", MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_RollbackMissesAHook),
+    kills={
+        "check_failed_enable_can_be_retried",
+        "check_failed_enable_restores_the_pipeline",
+        "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
+    },
+)
+
+
 class _LeavesAHook(ModelLevelOffloadBackend):
     def _disable(self, pipeline):
         installed = self.registry.installed()
@@ -37,6 +53,20 @@ class _LeavesAHook(ModelLevelOffloadBackend):
             self.registry._installed = [(weakref.ref(kept[0]), "lost")]
 
 
+declare(
+    "hook_left_after_disable", "disable forgets one hook", MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_LeavesAHook),
+    kills={
+        "check_cycles_do_not_grow_memory",
+        "check_disable_removes_every_trace",
+        "check_enable_disable_cycles_match_the_reference",
+        "check_random_lifecycle_sequences_keep_invariants",
+        "check_every_disable_restores_tensors_and_frees_the_device",
+        "check_second_enable_changes_nothing_observable",
+    },
+)
+
+
 class _LeakyTransaction(Transaction):
     def device_empty(self, label, numel, dtype):
         self.step(f"device alloc {label}")
@@ -45,6 +75,16 @@ class _LeakyTransaction(Transaction):
 
 class _RollbackLeaksDeviceMemory(ModelLevelOffloadBackend):
     transaction_class = _LeakyTransaction
+
+
+declare(
+    "rollback_leaks_device_memory", "a failed enable keeps its device allocations", MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_RollbackLeaksDeviceMemory),
+    kills={
+        "check_failed_enable_releases_memory_and_chains_the_cause",
+        "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
+    },
+)
 
 
 class _LeakyHostTransaction(Transaction):
@@ -59,12 +99,26 @@ class _RollbackLeaksHostMasters(ModelLevelOffloadBackend):
     transaction_class = _LeakyHostTransaction
 
 
+declare(
+    "rollback_leaks_host_masters", "a failed enable keeps its host masters", MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_RollbackLeaksHostMasters),
+    kills={"check_failed_enable_releases_memory_and_chains_the_cause"},
+)
+
+
 class _LosesTheCause(ModelLevelOffloadBackend):
     def enable(self, pipeline):
         try:
             super().enable(pipeline)
         except OffloadEnableError as exc:
             raise OffloadEnableError(str(exc)) from None
+
+
+declare(
+    "enable_error_loses_cause", "a failed enable re-raises without its cause", MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_LosesTheCause),
+    kills={"check_failed_enable_releases_memory_and_chains_the_cause"},
+)
 
 
 class _DisableNotIdempotent(ModelLevelOffloadBackend):
@@ -77,9 +131,39 @@ class _DisableNotIdempotent(ModelLevelOffloadBackend):
                 p.data = p.data.clone()
 
 
+declare(
+    "disable_not_idempotent", "every disable call re-materializes the weights", MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_DisableNotIdempotent),
+    kills={
+        "check_pipeline_built_under_inference_mode_matches_reference",
+        "check_second_disable_is_a_noop",
+    },
+)
+
+
 class _ForgetsPlacement(ModelLevelOffloadBackend):
     def _disable(self, pipeline):
         self.registry.remove_all()  # tensors stay where the offloader put them
+
+
+declare(
+    "disable_forgets_placement", "disable removes hooks but leaves tensors offloaded", MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_ForgetsPlacement),
+    kills={
+        "check_cycles_do_not_grow_memory",
+        "check_disable_restores_parameters_and_placement",
+        "check_pipeline_built_under_inference_mode_matches_reference",
+        "check_random_lifecycle_sequences_keep_invariants",
+        "check_views_keep_strides_and_sharing",
+        "check_every_disable_restores_tensors_and_frees_the_device",
+        "check_second_enable_changes_nothing_observable",
+    },
+    # Tensors left on the device after disable: the un-offloaded run after it mixes devices.
+    placement_kills={"check_enable_disable_cycles_match_the_reference"},
+)
+
+
+# -- §J.1: interrupts ------------------------------------------------------------------------------
 
 
 class _KeepsInterruptedBlocksRunning(BlockRing):
@@ -89,3 +173,12 @@ class _KeepsInterruptedBlocksRunning(BlockRing):
     def _recover(self, calling, finishing):
         if self._dirty:  # interrupted hook work is still repaired; a stale block is not seen
             super()._recover(calling, finishing)
+
+
+declare(
+    "interrupted_block_stays_running",
+    "a block interrupted by Ctrl-C stays running: its slot is never released",
+    INTERRUPTS,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_KeepsInterruptedBlocksRunning)),
+    kills={"check_interrupt_inside_a_block_leaves_a_recoverable_ring"},
+)

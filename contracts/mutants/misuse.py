@@ -7,8 +7,11 @@ import contextlib
 from typing import Any
 
 from offload_ref.backends.layerwise import LayerWiseOffloadBackend
+from offload_ref.backends.model_level import ModelLevelOffloadBackend
 
-from ._declare import _patched, _patched_all
+from ._declare import (
+    MISUSE_LAYER, MISUSE_MODEL, SPLIT_THREADS, _backend_with, _patched, _patched_all, declare,
+)
 
 
 def _split_threads_unguarded() -> Any:
@@ -25,12 +28,31 @@ def _split_threads_unguarded() -> Any:
     return _patched(ComponentGroups, "_activated", activated)
 
 
+declare(
+    "split_threads_unguarded",
+    "a split model's component groups let a second thread swap while the first runs",
+    SPLIT_THREADS,
+    patch=_split_threads_unguarded,
+    kills={"check_second_thread_gets_a_clear_error_or_exact_output"},
+)
+
+
 class _EditsUnguarded(LayerWiseOffloadBackend):
     """Streams without refusing in-place edits between forwards: a loop editing every DiT weight
     changes the resident ones and stops at the first placeholder with torch's raw error."""
 
     def _after_guard(self, txn) -> None:
         pass
+
+
+declare(
+    "edits_unguarded",
+    "an in-place edit of every DiT weight between generations changes the resident ones and stops "
+    "at the first streamed one",
+    MISUSE_LAYER,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_EditsUnguarded),
+    kills={"check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_change"},
+)
 
 
 def _editing_in_place(base: type) -> type:
@@ -43,6 +65,24 @@ def _editing_in_place(base: type) -> type:
     return type(f"EditsInPlace{base.__name__}", (base,), {"edit_weights": edit_weights})
 
 
+declare(
+    "edit_weights_in_place_layerwise",
+    "edit_weights() does not re-read: edits hit the ring",
+    MISUSE_LAYER,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_editing_in_place(LayerWiseOffloadBackend)),
+    kills={"check_edit_weights_round_trip_takes_effect_exactly"},
+)
+
+declare(
+    "edit_weights_in_place_model_level",
+    "edit_weights() does not re-read: edits hit masters and device copies",
+    MISUSE_MODEL,
+    make_backend=_backend_with(
+        ModelLevelOffloadBackend=_editing_in_place(ModelLevelOffloadBackend)),
+    kills={"check_edit_weights_round_trip_takes_effect_exactly"},
+)
+
+
 class _PlaceholderStateDict(LayerWiseOffloadBackend):
     """state_dict() reads whatever the tensors are bound to (placeholders between blocks)."""
 
@@ -50,15 +90,54 @@ class _PlaceholderStateDict(LayerWiseOffloadBackend):
         return {key: None for key in super()._offloaded_tensors()}
 
 
+declare(
+    "state_dict_returns_placeholders",
+    "state_dict() while enabled returns the NaN placeholders of streamed blocks",
+    MISUSE_LAYER,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_PlaceholderStateDict),
+    kills={"check_state_dict_while_enabled_returns_true_weights"},
+)
+
+
 def _unguarded(base: type) -> type:
     """Edits through ``.data`` pass unseen (no Note [Rebind guard]): the next swap drops them."""
     return type(f"Unguarded{base.__name__}", (base,), {"_rebound_tensors": lambda self: []})
+
+
+declare(
+    "data_edits_unguarded_layerwise",
+    "an edit through .data outside edit_weights() is dropped by the next block load",
+    MISUSE_LAYER,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_unguarded(LayerWiseOffloadBackend)),
+    kills={
+        "check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_change",
+        "check_edits_through_data_are_exact_or_refused",
+        "check_reads_through_data_are_true_or_refused",  # no guard, so no read guard either
+    },
+)
+
+declare(
+    "data_edits_unguarded_model_level",
+    "an edit through .data outside edit_weights() is dropped by the next swap",
+    MISUSE_MODEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_unguarded(ModelLevelOffloadBackend)),
+    kills={"check_edits_through_data_are_exact_or_refused"},
+)
 
 
 def _backward_not_refused() -> Any:
     from offload_ref.backends import layerwise
 
     return _patched(layerwise, "refuse_autograd", lambda *args, **kwargs: None)
+
+
+declare(
+    "backward_not_refused",
+    "a grad-mode forward through streamed blocks is not refused",
+    MISUSE_LAYER,
+    patch=_backward_not_refused,
+    kills={"check_backward_is_exact_or_refused_at_forward"},
+)
 
 
 def _reads_between_forwards_allowed() -> Any:
@@ -69,16 +148,35 @@ def _reads_between_forwards_allowed() -> Any:
     return _patched(layerwise, "readable_while", lambda *args, **kwargs: None)
 
 
+declare(
+    "reads_between_forwards_allowed",
+    "reading a streamed weight's .data between forwards gives its placeholder (diffusers' "
+    "fuse_qkv_projections builds NaN projections from it)",
+    MISUSE_LAYER,
+    patch=_reads_between_forwards_allowed,
+    kills={"check_reads_through_data_are_true_or_refused"},
+)
+
+
 def _frozen_backward_not_refused() -> Any:
     """Note [Autograd] checking only whether the offloaded weights require grad: a frozen
     weight is still saved for the gradient of an input, and read back as a placeholder."""
-    from offload_ref.backends import layerwise
-    from offload_ref.backends import refusals as guard
+    from offload_ref.backends import layerwise, refusals
 
     def weights_only(label, names, tensors, args=(), kwargs=None, module=None):
-        guard.refuse_autograd(label, names, tensors)
+        refusals.refuse_autograd(label, names, tensors)
 
     return _patched(layerwise, "refuse_autograd", weights_only)
+
+
+declare(
+    "frozen_backward_not_refused",
+    "a grad-mode forward through frozen streamed weights with an input that requires grad is not "
+    "refused (autograd saves the placeholders)",
+    MISUSE_LAYER,
+    patch=_frozen_backward_not_refused,
+    kills={"check_backward_is_exact_or_refused_at_forward"},
+)
 
 
 def _unguarded_calls() -> Any:
@@ -88,6 +186,15 @@ def _unguarded_calls() -> Any:
                         holds=lambda self, frame: True, exit=lambda self, frame: True)
 
 
+declare(
+    "concurrent_calls_unguarded",
+    "a second thread runs the ring while the first is inside",
+    MISUSE_LAYER,
+    patch=_unguarded_calls,
+    kills={"check_second_thread_gets_a_clear_error_or_exact_output"},
+)
+
+
 def _copies_not_refused() -> Any:
     """Note [No copies while enabled] undone: a deep copy or pickle of an enabled module
     copies its hooks, and fails deep inside with torch's "cannot pickle '_thread.lock'"."""
@@ -95,3 +202,12 @@ def _copies_not_refused() -> Any:
 
     return _patched_all(RefusesCopies, __deepcopy__=None, __copy__=None,
                         __reduce_ex__=object.__reduce_ex__)
+
+
+declare(
+    "copies_not_refused",
+    "copy.deepcopy of an enabled module copies its offload hooks",
+    dict(pipelines=("flux2",), sections=("J.8",), strategies=("model_level", "layer_wise")),
+    patch=_copies_not_refused,
+    kills={"check_copies_of_an_enabled_pipeline_are_refused_or_exact"},
+)

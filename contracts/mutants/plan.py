@@ -23,13 +23,23 @@ from offload_ref.plan import (
     resolve_offload_plan,
 )
 
-from ._declare import _patched
+from ._declare import AUTO, HEAD, J7, J7_SPLIT, RESOLVER, _backend_with, _patched, declare
+
+
+# -- §A: resolution --------------------------------------------------------------------------------
 
 
 def _impure(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     plan = resolve_offload_plan(pipeline, config)
     pipeline.__dict__["_kit_resolved_here"] = True  # a resolver that caches on the model
     return plan
+
+
+declare(
+    "impure_resolver", "resolution writes an attribute on the pipeline", RESOLVER,
+    resolve_offload_plan=_impure,
+    kills={"check_plan_resolution_is_pure"},
+)
 
 
 _resolutions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -44,6 +54,13 @@ def _unstable(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     return plan
 
 
+declare(
+    "unstable_resolver", "every second resolution lists components in another order", RESOLVER,
+    resolve_offload_plan=_unstable,
+    kills={"check_plan_resolution_is_repeatable"},
+)
+
+
 class _ClassAttrsWin(_Resolver):
     def _container_names(self, path: str, module: nn.Module) -> tuple[tuple[str, ...], str]:
         names = getattr(module, "_layerwise_offload_blocks_attrs", None)
@@ -54,6 +71,17 @@ class _ClassAttrsWin(_Resolver):
 
 def _class_attrs_win(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     return _ClassAttrsWin(pipeline, config).resolve()
+
+
+declare(
+    "class_attrs_beat_plan", "_layerwise_offload_blocks_attrs wins over OffloadPlan", RESOLVER,
+    resolve_offload_plan=_class_attrs_win,
+    kills={
+        "check_missing_block_container_is_rejected",
+        "check_plan_block_attrs_beat_class_attributes",
+        "check_single_block_dit_is_rejected",
+    },
+)
 
 
 def _scan_always(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
@@ -69,15 +97,36 @@ def _scan_always(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     return dataclasses.replace(plan, components=plan.components + tuple(extra))
 
 
+declare(
+    "scan_despite_declarations", "the name scan runs even when components are declared", RESOLVER,
+    resolve_offload_plan=_scan_always,
+    kills={"check_declared_components_beat_attribute_scan"},
+)
+
+
 def _warn_every_time(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     discovery._warned_classes.clear()
     return resolve_offload_plan(pipeline, config)
+
+
+declare(
+    "warns_every_time", "the fallback-scan warning repeats for every resolution", RESOLVER,
+    resolve_offload_plan=_warn_every_time,
+    kills={"check_attribute_scan_warns_once_per_pipeline_class"},
+)
 
 
 def _no_dotted_paths(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     plan = resolve_offload_plan(pipeline, config)
     return dataclasses.replace(
         plan, components=tuple(c for c in plan.components if "." not in c.path))
+
+
+declare(
+    "no_dotted_paths", "nested (dotted) components are dropped", RESOLVER,
+    resolve_offload_plan=_no_dotted_paths,
+    kills={"check_dotted_paths_resolve_nested_components"},
+)
 
 
 def _swallow_topology_errors(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
@@ -87,6 +136,26 @@ def _swallow_topology_errors(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
         return ResolvedOffloadPlan(config.strategy, skip_reason=f"skipped: {exc}")
 
 
+declare(
+    "swallows_topology_errors", "invalid topologies are skipped instead of rejected", RESOLVER,
+    resolve_offload_plan=_swallow_topology_errors,
+    kills={
+        "check_block_claimed_by_two_components_is_rejected",
+        "check_encoder_allgather_requires_declared_replication",
+        "check_missing_block_container_is_rejected",
+        "check_model_level_without_dit_is_rejected",
+        "check_model_level_without_encoder_is_rejected",
+        "check_on_demand_component_without_lifecycle_is_rejected",
+        "check_resident_inside_a_streamed_block_is_rejected",
+        "check_resident_layers_leaving_one_streaming_block_are_rejected",
+        "check_resident_layers_need_a_resident_dit_path",
+        "check_single_block_dit_is_rejected",
+        "check_tensor_in_two_model_level_groups_is_rejected",
+        "check_vae_selection_without_lifecycle_is_rejected",
+    },
+)
+
+
 def _vague_topology_errors(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     try:
         return resolve_offload_plan(pipeline, config)
@@ -94,8 +163,35 @@ def _vague_topology_errors(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
         raise OffloadTopologyError("invalid offload topology") from None
 
 
+declare(
+    "vague_topology_errors", "topology errors name no path and no fix", RESOLVER,
+    resolve_offload_plan=_vague_topology_errors,
+    kills={
+        "check_block_claimed_by_two_components_is_rejected",
+        "check_encoder_allgather_requires_declared_replication",
+        "check_missing_block_container_is_rejected",
+        "check_model_level_without_dit_is_rejected",
+        "check_model_level_without_encoder_is_rejected",
+        "check_on_demand_component_without_lifecycle_is_rejected",
+        "check_resident_inside_a_streamed_block_is_rejected",
+        "check_resident_layers_leaving_one_streaming_block_are_rejected",
+        "check_resident_layers_need_a_resident_dit_path",
+        "check_single_block_dit_is_rejected",
+        "check_tensor_in_two_model_level_groups_is_rejected",
+        "check_vae_selection_without_lifecycle_is_rejected",
+    },
+)
+
+
 def _legacy_as_explicit(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     return resolve_offload_plan(pipeline, dataclasses.replace(config, explicit=True))
+
+
+declare(
+    "legacy_is_strict", "legacy flags get the explicit, erroring topology rules", RESOLVER,
+    resolve_offload_plan=_legacy_as_explicit,
+    kills={"check_legacy_topology_without_dit_is_a_recorded_noop"},
+)
 
 
 def _no_ring_aliases(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
@@ -104,6 +200,13 @@ def _no_ring_aliases(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
         dataclasses.replace(c, stacks=tuple(dataclasses.replace(s, aliases=()) for s in c.stacks))
         for c in plan.components)
     return dataclasses.replace(plan, components=components)
+
+
+declare(
+    "name_based_aliases", "the plan records no ring aliases", RESOLVER,
+    resolve_offload_plan=_no_ring_aliases,
+    kills={"check_tensors_aliasing_a_block_belong_to_its_ring"},
+)
 
 
 class _AcceptsResidentInBlock(_Resolver):
@@ -118,6 +221,15 @@ def _resident_in_block_accepted(pipeline: Any, config: Any) -> ResolvedOffloadPl
     return _AcceptsResidentInBlock(pipeline, config).resolve()
 
 
+declare(
+    "resident_in_block_accepted",
+    "a resident declared inside a streamed block silently streams with it",
+    RESOLVER,
+    resolve_offload_plan=_resident_in_block_accepted,
+    kills={"check_resident_inside_a_streamed_block_is_rejected"},
+)
+
+
 class _AcceptsSharedStorage(_Resolver):
     def _check_one_group_per_storage(self, components):
         pass  # left to the backend, which meets it mid-enable
@@ -125,6 +237,15 @@ class _AcceptsSharedStorage(_Resolver):
 
 def _shared_storage_accepted(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     return _AcceptsSharedStorage(pipeline, config).resolve()
+
+
+declare(
+    "shared_storage_accepted",
+    "a storage in two model-level groups is left for enable to meet",
+    RESOLVER,
+    resolve_offload_plan=_shared_storage_accepted,
+    kills={"check_tensor_in_two_model_level_groups_is_rejected"},
+)
 
 
 class _VaeWithoutLifecycle(_Resolver):
@@ -137,6 +258,21 @@ def _vae_without_lifecycle(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     return _VaeWithoutLifecycle(pipeline, config).resolve()
 
 
+declare(
+    "vae_selection_without_lifecycle",
+    "a selected VAE is handed to a lifecycle the pipeline never declared",
+    RESOLVER,
+    resolve_offload_plan=_vae_without_lifecycle,
+    kills={  # the on-demand lifecycle goes unchecked as well
+        "check_on_demand_component_without_lifecycle_is_rejected",
+        "check_vae_selection_without_lifecycle_is_rejected",
+    },
+)
+
+
+# -- §J.7: rejections the resolver owns ------------------------------------------------------------
+
+
 class _AcceptsSparse(_Resolver):
     def _reject_unreadable_storage(self, found):
         pass  # layouts and storages are never looked at: a sparse tensor crashes a later walk
@@ -144,6 +280,13 @@ class _AcceptsSparse(_Resolver):
 
 def _sparse_accepted(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     return _AcceptsSparse(pipeline, config).resolve()
+
+
+declare(
+    "sparse_buffer_accepted", "a sparse buffer reaches the storage walks", J7,
+    resolve_offload_plan=_sparse_accepted,
+    kills={"check_sparse_buffer_is_rejected_before_mutation"},
+)
 
 
 class _DelegatedUnvalidated(_Resolver):
@@ -155,9 +298,31 @@ def _delegated_unvalidated(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     return _DelegatedUnvalidated(pipeline, config).resolve()
 
 
+declare(
+    "delegated_unvalidated",
+    "a split model that delegates model level skips the input validation every other pipeline gets",
+    J7_SPLIT,
+    resolve_offload_plan=_delegated_unvalidated,
+    kills={
+        "check_sparse_buffer_is_rejected_before_mutation",
+        "check_cyclic_module_graph_is_rejected_before_mutation",
+    },
+)
+
+
 def _cycles_unchecked() -> Any:
     """Discovery walks the module graph without looking for a back edge."""
     return _patched(discovery, "require_acyclic", lambda *args, **kwargs: None)
+
+
+declare(
+    "cyclic_graph_unchecked", "a cyclic module graph is walked without a cycle check", J7,
+    patch=_cycles_unchecked,
+    kills={"check_cyclic_module_graph_is_rejected_before_mutation"},
+)
+
+
+# -- §A.8: auto mode -------------------------------------------------------------------------------
 
 
 class _BudgetBlindAuto(AutoOffloadBackend):
@@ -172,6 +337,15 @@ class _BudgetBlindAuto(AutoOffloadBackend):
         return chosen, dataclasses.replace(plan, auto=choice)
 
 
+declare(
+    "auto_ignores_budget",
+    "strategy='auto' ignores device_budget_bytes: every weight stays resident",
+    AUTO,
+    make_backend=_backend_with(AutoOffloadBackend=_BudgetBlindAuto),
+    kills={"check_auto_mode_measured_peak_never_exceeds_the_budget"},
+)
+
+
 class _HeadGreedyAuto(AutoOffloadBackend):
     """strategy='auto' that keeps one head block more than the budget allows (it compares the
     head's bytes with the budget, forgetting that the slots still stream)."""
@@ -184,6 +358,18 @@ class _HeadGreedyAuto(AutoOffloadBackend):
         return picked, plan
 
 
+declare(
+    "auto_head_over_budget",
+    "strategy='auto' keeps one resident head block more than the budget allows",
+    HEAD,
+    make_backend=_backend_with(AutoOffloadBackend=_HeadGreedyAuto),
+    kills={
+        "check_auto_mode_fills_the_budget_with_a_resident_head",
+        "check_auto_mode_measured_peak_never_exceeds_the_budget",
+    },
+)
+
+
 class _HeadlessAuto(AutoOffloadBackend):
     """strategy='auto' that never keeps a resident head: the budget between layerwise's peak
     and model level's goes unused."""
@@ -191,3 +377,12 @@ class _HeadlessAuto(AutoOffloadBackend):
     def _choose(self, pipeline):
         picked, plan = super()._choose(pipeline)
         return (plan.auto.heads[0] if plan.auto.heads else picked), plan
+
+
+declare(
+    "auto_keeps_no_head",
+    "strategy='auto' never fills the budget left above layerwise's peak with a resident head",
+    HEAD,
+    make_backend=_backend_with(AutoOffloadBackend=_HeadlessAuto),
+    kills={"check_auto_mode_fills_the_budget_with_a_resident_head"},
+)

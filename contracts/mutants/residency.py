@@ -15,7 +15,13 @@ from offload_ref.backends.transaction import Transaction
 from offload_ref.hooks import ModelHook
 from offload_ref.plan import _predict
 
-from ._declare import _patched, _patched_all
+from ._declare import (
+    ALIGNMENT, HEAD, LAYERWISE, MODEL_LEVEL, NESTED_RESIDENT, _backend_with, _layerwise, _patched,
+    _patched_all, declare,
+)
+
+
+# -- §F.7: a resident head -------------------------------------------------------------------------
 
 
 class _HeadStreamedRing(BlockRing):
@@ -24,6 +30,13 @@ class _HeadStreamedRing(BlockRing):
 
     def __init__(self, stack, *args, **kwargs) -> None:
         super().__init__(dataclasses.replace(stack, resident_head=0), *args, **kwargs)
+
+
+declare(
+    "head_streamed", "the declared resident head streams through the ring", HEAD,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_HeadStreamedRing)),
+    kills={"check_resident_head_stays_put_unhooked_and_within_the_prediction"},
+)
 
 
 class _CountingHook(ModelHook):
@@ -44,6 +57,13 @@ class _HooksTheHead(LayerWiseOffloadBackend):
                 txn.register_hook(block, self.hook_name + ".head", _CountingHook(), path)
 
 
+declare(
+    "head_hooked", "the resident head blocks get hooks", HEAD,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_HooksTheHead),
+    kills={"check_resident_head_stays_put_unhooked_and_within_the_prediction"},
+)
+
+
 class _HeadUnpredicted(LayerWiseOffloadBackend):
     """A plan whose predicted peak counts the resident head as streamed."""
 
@@ -54,6 +74,16 @@ class _HeadUnpredicted(LayerWiseOffloadBackend):
                                                 for s in c.stacks))
             for c in plan.components))
         return dataclasses.replace(plan, device_bytes_bound=_predict(headless))
+
+
+declare(
+    "head_not_predicted", "the predicted peak counts the resident head as streamed", HEAD,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_HeadUnpredicted),
+    kills={"check_resident_head_stays_put_unhooked_and_within_the_prediction"},
+)
+
+
+# -- §F.3: parity (inference tensors) --------------------------------------------------------------
 
 
 class _InferenceBlindTransaction(Transaction):
@@ -69,8 +99,29 @@ class _InferenceBlindModelLevel(ModelLevelOffloadBackend):
     transaction_class = _InferenceBlindTransaction
 
 
+declare(
+    "inference_tensors_rebound_as_normal",
+    "the .data of a pipeline's inference tensors is rebound to ordinary tensors",
+    MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_InferenceBlindModelLevel),
+    kills={"check_pipeline_built_under_inference_mode_matches_reference"},
+)
+
+
 class _InferenceBlindLayerwise(LayerWiseOffloadBackend):
     transaction_class = _InferenceBlindTransaction
+
+
+declare(
+    "inference_tensors_rebound_as_normal_layerwise",
+    "the .data of a pipeline's inference tensors is rebound to ordinary tensors",
+    LAYERWISE,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_InferenceBlindLayerwise),
+    kills={"check_pipeline_built_under_inference_mode_matches_reference"},
+)
+
+
+# -- §F.1: model level -----------------------------------------------------------------------------
 
 
 class _DoubleCopySwapper(ComponentSwapper):
@@ -87,6 +138,16 @@ class _DoubleCopyOnSwap(ModelLevelOffloadBackend):
     swapper_class = _DoubleCopySwapper
 
 
+declare(
+    "double_copy_on_swap", "every swap uploads the component twice", MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_DoubleCopyOnSwap),
+    kills={
+        "check_model_level_swaps_move_component_bytes_host_to_device_only",
+        "check_stats_match_what_the_platform_saw",
+    },
+)
+
+
 class _StatsCountHostAsDevice(ModelLevelOffloadBackend):
     def stats(self):
         s = super().stats()
@@ -94,10 +155,27 @@ class _StatsCountHostAsDevice(ModelLevelOffloadBackend):
         return s
 
 
+declare(
+    "stats_count_host_as_device", "stats() adds host master bytes to device bytes", MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_StatsCountHostAsDevice),
+    kills={"check_stats_match_what_the_platform_saw"},
+)
+
+
 class _TwoGroupsResident(ModelLevelOffloadBackend):
     def _activate(self, comp):
         if self._swapper is not None:
             self._swapper.activate(comp.path, [])  # loads, never evicts
+
+
+declare(
+    "two_groups_resident", "a DiT runs with the encoders still on the device", MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_TwoGroupsResident),
+    kills={
+        "check_model_level_keeps_one_group_resident",
+        "check_peak_device_bytes_stay_within_the_plan_bound",
+    },
+)
 
 
 class _VaeOffloaded(ModelLevelOffloadBackend):
@@ -107,12 +185,55 @@ class _VaeOffloaded(ModelLevelOffloadBackend):
         super()._enable(pipeline, dataclasses.replace(plan, components=comps), txn)
 
 
+declare(
+    "vae_offloaded", "the VAE is swapped like an encoder", MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_VaeOffloaded),
+    kills={
+        "check_model_level_keeps_one_group_resident",
+        "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
+        "check_every_disable_restores_tensors_and_frees_the_device",
+        "check_peak_device_bytes_stay_within_the_plan_bound",
+        "check_second_enable_changes_nothing_observable",
+    },
+    # The VAE parked on the host between calls: the latents are made on the device, then meet a
+    # host VAE; every check that generates under model level fails, not only the residency one.
+    placement_kills={
+        "check_cycles_do_not_grow_memory",
+        "check_disable_removes_every_trace",
+        "check_disable_restores_parameters_and_placement",
+        "check_enable_disable_cycles_match_the_reference",
+        "check_failed_enable_can_be_retried",
+        "check_model_level_swaps_move_component_bytes_host_to_device_only",
+        "check_offloaded_output_matches_reference_bitwise",
+        "check_offloaded_output_matches_reference_without_race_amplifier",
+        "check_offloaded_tensors_keep_their_alignment",
+        "check_pipeline_built_under_inference_mode_matches_reference",
+        "check_random_lifecycle_sequences_keep_invariants",
+        "check_second_enable_is_idempotent_and_exclusive",
+        "check_stats_match_what_the_platform_saw",
+        "check_views_keep_strides_and_sharing",
+    },
+)
+
+
 class _NestedResidentSwaps(ModelLevelOffloadBackend):
     def _enable(self, pipeline, plan, txn):
         nested = {p for c in plan.components if c.selected for p in c.nested}
         comps = tuple(dataclasses.replace(c, nested=()) for c in plan.components
                       if c.path not in nested)  # the resident swaps with its DiT
         super()._enable(pipeline, dataclasses.replace(plan, components=comps), txn)
+
+
+declare(
+    "nested_resident_swaps_with_its_dit",
+    "a resident declared inside a DiT is swapped out with it",
+    NESTED_RESIDENT,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_NestedResidentSwaps),
+    kills={
+        "check_model_level_keeps_one_group_resident",
+        "check_model_level_swaps_move_component_bytes_host_to_device_only",
+    },
+)
 
 
 class _CopyBackSwapper(ComponentSwapper):
@@ -127,9 +248,61 @@ class _D2HOnSwap(ModelLevelOffloadBackend):
     swapper_class = _CopyBackSwapper
 
 
+declare(
+    "d2h_copy_on_swap", "offloading copies the device weights back to the host", MODEL_LEVEL,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_D2HOnSwap),
+    kills={
+        "check_pipeline_built_under_inference_mode_matches_reference",
+        "check_model_level_swaps_move_component_bytes_host_to_device_only",
+        "check_stats_match_what_the_platform_saw",
+    },
+)
+
+
+# -- §F.2, §F.4: the layerwise ring ----------------------------------------------------------------
+
+
+# A slot race surfaces the same way whichever event wait is missing: the stream-order checker
+# raises inside forward, so every check that runs a forward on a ring fails.
+_SLOT_RACE_KILLS = frozenset({
+    "check_resident_head_stays_put_unhooked_and_within_the_prediction",
+    "check_block_alias_follows_its_block",
+    "check_offloaded_tensors_keep_their_alignment",
+    "check_cycles_do_not_grow_memory",
+    "check_disable_removes_every_trace",
+    "check_disable_restores_parameters_and_placement",
+    "check_enable_disable_cycles_match_the_reference",
+    "check_failed_enable_can_be_retried",
+    "check_layerwise_keeps_at_most_two_blocks_resident",
+    "check_layerwise_materializes_only_block_zero_between_passes",
+    "check_layerwise_prefetches_the_next_block_before_it_runs",
+    "check_layerwise_streams_every_block_of_every_ring",
+    "check_offloaded_output_matches_reference_bitwise",
+    "check_offloaded_output_matches_reference_without_race_amplifier",
+    "check_parameter_shared_by_two_blocks_is_never_copied_twice",
+    "check_pipeline_built_under_inference_mode_matches_reference",
+    "check_random_lifecycle_sequences_keep_invariants",
+    "check_second_enable_is_idempotent_and_exclusive",
+    "check_skipped_block_is_recovered",
+    "check_stats_match_what_the_platform_saw",
+    "check_views_keep_strides_and_sharing",
+    "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
+    "check_every_disable_restores_tensors_and_frees_the_device",
+    "check_peak_device_bytes_stay_within_the_plan_bound",
+    "check_second_enable_changes_nothing_observable",
+})
+
+
 class _NoReadyWait(BlockRing):
     def _wait_ready(self, s):
         pass
+
+
+declare(
+    "missing_ready_wait", "compute reads a slot without waiting for its copy", LAYERWISE,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoReadyWait)),
+    kills=_SLOT_RACE_KILLS,
+)
 
 
 class _NoFreeWait(BlockRing):
@@ -141,6 +314,13 @@ class _NoFreeWait(BlockRing):
             self.ready[s].record(self.copy_stream)
         self.slot_of[k] = s
         self.occupant[s] = k
+
+
+declare(
+    "slot_reused_before_free", "a prefetch overwrites a slot before its reader finished", LAYERWISE,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoFreeWait)),
+    kills=_SLOT_RACE_KILLS,
+)
 
 
 class _NoWrapAround(BlockRing):
@@ -155,6 +335,16 @@ class _NoWrapAround(BlockRing):
             super().before(k, frame)
 
 
+declare(
+    "no_wraparound_prefetch", "the last block does not prefetch block 0", LAYERWISE,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoWrapAround)),
+    kills={
+        "check_layerwise_materializes_only_block_zero_between_passes",
+        "check_layerwise_prefetches_the_next_block_before_it_runs",
+    },
+)
+
+
 class _NoRecoveryRing(BlockRing):
     def before(self, k, frame=None):
         if self.slot_of[k] is None:  # run on whatever the slot holds
@@ -163,6 +353,15 @@ class _NoRecoveryRing(BlockRing):
             self.occupant[s] = k
             self._rebind(k, self._slot_views(k, s))
         super().before(k, frame)
+
+
+declare(
+    "skipped_block_not_recovered",
+    "a block that was not prefetched runs on stale weights",
+    LAYERWISE,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoRecoveryRing)),
+    kills={"check_skipped_block_is_recovered"},
+)
 
 
 class _SilentlySerialRing(BlockRing):
@@ -178,12 +377,37 @@ class _SilentlySerialRing(BlockRing):
         self.stats.sync_recoveries = recoveries
 
 
+declare(
+    "silently_serial", "no prefetch, and the synchronous loads are not counted", LAYERWISE,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_SilentlySerialRing)),
+    kills={
+        "check_layerwise_materializes_only_block_zero_between_passes",
+        "check_layerwise_prefetches_the_next_block_before_it_runs",
+    },
+)
+
+
 class _ThreeSlotsRing(BlockRing):
     def prepare(self, txn, pipeline):
         super().prepare(txn, pipeline)
         self.slots.append(txn.device_empty(f"{self.label} spare slot", self.slot_bytes,
                                            self.slots[0].dtype))
         self._build_flats()
+
+
+declare(
+    "three_slots", "the ring keeps a third device slot", LAYERWISE,
+    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_ThreeSlotsRing)),
+    kills={
+        "check_resident_head_stays_put_unhooked_and_within_the_prediction",
+        "check_layerwise_keeps_at_most_two_blocks_resident",
+        "check_stats_match_what_the_platform_saw",
+        "check_peak_device_bytes_stay_within_the_plan_bound",
+    },
+)
+
+
+# -- §F.6: alignment, every strategy ---------------------------------------------------------------
 
 
 def _packs_without_padding() -> Any:
@@ -194,8 +418,24 @@ def _packs_without_padding() -> Any:
                         region_bytes=lambda phase, nbytes, alignment: nbytes)
 
 
+declare(
+    "packs_without_padding",
+    "tensors are packed back to back, at element alignment only",
+    ALIGNMENT,
+    patch=_packs_without_padding,
+    kills={"check_offloaded_tensors_keep_their_alignment"},
+)
+
+
 def _realigns_every_tensor() -> Any:
     """Aligned regions, but every segment starts at its region's boundary (its phase dropped)."""
     from offload_ref import host
 
     return _patched(host, "_storage_phase", lambda ptr, offset, alignment: 0)
+
+
+declare(
+    "realigns_every_tensor", "a weight stored off a 64-byte boundary is moved onto one", ALIGNMENT,
+    patch=_realigns_every_tensor,
+    kills={"check_offloaded_tensors_keep_their_alignment"},
+)

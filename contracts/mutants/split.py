@@ -7,7 +7,7 @@ from typing import Any
 
 from offload_ref.backends.model_level import ModelLevelOffloadBackend
 
-from ._declare import _patched
+from ._declare import SPLIT, _backend_with, _patched, declare
 
 
 class _DelegatesWithoutDisable(ModelLevelOffloadBackend):
@@ -19,10 +19,24 @@ class _DelegatesWithoutDisable(ModelLevelOffloadBackend):
         self._delegated = True
 
 
+declare(
+    "delegation_without_disable", "a failed split-model enable is not undone", SPLIT,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_DelegatesWithoutDisable),
+    kills={"check_split_model_failed_enable_calls_disable"},
+)
+
+
 def _unchecked_component_names() -> Any:
     from offload_ref.split import ComponentGroups
 
     return _patched(ComponentGroups, "_check_name", lambda self, name: None)
+
+
+declare(
+    "split_accepts_unknown_names", "an unknown component name is silently accepted", SPLIT,
+    patch=_unchecked_component_names,
+    kills={"check_split_model_rejects_unknown_component"},
+)
 
 
 def _copies_when_disabled() -> Any:
@@ -40,11 +54,25 @@ def _copies_when_disabled() -> Any:
     return _patched(ComponentGroups, "_activated", activated)
 
 
+declare(
+    "split_copies_when_disabled", "a disabled phase context still copies weights", SPLIT,
+    patch=_copies_when_disabled,
+    kills={"check_split_model_context_is_a_noop_when_offload_is_off"},
+)
+
+
 def _keeps_both_resident() -> Any:
     from offload_ref import split
 
     return _patched(split._Active, "activate",
                     lambda self, name: self.swapper.activate(name, []))
+
+
+declare(
+    "split_keeps_both_resident", "a phase swap loads without evicting the other phase", SPLIT,
+    patch=_keeps_both_resident,
+    kills={"check_split_model_keeps_exactly_one_component_resident"},
+)
 
 
 class _DelegationDropsComponents(ModelLevelOffloadBackend):
@@ -54,6 +82,20 @@ class _DelegationDropsComponents(ModelLevelOffloadBackend):
         pipeline.enable_omni_model_cpu_offload(device=self.platform.device,
                                                pin_memory=self.config.pin_memory)
         self._delegated = True
+
+
+declare(
+    "delegation_drops_components", "the split model's enable gets no component selection", SPLIT,
+    make_backend=_backend_with(ModelLevelOffloadBackend=_DelegationDropsComponents),
+    kills={
+        "check_split_model_enable_and_disable_are_delegated",
+        "check_split_model_keeps_exactly_one_component_resident",
+    },
+    # The split model enables every component: after its failed enable, host tensors come back
+    # as views at another storage offset of the same bytes where host and device differ (on one
+    # device the check passes).
+    placement_kills={"check_split_model_failed_enable_calls_disable"},
+)
 
 
 def _cosmos3_reasoner_every_step(seed: int = 0) -> Any:
@@ -69,3 +111,10 @@ def _cosmos3_reasoner_every_step(seed: int = 0) -> Any:
 
     pipeline.predict = forgetful
     return pipeline
+
+
+declare(
+    "reasoner_every_step", "the pipeline reruns its reasoner at every step", SPLIT,
+    factory=_cosmos3_reasoner_every_step,
+    kills={"check_split_model_runs_reasoner_once_and_generator_every_step"},
+)

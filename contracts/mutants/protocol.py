@@ -1,0 +1,80 @@
+"""Offloaders judged through the public protocol alone (any offloader's route): the plain,
+correct offloader of contracts/simple_offloader.py with one defect each (``BROKEN`` there holds
+each one's factory and defect).  The checks they fail are mostly the ones judged from outside
+(checks/observable.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .. import simple_offloader
+from ..offloader import offloader_implementation
+from ._declare import PROTOCOL, declare
+
+
+def _protocol(name: str, *, kills: Iterable[str], placement_kills: Iterable[str] = ()) -> None:
+    """Declare the broken simple offloader ``name`` (its defect is ``BROKEN[name]``'s)."""
+    factory, defect = simple_offloader.BROKEN[name]
+    impl = offloader_implementation(factory, name=f"{simple_offloader.__name__}:{name}",
+                                    validate=False)
+    declare(name, defect, PROTOCOL, kills=kills, placement_kills=placement_kills, impl=impl)
+
+
+_protocol(
+    "simple_leaves_a_hook",
+    kills={
+        "check_disable_removes_every_trace",
+        "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
+        "check_second_enable_changes_nothing_observable",
+    },
+)
+
+_protocol(
+    "simple_keeps_everything",
+    kills={"check_peak_device_bytes_stay_within_the_plan_bound"},
+)
+
+_protocol(
+    "simple_copies_ties_apart",
+    kills={"check_shared_storage_stays_shared_while_enabled"},
+)
+
+_protocol(
+    "simple_forgets_a_device",
+    kills={
+        "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
+        "check_every_disable_restores_tensors_and_frees_the_device",
+        "check_generation_after_an_interrupt_is_exact",
+        "check_second_enable_changes_nothing_observable",
+    },
+    # A weight the broken offloader leaves on the device after disable meets host tensors in
+    # the next un-offloaded generation.
+    placement_kills={
+        "check_enable_disable_cycles_match_the_reference",
+        "check_pipeline_built_under_inference_mode_matches_reference",
+    },
+)
+
+_protocol(
+    "simple_first_snapshot",
+    kills={
+        "check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_change",
+        "check_edit_between_cycles_takes_effect_and_survives_disable",
+        "check_edits_through_data_are_exact_or_refused",
+    },
+)
+
+_protocol(
+    "simple_no_rollback",
+    kills={"check_enable_failing_part_way_leaves_the_pipeline_as_it_was"},
+)
+
+_protocol(
+    "simple_stacks_hooks",
+    kills={"check_second_enable_changes_nothing_observable"},
+)
+
+_protocol(
+    "simple_interrupt_leak",
+    kills={"check_generation_after_an_interrupt_is_exact"},
+)
