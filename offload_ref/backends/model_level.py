@@ -30,7 +30,13 @@ from torch import nn
 
 from ..config import OffloadStrategy
 from ..hooks import ModelHook
-from ..plan import ResolvedComponent, ResolvedOffloadPlan, owned_tensors, pipeline_state
+from ..plan import (
+    ComponentRole,
+    ResolvedComponent,
+    ResolvedOffloadPlan,
+    owned_tensors,
+    pipeline_state,
+)
 from .base import OffloadBackend
 from .groups import ComponentSwapper
 from .stats import OffloadStats
@@ -40,6 +46,9 @@ from .transaction import Transaction
 
 __all__ = ["ComponentSwapper", "ModelLevelOffloadBackend", "ModelLevelOffloadHook",
            "SequentialOffloadHook"]
+
+#: The roles whose components swap (each DiT, the encoders); the others stay on the device.
+_SWAPPED = (ComponentRole.DIT, ComponentRole.ENCODER)
 
 
 class ModelLevelOffloadHook(RefusesCopies, ModelHook):
@@ -99,7 +108,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
         swapper = self.swapper_class(self.platform, self._stats)
         self._swapper = swapper
         placed = [c for c in plan.components if not c.on_demand]  # the rest is the pipeline's
-        swappable = [c for c in placed if c.role in ("dit", "encoder") and c.selected]
+        swappable = [c for c in placed if c.role in _SWAPPED and c.selected]
         managed = {id(t) for c in plan.components if c.on_demand
                    for _, t in owned_tensors(plan, c)}
         # One resident group: a tensor reachable from two kept components is one device copy.
@@ -112,7 +121,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
         )
         self._components = plan.components
         for comp in plan.components:
-            if comp.role in ("dit", "encoder") and not comp.on_demand:
+            if comp.role in _SWAPPED and not comp.on_demand:
                 txn.register_hook(comp.module, self.hook_name,
                                   ModelLevelOffloadHook(self, comp, self._guard), comp.path)
 
@@ -156,11 +165,10 @@ class ModelLevelOffloadBackend(OffloadBackend):
         swapper = self._swapper
         if swapper is None:
             return
-        if comp.role == "dit":
-            evict = [c.path for c in self._components
-                     if c.role in ("dit", "encoder") and c is not comp]
+        if comp.role == ComponentRole.DIT:
+            evict = [c.path for c in self._components if c.role in _SWAPPED and c is not comp]
         else:
-            evict = [c.path for c in self._components if c.role == "dit"]
+            evict = [c.path for c in self._components if c.role == ComponentRole.DIT]
         evict = [p for p in evict if p in swapper.swappable]
         swapper.check_edits([comp.path, *evict])  # Note [Weight edits]
         swapper.activate(comp.path, evict)
@@ -178,7 +186,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
             raise RuntimeError(f"{type(self).__name__} is not enabled")
         for comp in self._components:
             if comp.path == path:
-                if comp.role in ("dit", "encoder"):
+                if comp.role in _SWAPPED:
                     with torch.inference_mode(False):
                         self._activate(comp)
                 yield

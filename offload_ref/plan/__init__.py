@@ -13,9 +13,9 @@ The package, one file per concept (a submodule imports only those above it in th
   declarations alone imply (:func:`encoder_kind`, :func:`selectable_components`);
 * ``tree.py``: walks of module trees (:func:`named_tensors`, :func:`pipeline_state`, storage
   keys);
-* ``resolved.py``: the resolved types (:class:`ResolvedOffloadPlan`, :class:`ResolvedComponent`,
-  :class:`BlockStack`, :class:`RingAlias`, :class:`AutoCandidate`, :class:`AutoChoice`) and the
-  tensors a component owns (:func:`owned_tensors`);
+* ``resolved.py``: the resolved types (:class:`ResolvedOffloadPlan`, :class:`ResolvedComponent`
+  and its :class:`ComponentRole`, :class:`BlockStack`, :class:`RingAlias`, :class:`AutoCandidate`,
+  :class:`AutoChoice`) and the tensors a component owns (:func:`owned_tensors`);
 * ``prediction.py``: byte arithmetic (the predicted peak device bytes, slots, shards, staging);
 * ``ownership.py``: ring aliases and shared tensors (Note [Ownership by identity]);
 * ``resolver.py``: ``_Resolver``, every topology check;
@@ -51,6 +51,7 @@ from .resolved import (
     AutoCandidate,
     AutoChoice,
     BlockStack,
+    ComponentRole,
     ResolvedComponent,
     ResolvedOffloadPlan,
     RingAlias,
@@ -63,6 +64,7 @@ __all__ = [
     "AutoCandidate",
     "AutoChoice",
     "BlockStack",
+    "ComponentRole",
     "OffloadPlan",
     "OffloadTopologyError",
     "ResolvedComponent",

@@ -11,7 +11,13 @@ from torch import nn
 
 from ..config import OffloadStrategy, WeightTransfer
 from ..host import padded_span_bytes
-from .resolved import ResolvedComponent, ResolvedOffloadPlan, _streamed_tensors, owned_tensors
+from .resolved import (
+    ComponentRole,
+    ResolvedComponent,
+    ResolvedOffloadPlan,
+    _streamed_tensors,
+    owned_tensors,
+)
 from .tree import _tensors
 
 
@@ -27,11 +33,12 @@ def _predict(plan: ResolvedOffloadPlan) -> int:
     a = plan.alignment
     placed = [c for c in plan.components if not c.on_demand]
     if plan.strategy is OffloadStrategy.MODEL_LEVEL:
-        swapped = [c for c in placed if c.selected and c.role in ("dit", "encoder")]
+        swapped = [c for c in placed
+                   if c.selected and c.role in (ComponentRole.DIT, ComponentRole.ENCODER)]
         kept = _span_bytes(_tensors(*(c.module for c in placed if c not in swapped)), a)
         groups = [_span_bytes((t for _, t in owned_tensors(plan, c)), a)
-                  for c in swapped if c.role == "dit"]
-        groups.append(_span_bytes((t for c in swapped if c.role == "encoder"
+                  for c in swapped if c.role == ComponentRole.DIT]
+        groups.append(_span_bytes((t for c in swapped if c.role == ComponentRole.ENCODER
                                    for _, t in owned_tensors(plan, c)), a))
         return plan.other_state_bytes + kept + max(groups)
     held = _tensors(*(c.module for c in placed))

@@ -1,11 +1,13 @@
 """What the offloader will do: the resolved types (:class:`ResolvedOffloadPlan`, its components
-(:class:`ResolvedComponent`) and their rings (:class:`BlockStack`, with :class:`RingAlias`
-entries)), and what ``strategy="auto"`` weighed (:class:`AutoCandidate`, :class:`AutoChoice`);
-with the tensors a resolved component owns (:func:`owned_tensors`) and a ring block streams."""
+(:class:`ResolvedComponent`, each with a :class:`ComponentRole`) and their rings
+(:class:`BlockStack`, with :class:`RingAlias` entries)), and what ``strategy="auto"`` weighed
+(:class:`AutoCandidate`, :class:`AutoChoice`); with the tensors a resolved component owns
+(:func:`owned_tensors`) and a ring block streams."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import nn
@@ -13,6 +15,25 @@ from torch import nn
 from ..config import OffloadConfig, OffloadStrategy, WeightTransfer
 from ..host import ALLOCATOR_ALIGNMENT
 from .tree import _nbytes_of, _tensors, named_tensors
+
+
+class ComponentRole(str, Enum):
+    """What a resolved component is to the offloader (``ResolvedComponent.role``), named as the
+    pipeline declares it (``_dit_modules``, ``_encoder_modules``, ``_vae_modules``,
+    ``_resident_modules``).  A ``str``: a member equals, hashes and formats as its value, so
+    ``role == "dit"``, a dict keyed by ``"dit"``, ``f"{role}"``, ``str(role)`` and ``json.dumps``
+    all see ``"dit"``."""
+
+    DIT = "dit"
+    ENCODER = "encoder"
+    VAE = "vae"
+    RESIDENT = "resident"
+
+    def __str__(self) -> str:  # not "ComponentRole.DIT" (the default of a mixed-in Enum)
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclass(frozen=True)
@@ -60,7 +81,7 @@ class BlockStack:
 class ResolvedComponent:
     path: str
     module: nn.Module
-    role: str  # "dit" | "encoder" | "vae" | "resident"
+    role: ComponentRole  # a plain str ("dit", ...) is accepted and becomes its member
     selected: bool  # offloaded by the strategy (otherwise kept on the device)
     on_demand: bool = False  # residency owned by the pipeline (load_to_device / offload_to_cpu)
     stacks: tuple[BlockStack, ...] = ()
@@ -70,8 +91,9 @@ class ResolvedComponent:
     nested: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "role", ComponentRole(self.role))
         if not self.kind:
-            object.__setattr__(self, "kind", self.role)
+            object.__setattr__(self, "kind", self.role.value)
 
     def _key(self) -> tuple:
         return (self.path, id(self.module), self.role, self.selected, self.on_demand, self.stacks,
@@ -171,16 +193,16 @@ class ResolvedOffloadPlan:
     #: with no skip_reason means every weight resident on the device).
     auto: AutoChoice | None = None
 
-    def by_role(self, role: str) -> tuple[ResolvedComponent, ...]:
+    def by_role(self, role: ComponentRole | str) -> tuple[ResolvedComponent, ...]:
         return tuple(c for c in self.components if c.role == role)
 
     @property
     def dits(self) -> tuple[ResolvedComponent, ...]:
-        return self.by_role("dit")
+        return self.by_role(ComponentRole.DIT)
 
     @property
     def encoders(self) -> tuple[ResolvedComponent, ...]:
-        return self.by_role("encoder")
+        return self.by_role(ComponentRole.ENCODER)
 
     @property
     def stacks(self) -> tuple[BlockStack, ...]:

@@ -30,6 +30,7 @@ from .ownership import _ring_aliases, _with_shared
 from .prediction import _other_state_bytes, _predict, _span_bytes, staging_budget_error
 from .resolved import (
     BlockStack,
+    ComponentRole,
     ResolvedComponent,
     ResolvedOffloadPlan,
     _streamed_tensors,
@@ -212,12 +213,14 @@ class _Resolver:
                 "swap against; declare it in _encoder_modules (or select only 'dit' on a "
                 "pipeline with at least two DiTs)"
             )
-        comps = [ResolvedComponent(p, m, "dit", wants_dit) for p, m in found.dits]
+        comps = [ResolvedComponent(p, m, ComponentRole.DIT, wants_dit) for p, m in found.dits]
         for p, m in found.encoders:
             kind = self._encoder_kind(p)
-            comps.append(ResolvedComponent(p, m, "encoder", self.config.selects(kind), kind=kind))
+            comps.append(ResolvedComponent(p, m, ComponentRole.ENCODER, self.config.selects(kind),
+                                           kind=kind))
         comps += self._vaes(found, on_demand=set())
-        comps += [ResolvedComponent(p, m, "resident", False) for p, m in found.residents]
+        comps += [ResolvedComponent(p, m, ComponentRole.RESIDENT, False)
+                  for p, m in found.residents]
         return comps
 
     # -- kinds and lifecycles ------------------------------------------------------------------
@@ -246,12 +249,12 @@ class _Resolver:
                         f"{type(module).__name__}, or drop 'vae' from components"
                     )
                 self._require_lifecycle(path, module)
-                comps.append(ResolvedComponent(path, module, "vae", True, True))
+                comps.append(ResolvedComponent(path, module, ComponentRole.VAE, True, True))
                 continue
             staged = path in on_demand
             if staged:
                 self._require_lifecycle(path, module)
-            comps.append(ResolvedComponent(path, module, "vae", False, staged))
+            comps.append(ResolvedComponent(path, module, ComponentRole.VAE, False, staged))
         return comps
 
     # -- layerwise -----------------------------------------------------------------------------
@@ -279,7 +282,8 @@ class _Resolver:
             stacks: list[BlockStack] = []
             if wants_dit:
                 stacks = self._dit_stacks(path, module)
-            comps.append(ResolvedComponent(path, module, "dit", bool(stacks), False, tuple(stacks)))
+            comps.append(ResolvedComponent(path, module, ComponentRole.DIT, bool(stacks), False,
+                                           tuple(stacks)))
         for path, module in found.encoders:
             # A pipeline-managed encoder is left to the pipeline whether or not it is selected
             # (as a VAE is): the backend never places it, but streams its declared rings.
@@ -304,12 +308,12 @@ class _Resolver:
                         f"OffloadPlan(encoder_block_attrs={{{path!r}: (<container>,)}}) or list "
                         "it in OffloadPlan.on_demand_component_paths"
                     )
-            comps.append(ResolvedComponent(path, module, "encoder",
+            comps.append(ResolvedComponent(path, module, ComponentRole.ENCODER,
                                            bool(stacks) or (staged and selected),
                                            staged, tuple(stacks), kind))
         comps += self._vaes(found, on_demand)
         for path, module in found.residents:
-            comps.append(ResolvedComponent(path, module, "resident", False))
+            comps.append(ResolvedComponent(path, module, ComponentRole.RESIDENT, False))
         for path, container in self.plan.offload_submodules.items():
             comps.append(self._submodule(path, container))
         if not self.explicit and not any(c.selected for c in comps):
@@ -476,13 +480,13 @@ class _Resolver:
                 path, module, [container], f"OffloadPlan.offload_submodules[{path!r}]")
             stack = self._stack(path, module, container_paths, blocks, block_paths, 0,
                                 self._transfer("dit"))
-            return ResolvedComponent(path, module, "dit", True, False, (stack,))
+            return ResolvedComponent(path, module, ComponentRole.DIT, True, False, (stack,))
         self.warnings.append(
             f"{self.cls_name}: {path}.{container} is not a streamable block list; {path!r} is "
             "treated as an on-demand component"
         )
         self._require_lifecycle(path, module)
-        return ResolvedComponent(path, module, "dit", True, True)
+        return ResolvedComponent(path, module, ComponentRole.DIT, True, True)
 
     def _stack(self, owner_path, owner, container_paths, blocks, block_paths, head, transfer):
         aliases = _ring_aliases(owner_path, owner, blocks, block_paths)
@@ -544,7 +548,7 @@ class _Resolver:
         for outer in components:
             for path in outer.nested:
                 inner = by_path[path]
-                if inner.role in ("resident", outer.role):
+                if inner.role in (ComponentRole.RESIDENT, outer.role):
                     continue
                 raise OffloadTopologyError(
                     f"{self.cls_name}: {_ROLE_WORD[inner.role]} {inner.path!r} lies inside the "
@@ -621,7 +625,7 @@ class _Resolver:
         for comp in components:
             if comp.on_demand:
                 group = f"pipeline-managed {comp.path!r}"
-            elif comp.selected and comp.role in ("dit", "encoder"):
+            elif comp.selected and comp.role in (ComponentRole.DIT, ComponentRole.ENCODER):
                 group = f"swap group {comp.path!r}"
             else:
                 group = resident
@@ -629,7 +633,8 @@ class _Resolver:
         claim(resident, pipeline_state(self.pipeline, [c.module for c in components]))
 
 
-_ROLE_WORD = {"dit": "DiT", "encoder": "encoder", "vae": "VAE", "resident": "resident"}
+_ROLE_WORD = {ComponentRole.DIT: "DiT", ComponentRole.ENCODER: "encoder", ComponentRole.VAE: "VAE",
+              ComponentRole.RESIDENT: "resident"}
 
 
 def _with_nested(components: list[ResolvedComponent]) -> list[ResolvedComponent]:
