@@ -14,6 +14,8 @@ RENAMED = [
     ("offload_ref.backends.distributed", "DistributedLayerwiseOffloadBackend",
      "DistributedLayerWiseOffloadBackend", True),
     ("offload_ref.backends.model_level", "SequentialOffloadHook", "ModelLevelOffloadHook", True),
+    ("offload_ref.plan", "BlockStack", "RingPlan", True),
+    ("offload_ref.plan.resolved", "BlockStack", "RingPlan", False),
 ]
 
 
@@ -50,3 +52,13 @@ def test_the_model_level_hook_is_named_after_its_strategy() -> None:
     finally:
         backend.disable()
     assert names == {"offload_ref.model_level"}
+
+
+def test_a_resolved_ring_is_a_ring_plan() -> None:
+    from offload_ref import OffloadConfig
+    from offload_ref.fixtures import get_spec
+    from offload_ref.plan import BlockStack, RingPlan, resolve_offload_plan
+
+    plan = resolve_offload_plan(get_spec("flux2").build(), OffloadConfig(strategy="layer_wise"))
+    assert plan.stacks and all(type(s) is RingPlan for s in plan.stacks)
+    assert all(isinstance(s, BlockStack) for s in plan.stacks)

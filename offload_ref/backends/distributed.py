@@ -60,7 +60,7 @@ import torch
 
 from .. import _spans
 from ..config import OffloadStrategy, WeightTransfer
-from ..plan import BlockStack, OffloadTopologyError, ResolvedOffloadPlan, shard_bytes
+from ..plan import OffloadTopologyError, ResolvedOffloadPlan, RingPlan, shard_bytes
 from .groups import TensorGroup, restore_group
 from .layerwise import LayerWiseOffloadBackend
 from .ring import BlockRing
@@ -398,7 +398,7 @@ class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
                 "or declarations, or disable distributed offload on every rank")
         return plan
 
-    def _transport_for(self, stack: BlockStack) -> Transport | None:
+    def _transport_for(self, stack: RingPlan) -> Transport | None:
         if stack.transfer is not WeightTransfer.ALLGATHER or self.world == 1:
             return RankLocalTransport()
         if self._comm_stream is None:

@@ -1,4 +1,5 @@
-"""The block ring: a stack of transformer blocks streamed through two fixed device slots.
+"""The block ring: the transformer blocks of one ring of the plan
+(:class:`~offload_ref.plan.RingPlan`) streamed through two fixed device slots.
 
 Note [The ring]
     A :class:`BlockRing` owns its blocks' host masters, two device slots, a ready and a free event
@@ -50,7 +51,7 @@ from torch.autograd import profiler as _profiler
 from .. import _spans
 from ..discovery import get_submodule_path
 from ..host import storage_key
-from ..plan import BlockStack, named_tensors
+from ..plan import RingPlan, named_tensors
 from ..platform import Platform
 from ..platform.base import fast_calls
 from .call_guard import call_frame
@@ -87,9 +88,10 @@ class _Placeholders:
 
 
 class BlockRing:
-    """One ring of blocks, its masters, slots and events.  See Note [The ring]."""
+    """One ring of blocks, its masters, slots and events.  See Note [The ring].  ``stack`` is
+    the plan's description of the ring (a :class:`~offload_ref.plan.RingPlan`)."""
 
-    def __init__(self, stack: BlockStack, platform: Platform, stats: OffloadStats,
+    def __init__(self, stack: RingPlan, platform: Platform, stats: OffloadStats,
                  copy_stream: Any, placeholders: _Placeholders, *, pin: bool,
                  prefetch: bool = True, transport: Transport | None = None) -> None:
         self.transport: Transport = transport if transport is not None else RankLocalTransport()

@@ -14,7 +14,7 @@ The package, one file per concept (a submodule imports only those above it in th
 * ``tree.py``: walks of module trees (:func:`named_tensors`, :func:`pipeline_state`, storage
   keys);
 * ``resolved.py``: the resolved types (:class:`ResolvedOffloadPlan`, :class:`ResolvedComponent`
-  and its :class:`ComponentRole`, :class:`BlockStack`, :class:`RingAlias`, :class:`AutoCandidate`,
+  and its :class:`ComponentRole`, :class:`RingPlan`, :class:`RingAlias`, :class:`AutoCandidate`,
   :class:`AutoChoice`) and the tensors a component owns (:func:`owned_tensors`);
 * ``prediction.py``: byte arithmetic (the predicted peak device bytes, slots, shards, staging);
 * ``ownership.py``: ring aliases and shared tensors (Note [Ownership by identity]);
@@ -55,6 +55,7 @@ from .resolved import (
     ResolvedComponent,
     ResolvedOffloadPlan,
     RingAlias,
+    RingPlan,
     owned_tensors,
 )
 from .resolver import _Resolver
@@ -70,6 +71,7 @@ __all__ = [
     "ResolvedComponent",
     "ResolvedOffloadPlan",
     "RingAlias",
+    "RingPlan",
     "auto_candidates",
     "encoder_kind",
     "head_candidates",

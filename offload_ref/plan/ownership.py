@@ -1,12 +1,12 @@
-"""Storage ownership of rings: the ring aliases of a block stack and the block tensors
-something else also uses (kept resident once).
+"""Storage ownership of rings: a ring's aliases (tensors outside its blocks sharing their storage)
+and the block tensors something else also uses (kept resident once).
 
 Note [Ownership by identity]
     Blocks are identified by object identity, tensors by storage.  A block reachable from two
     components is rejected ("claimed by both").  A tensor of the ring's owner outside the blocks
     that shares storage with one block's tensor is recorded as a ring alias and travels with that
     block.  A block tensor that something else also uses (a second block, another component: a
-    tied weight) is recorded in ``BlockStack.shared`` and kept resident once.  Either way no
+    tied weight) is recorded in ``RingPlan.shared`` and kept resident once.  Either way no
     storage ever gets two masters or two independent device copies.
 """
 

@@ -1,6 +1,6 @@
 """What the offloader will do: the resolved types (:class:`ResolvedOffloadPlan`, its components
 (:class:`ResolvedComponent`, each with a :class:`ComponentRole`) and their rings
-(:class:`BlockStack`, with :class:`RingAlias` entries)), and what ``strategy="auto"`` weighed
+(:class:`RingPlan`, with :class:`RingAlias` entries)), and what ``strategy="auto"`` weighed
 (:class:`AutoCandidate`, :class:`AutoChoice`); with the tensors a resolved component owns
 (:func:`owned_tensors`) and a ring block streams."""
 
@@ -46,8 +46,9 @@ class RingAlias:
 
 
 @dataclass(frozen=True, eq=False)
-class BlockStack:
-    """One ring of blocks streamed in order (the concatenation of its containers)."""
+class RingPlan:
+    """One ring of the plan: blocks streamed in order (the concatenation of its containers),
+    which a backend serves with a :class:`~offload_ref.backends.ring.BlockRing`."""
 
     owner_path: str
     container_paths: tuple[str, ...]
@@ -71,10 +72,13 @@ class BlockStack:
                 self.block_paths, self.resident_head, self.transfer, self.aliases, self.shared)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, BlockStack) and self._key() == other._key()
+        return isinstance(other, RingPlan) and self._key() == other._key()
 
     def __hash__(self) -> int:
         return hash(self._key())
+
+
+BlockStack = RingPlan  # old name, kept for one release
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,7 +88,7 @@ class ResolvedComponent:
     role: ComponentRole  # a plain str ("dit", ...) is accepted and becomes its member
     selected: bool  # offloaded by the strategy (otherwise kept on the device)
     on_demand: bool = False  # residency owned by the pipeline (load_to_device / offload_to_cpu)
-    stacks: tuple[BlockStack, ...] = ()
+    stacks: tuple[RingPlan, ...] = ()  # its rings
     kind: str = ""  # the config name that selects it: "dit", "text_encoder", "image_encoder", ...
     #: Paths of the other components inside this one's module tree: their tensors follow their
     #: own rule (a resident nested in a DiT stays on the device while the DiT swaps).
@@ -205,7 +209,8 @@ class ResolvedOffloadPlan:
         return self.by_role(ComponentRole.ENCODER)
 
     @property
-    def stacks(self) -> tuple[BlockStack, ...]:
+    def stacks(self) -> tuple[RingPlan, ...]:
+        """Every component's rings, in component order."""
         return tuple(s for c in self.components for s in c.stacks)
 
     def component(self, path: str) -> ResolvedComponent:
@@ -270,7 +275,7 @@ def owned_tensors(plan: ResolvedOffloadPlan,
     return [(name, t) for name, t in named_tensors(comp.module, comp.path) if id(t) not in inner]
 
 
-def _streamed_tensors(stack: BlockStack, k: int) -> list[torch.Tensor]:
+def _streamed_tensors(stack: RingPlan, k: int) -> list[torch.Tensor]:
     """Block k's tensors that its ring streams (its shared ones stay resident)."""
     shared = set(stack.shared)
     path = stack.block_paths[stack.resident_head + k]

@@ -29,10 +29,10 @@ from .declarations import OffloadPlan, OffloadTopologyError, encoder_kind
 from .ownership import _ring_aliases, _with_shared
 from .prediction import _other_state_bytes, _predict, _span_bytes, staging_budget_error
 from .resolved import (
-    BlockStack,
     ComponentRole,
     ResolvedComponent,
     ResolvedOffloadPlan,
+    RingPlan,
     _streamed_tensors,
     owned_tensors,
 )
@@ -279,7 +279,7 @@ class _Resolver:
         on_demand = set(self.plan.on_demand_component_paths)
         comps: list[ResolvedComponent] = []
         for path, module in found.dits:
-            stacks: list[BlockStack] = []
+            stacks: list[RingPlan] = []
             if wants_dit:
                 stacks = self._dit_stacks(path, module)
             comps.append(ResolvedComponent(path, module, ComponentRole.DIT, bool(stacks), False,
@@ -387,7 +387,7 @@ class _Resolver:
                 )
         return blocks, block_paths, container_paths
 
-    def _dit_stacks(self, path: str, module: nn.Module) -> list[BlockStack]:
+    def _dit_stacks(self, path: str, module: nn.Module) -> list[RingPlan]:
         names, source = self._container_names(path, module)
         if not names:
             self.fail_or_warn(
@@ -437,7 +437,7 @@ class _Resolver:
         return [self._stack(path, module, container_paths, blocks, block_paths, head,
                             self._transfer("dit"))]
 
-    def _encoder_stacks(self, path: str, module: nn.Module, kind: str) -> list[BlockStack]:
+    def _encoder_stacks(self, path: str, module: nn.Module, kind: str) -> list[RingPlan]:
         names = self.plan.encoder_block_attrs.get(path)
         if not names:
             return []
@@ -490,8 +490,8 @@ class _Resolver:
 
     def _stack(self, owner_path, owner, container_paths, blocks, block_paths, head, transfer):
         aliases = _ring_aliases(owner_path, owner, blocks, block_paths)
-        return BlockStack(owner_path, tuple(container_paths), tuple(blocks), tuple(block_paths),
-                          head, transfer, aliases)
+        return RingPlan(owner_path, tuple(container_paths), tuple(blocks), tuple(block_paths),
+                        head, transfer, aliases)
 
     # -- declarations and nesting --------------------------------------------------------------
 
