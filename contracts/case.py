@@ -87,6 +87,18 @@ def _make_platform() -> Any:
     return CpuPlatform(race_amplifier=True)
 
 
+def _load_safetensors(module: Any, paths: Any, **kwargs: Any) -> Any:
+    from offload_ref.loading import load_safetensors
+
+    return load_safetensors(module, paths, **kwargs)
+
+
+def _make_wave_runner(pipeline: Any) -> Any:
+    from offload_ref.distributed import WaveRunner
+
+    return WaveRunner(pipeline)
+
+
 @dataclass(frozen=True)
 class Implementation:
     """The offloader under test.  The kit's own tests swap parts for deliberately broken ones
@@ -102,6 +114,12 @@ class Implementation:
     capabilities: Capabilities = OFFLOAD_REF
     #: ``(strategy, why)`` for each strategy it does not offer: those cases are not applicable.
     unsupported_strategies: tuple[tuple[str, str], ...] = ()
+    #: The loader of §H's mmap scenario: ``load_safetensors(module, paths)`` as
+    #: :func:`offload_ref.load_safetensors` (the kit's mutants swap it).
+    load_safetensors: Callable[..., Any] = _load_safetensors
+    #: The DP wave runner of §H: ``make_wave_runner(pipeline)`` with a ``run(request)`` as
+    #: :class:`offload_ref.distributed.WaveRunner`.
+    make_wave_runner: Callable[[Any], Any] = _make_wave_runner
     #: How a spawned rank (catalogue §H) rebuilds it when its callables are not importable by
     #: name: a ``"module:attr"`` reference to a function taking :attr:`name` and returning the
     #: implementation and a context to enter around the rank's work (the kit's mutants).

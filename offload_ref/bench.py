@@ -293,7 +293,7 @@ def _copy_all(backend: LayerWiseOffloadBackend, platform: Any) -> None:
     for ring in backend.rings:
         with platform.stream(ring.copy_stream):
             for k, group in enumerate(ring.groups):
-                for dtype, flat in ring._slot_flats(k, k % 2).items():
+                for dtype, flat in ring.slots[k % 2].flats[k].items():
                     platform.copy_(flat, group.master.flats[dtype])
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "SupportsModelCpuOffload",
     "declares_components",
     "discover_components",
+    "forget_scan_warnings",
     "get_submodule_path",
     "require_acyclic",
     "supports_model_cpu_offload",
@@ -73,6 +74,12 @@ FALLBACK_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 _warned_classes: set[type] = set()
+
+
+def forget_scan_warnings() -> None:
+    """Forget which pipeline classes the attribute scan has warned about: the next scan of each
+    class warns again (the warning is given once per class and process)."""
+    _warned_classes.clear()
 
 
 def declares_components(pipeline: Any) -> bool:
@@ -200,8 +207,19 @@ def _declared_list(pipeline: Any, name: str) -> list[str]:
     return list(value)
 
 
-def discover_components(pipeline: Any, *, warn: Callable[[str], None] | None = None) -> ComponentSet:
-    """Find the pipeline's components; never mutates the pipeline."""
+def discover_components(
+    pipeline: Any, *, warn: Callable[[str], None] | None = None,
+    check_acyclic: Callable[[nn.Module, str], None] | None = None,
+) -> ComponentSet:
+    """Find the pipeline's components; never mutates the pipeline.
+
+    ``warn`` receives the scan's warning (default: :func:`warnings.warn`).  ``check_acyclic(root,
+    prefix)`` is the cycle check run on the pipeline's module tree (an ``nn.Module`` pipeline) or
+    on each found component's before anything walks it (default: :func:`require_acyclic`, which
+    raises :class:`ModuleCycleError`); the resolver passes its own (``Resolver.check_acyclic``).
+    """
+    if check_acyclic is None:
+        check_acyclic = require_acyclic
     missing: list[tuple[str, str]] = []
     seen: dict[int, str] = {}
 
@@ -265,10 +283,10 @@ def discover_components(pipeline: Any, *, warn: Callable[[str], None] | None = N
         missing.clear()  # a scan reports what it finds, not what it looked for
 
     if isinstance(pipeline, nn.Module):
-        require_acyclic(pipeline)
+        check_acyclic(pipeline, "")
     else:
         for path, module in (*dits, *encoders, *vaes, *residents):
-            require_acyclic(module, f"{path}.")
+            check_acyclic(module, f"{path}.")
     dits = _outermost(dits)
     return ComponentSet(
         dits=tuple(dits),

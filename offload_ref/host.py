@@ -30,6 +30,12 @@ Note [Aligned layout]
     layouts (:func:`padded_span_bytes`).  Padding is held and copied but never counted as weight
     bytes: ``Layout.weight_bytes`` excludes it, ``Layout.padding_bytes`` is the rest.
 
+    The phase and the region size are a :class:`LayoutRule`'s.  A platform may name another rule
+    in its optional ``layout_rule`` attribute (:func:`layout_rule` reads it; the host masters,
+    device copies and slots of a backend on that platform follow it).  offload-ref's platforms
+    name none; the kit's mutants name broken ones (tensors packed back to back, or moved onto
+    region boundaries).
+
 ``nn.Parameter`` objects are never replaced; only their ``.data`` is rebound (and, while a backend
 is enabled, their class is a subclass guarding ``.data``: Note [Rebind guard] in
 backends/rebind_guard.py).
@@ -51,8 +57,11 @@ __all__ = [
     "HostMaster",
     "Layout",
     "TensorRecord",
+    "DEFAULT_LAYOUT_RULE",
+    "LayoutRule",
     "address_phase",
     "aligned_empty",
+    "layout_rule",
     "padded_span_bytes",
     "region_bytes",
     "storage_key",
@@ -101,9 +110,43 @@ def region_bytes(phase: int, nbytes: int, alignment: int) -> int:
     return -(-(phase + nbytes) // alignment) * alignment
 
 
-def padded_span_bytes(tensors: Iterable[torch.Tensor], alignment: int) -> int:
+class LayoutRule:
+    """Where a segment sits in its aligned region, and how large the region is (Note [Aligned
+    layout]).
+
+    Seams (a subclass may override):
+
+    * :meth:`phase` ``(storage_ptr, byte_offset, alignment)`` -- the bytes past the region's
+      aligned start at which the segment that starts ``byte_offset`` bytes into the storage at
+      ``storage_ptr`` is placed.
+    * :meth:`region_bytes` ``(phase, nbytes, alignment)`` -- the bytes of the region holding a
+      segment of ``nbytes`` placed ``phase`` bytes past its start.
+    """
+
+    def phase(self, storage_ptr: int, byte_offset: int, alignment: int) -> int:
+        """The segment's alignment phase: its address modulo ``min(alignment, 64)``."""
+        return _storage_phase(storage_ptr, byte_offset, alignment)
+
+    def region_bytes(self, phase: int, nbytes: int, alignment: int) -> int:
+        """:func:`region_bytes`: ``phase + nbytes`` rounded up to ``alignment``."""
+        return region_bytes(phase, nbytes, alignment)
+
+
+#: The rule of Note [Aligned layout].
+DEFAULT_LAYOUT_RULE = LayoutRule()
+
+
+def layout_rule(platform: Platform) -> LayoutRule:
+    """The rule layouts on ``platform`` follow: its optional ``layout_rule`` attribute, else
+    :data:`DEFAULT_LAYOUT_RULE`."""
+    rule = getattr(platform, "layout_rule", None)
+    return DEFAULT_LAYOUT_RULE if rule is None else rule
+
+
+def padded_span_bytes(tensors: Iterable[torch.Tensor], alignment: int,
+                      rule: LayoutRule = DEFAULT_LAYOUT_RULE) -> int:
     """Bytes a :class:`Layout` of ``tensors`` allocates: per storage, the aligned region of the
-    span its tensors touch (Note [Aligned layout])."""
+    span its tensors touch (Note [Aligned layout]; ``rule`` places them)."""
     spans: dict[tuple[str, int], list[int]] = {}
     for t in tensors:
         if not t.numel():
@@ -120,8 +163,8 @@ def padded_span_bytes(tensors: Iterable[torch.Tensor], alignment: int) -> int:
             span[1] = hi
     total = 0
     for (_, ptr), (lo, hi, size) in spans.items():
-        total += region_bytes(_storage_phase(ptr, lo * size, alignment), (hi - lo) * size,
-                              alignment)
+        total += rule.region_bytes(rule.phase(ptr, lo * size, alignment), (hi - lo) * size,
+                                   alignment)
     return total
 
 
@@ -159,13 +202,16 @@ class Layout:
     each segment at its alignment phase modulo ``alignment`` bytes (Note [Aligned layout]).
 
     ``tensors`` is a sequence of ``(name, tensor)``; the same tensor object may appear once.
+    ``rule`` places each segment in its region (:func:`layout_rule` of the platform).
     """
 
     def __init__(self, tensors: Sequence[tuple[str, torch.Tensor]], *,
-                 alignment: int = ALLOCATOR_ALIGNMENT) -> None:
+                 alignment: int = ALLOCATOR_ALIGNMENT,
+                 rule: LayoutRule = DEFAULT_LAYOUT_RULE) -> None:
         if alignment < 1 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two, got {alignment}")
         self.alignment = alignment
+        self.rule = rule
         by_storage: dict[tuple[str, int], list[int]] = {}
         for i, (name, t) in enumerate(tensors):
             if t.is_meta:  # a property read: formatting ``t.device`` costs ~1 µs per tensor
@@ -204,10 +250,11 @@ class Layout:
             if alignment % itemsize:
                 raise ValueError(f"alignment {alignment} is not a multiple of {dtype}'s size")
             if hi > lo:
-                phase_bytes = _storage_phase(source.untyped_storage().data_ptr(), lo * itemsize,
-                                             alignment)
+                phase_bytes = rule.phase(source.untyped_storage().data_ptr(), lo * itemsize,
+                                         alignment)
                 phase = phase_bytes // itemsize  # a storage base is element-aligned
-                region = region_bytes(phase_bytes, (hi - lo) * itemsize, alignment) // itemsize
+                region = rule.region_bytes(phase_bytes, (hi - lo) * itemsize,
+                                           alignment) // itemsize
             else:
                 phase = region = 0
             start = self.numel.get(dtype, 0)  # a multiple of alignment / itemsize

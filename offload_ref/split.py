@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from ._interrupts import deferred_interrupts, interruption_point
+from .backends.call_guard import CallGuard
+from .backends.groups import ComponentSwapper
 
 __all__ = ["ComponentGroups"]
 
@@ -27,7 +29,25 @@ class ComponentGroups:
 
     ``groups`` maps a component name to its modules; ``resident`` modules (e.g. the VAE the
     pipeline pins) are placed on the device while enabled and never swapped.
+
+    Seams (a subclass may override):
+
+    * :meth:`check_name` ``(name)`` -- refuse a name that is no group's (``context`` calls it
+      before anything else).
+    * :meth:`activated` ``(name)`` -- the context manager ``context(name)`` returns once the
+      name is checked: while enabled, it enters the call guard, then calls :meth:`check_swap`
+      and, out of inference mode, :meth:`swap_in`.
+    * :meth:`check_swap` ``(name)`` -- the refusals before a swap (autograd, weight edits).
+    * :meth:`swap_in` ``(name)`` -- the swap itself: ``name`` loaded, the other groups evicted.
+
+    Policy classes (class attributes): :attr:`swapper_class`, the
+    :class:`~offload_ref.backends.groups.ComponentSwapper` each enable moves the groups with;
+    :attr:`call_guard_class`, the :class:`~offload_ref.backends.call_guard.CallGuard` the
+    contexts of one enable enter (Note [One thread at a time] in backends/call_guard.py).
     """
+
+    swapper_class: type[ComponentSwapper] = ComponentSwapper
+    call_guard_class: type[CallGuard] = CallGuard
 
     def __init__(
         self,
@@ -50,6 +70,11 @@ class ComponentGroups:
     def names(self) -> tuple[str, ...]:
         return tuple(self._groups)
 
+    def members(self, name: str) -> tuple[nn.Module, ...]:
+        """The modules of group ``name``."""
+        self.check_name(name)
+        return self._groups[name]
+
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles of a disabled model are ordinary; an enabled one refuses (Note [No
         copies while enabled] in backends/refusals.py)."""
@@ -63,7 +88,8 @@ class ComponentGroups:
     def enabled(self) -> bool:
         return self._swapper is not None
 
-    def _check_name(self, name: str) -> None:
+    def check_name(self, name: str) -> None:
+        """Raise ValueError if ``name`` is no group's (a seam: see the class docstring)."""
         if name not in self._groups:
             raise ValueError(
                 f"unknown offload component {name!r}; this model's components are "
@@ -84,7 +110,6 @@ class ComponentGroups:
         every change back (the same transaction as the model-level backend).
         """
         from .backends.base import OffloadEnableError
-        from .backends.groups import ComponentSwapper
         from .backends.stats import OffloadStats
         from .backends.transaction import Transaction
         from .hooks import HookRegistry
@@ -95,7 +120,7 @@ class ComponentGroups:
             return
         platform = platform if platform is not None else get_platform(device)
         stats = OffloadStats()
-        swapper = ComponentSwapper(platform, stats)
+        swapper = self.swapper_class(platform, stats)
         txn = Transaction(platform, HookRegistry())
         residents = [("resident", named_tensors(m)) for m in (*self._resident, *resident)]
         swappable = [
@@ -124,9 +149,7 @@ class ComponentGroups:
                     f"ComponentGroups.enable failed: {exc}; every change was rolled back (enable "
                     "can be retried)") from exc
             txn.commit()
-            from .backends.call_guard import CallGuard
-
-            self._calls = CallGuard(f"{type(self).__name__}{list(self._groups)}")
+            self._calls = self.call_guard_class(f"{type(self).__name__}{list(self._groups)}")
             self._guarded = guarded
             self._swapper = _Active(swapper, tuple(self._groups))
             self.stats = stats
@@ -174,11 +197,13 @@ class ComponentGroups:
         """Make ``name`` the resident group for the duration of the block (no-op if disabled).
 
         An unknown name raises ValueError here, before the block is entered."""
-        self._check_name(name)
-        return self._activated(name)
+        self.check_name(name)
+        return self.activated(name)
 
     @contextmanager
-    def _activated(self, name: str) -> Iterator[None]:
+    def activated(self, name: str) -> Iterator[None]:
+        """Make the checked group ``name`` the resident one for the block (a seam: see the class
+        docstring); a no-op while disabled."""
         calls = self._calls
         if self._swapper is None or calls is None:
             yield
@@ -191,14 +216,31 @@ class ComponentGroups:
             yield  # disabled meanwhile: leave the weights alone
             return
         try:
-            swapper = self._swapper
-            if swapper is not None:
-                swapper.check(name)
+            if self._swapper is not None:
+                self.check_swap(name)
                 with torch.inference_mode(False):  # Note [Hooks leave inference mode]
-                    swapper.activate(name)
+                    self.swap_in(name)
             yield
         finally:
             calls.exit(frame)
+
+    def check_swap(self, name: str) -> None:
+        """Refuse what swapping group ``name`` in cannot honour: autograd through its weights and
+        unhonoured in-place edits (Notes [Autograd], [Weight edits] in backends/refusals.py).
+        Runs in the caller's grad mode, before :meth:`swap_in` (leaving inference mode turns
+        grad mode on); a no-op while disabled."""
+        active = self._swapper
+        if active is not None:
+            active.check(name)
+
+    def swap_in(self, name: str) -> None:
+        """Load group ``name`` onto the device, every other group moved to its host master first
+        (the bound holds at every instant).  :meth:`activated` calls it inside the call guard and
+        out of inference mode (Note [Hooks leave inference mode] in backends/layerwise.py); a
+        no-op while disabled."""
+        active = self._swapper
+        if active is not None:
+            active.activate(name)
 
 
 class _Group(nn.Module):

@@ -13,7 +13,7 @@ import torch
 from offload_ref.backends.layerwise import LayerWiseOffloadBackend
 from offload_ref.backends.ring import BlockRing
 from offload_ref.contracts.case import DEFAULT_IMPLEMENTATION
-from offload_ref.contracts.mutants import _backend_with, _layerwise
+from offload_ref.contracts.mutants import backend_with, with_ring
 from offload_ref.contracts.runner import run_checks
 from offload_ref.fixtures import get_spec
 
@@ -24,8 +24,8 @@ BROKEN = 2  # the index in the ring of the block the broken backends get wrong
 def _run(ring: type[BlockRing] | None, check: str = BITWISE, pipeline: str = "flux2"):
     impl = DEFAULT_IMPLEMENTATION
     if ring is not None:
-        impl = impl.replace(name=ring.__name__, make_backend=_backend_with(
-            LayerWiseOffloadBackend=_layerwise(ring)))
+        impl = impl.replace(name=ring.__name__, make_backend=backend_with(
+            LayerWiseOffloadBackend=with_ring(ring)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         [result] = run_checks([get_spec(pipeline)], checks=[check], strategies=["layer_wise"],

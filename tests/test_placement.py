@@ -305,9 +305,9 @@ class _SkipsOneLoad:
         from offload_ref.backends.model_level import ModelLevelOffloadBackend
 
         class Broken(ModelLevelOffloadBackend):
-            def _activate(self, comp):
+            def activate(self, comp):
                 if comp.path != "text_encoder_3":
-                    super()._activate(comp)
+                    super().activate(comp)
 
         return Broken(config, platform=platform)
 

@@ -262,7 +262,7 @@ def _waves(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
     """Waves on a rank-local backend: a wave that is wrongly accepted then runs unequal
     generations without collectives, so a broken runner fails the check instead of hanging
     both ranks in unmatched gathers."""
-    from offload_ref.distributed import WaveMismatchError, WaveRunner
+    from offload_ref.distributed import WaveMismatchError
 
     request = _request(case, rank)
     if "num_inference_steps" not in request:
@@ -270,7 +270,7 @@ def _waves(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
     pipeline = case.build()
     backend = case.backend(_config(case, "rank-local", world), case.platform())
     backend.enable(pipeline)
-    runner = WaveRunner(pipeline)
+    runner = case.impl.make_wave_runner(pipeline)
     obs: dict[str, Any] = {}
     steps = request["num_inference_steps"]
     variants = {
@@ -322,8 +322,6 @@ def _rank_failure(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str
 def _mmap(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
     from safetensors.torch import save_file
 
-    from offload_ref import load_safetensors
-
     request = _request(case, rank)
     source = case.build()
     plan = case.resolve(source, case.config())
@@ -336,7 +334,7 @@ def _mmap(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
     def loaded() -> nn.Module:
         pipeline = case.build()
         for comp in case.resolve(pipeline, case.config()).dits:
-            load_safetensors(comp.module, files[comp.path])
+            case.impl.load_safetensors(comp.module, files[comp.path])
         return pipeline
 
     fresh = case.build()

@@ -16,23 +16,20 @@ import contextlib
 from typing import Any
 
 from ..case import Implementation
-from ._declare import Mutant, declared
+from ._declare import Mutant, backend_with, declared, with_ring
 
 # Importing a module declares its mutants: MUTANTS lists them in this order.
 from . import (  # noqa: F401
     plan, lifecycle, aliases, split, residency, misuse, distributed, protocol,
 )
 
-# tests/test_kit_diagnosis.py builds its broken backends with these.
-from ._declare import _backend_with, _layerwise  # noqa: F401
-
-__all__ = ["MUTANTS", "Mutant", "in_rank"]
+__all__ = ["MUTANTS", "Mutant", "backend_with", "in_rank", "with_ring"]
 
 MUTANTS: tuple[Mutant, ...] = declared()
 
 
 def in_rank(name: str) -> tuple[Implementation, Any]:
-    """The mutant ``name``'s implementation and patch context, in a spawned rank
-    (``Implementation.in_rank``)."""
+    """The mutant ``name``'s implementation, in a spawned rank (``Implementation.in_rank``), and
+    the context the rank enters around its work (none: a mutant changes nothing in place)."""
     mutant = next(m for m in MUTANTS if m.name == name)
-    return mutant.impl, (mutant.patch() if mutant.patch else contextlib.nullcontext())
+    return mutant.impl, contextlib.nullcontext()

@@ -1,12 +1,11 @@
 """What the mutant modules share: the :class:`Mutant` record and its one declaration
 (:func:`declare`), the scopes a mutant runs in, and the helpers that swap a backend's class or
-patch a name for the run."""
+its ring class (:func:`backend_with`, :func:`with_ring`)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +21,11 @@ class Mutant:
     """One defect, where to run the catalogue against it, and exactly which checks it fails.
 
     ``pipelines`` are fixture names; ``sections`` select checks by catalogue section prefix
-    (see `registry.doc_for`); ``patch`` (optional) is entered around the run for defects in
-    shared helpers; ``factory`` (optional) replaces the pipelines' factory for defects in the
-    pipeline itself.
+    (see `registry.doc_for`); ``factory`` (optional) replaces the pipelines' factory for defects
+    in the pipeline itself.  A mutant changes nothing in place: its defect lives in ``impl``
+    (classes that override the implementation's public seams, Note [Seams] in
+    docs/architecture.md) or in ``factory``, so it applies to its own run only, in this process
+    and in spawned ranks alike (``Implementation.in_rank``).
     """
 
     name: str
@@ -34,7 +35,6 @@ class Mutant:
     sections: tuple[str, ...]
     strategies: tuple[str, ...]
     kills: frozenset[str]
-    patch: Callable[[], Any] | None = None
     factory: Callable[..., Any] | None = None
     placement_kills: frozenset[str] = frozenset()
 
@@ -75,9 +75,8 @@ class Mutant:
         """The ids of the checks that fail (or error) against this mutant."""
         from ..runner import run_checks
 
-        with (self.patch() if self.patch else contextlib.nullcontext()):
-            results = run_checks(self.specs(), checks=self.checks(), strategies=self.strategies,
-                                 impl=self.impl, include_global=False)
+        results = run_checks(self.specs(), checks=self.checks(), strategies=self.strategies,
+                             impl=self.impl, include_global=False)
         return {r.id.check for r in results if not r.ok}
 
 
@@ -89,7 +88,7 @@ _DECLARED: list[Mutant] = []
 
 
 def declare(name: str, defect: str, scope: dict[str, Any], *, kills: Iterable[str],
-            placement_kills: Iterable[str] = (), patch: Callable[[], Any] | None = None,
+            placement_kills: Iterable[str] = (),
             factory: Callable[..., Any] | None = None, impl: Implementation | None = None,
             **changes: Any) -> Mutant:
     """Declare the mutant ``name``: one defect, where the catalogue runs against it, and exactly
@@ -99,7 +98,7 @@ def declare(name: str, defect: str, scope: dict[str, Any], *, kills: Iterable[st
     the checks it fails on every machine.  ``placement_kills``: what one device hides: where host
     and device differ, a tensor the defect leaves on the wrong device meets the other device's
     tensors in the next forward and raises torch's same-device error, so every check that runs
-    one fails too (:meth:`Mutant.expected_kills`).  ``patch``, ``factory``: see :class:`Mutant`.
+    one fails too (:meth:`Mutant.expected_kills`).  ``factory``: see :class:`Mutant`.
     ``changes`` replace parts of offload-ref's own implementation (``make_backend=``,
     ``resolve_offload_plan=``); ``impl`` is another offloader instead (the protocol mutants).
     """
@@ -108,7 +107,7 @@ def declare(name: str, defect: str, scope: dict[str, Any], *, kills: Iterable[st
     elif changes:
         raise TypeError(f"mutant {name!r}: impl= replaces the whole implementation; "
                         f"{sorted(changes)} would be ignored")
-    mutant = Mutant(name, defect, impl, kills=frozenset(kills), patch=patch, factory=factory,
+    mutant = Mutant(name, defect, impl, kills=frozenset(kills), factory=factory,
                     placement_kills=frozenset(placement_kills), **scope)
     _DECLARED.append(mutant)
     return mutant
@@ -119,7 +118,7 @@ def declared() -> tuple[Mutant, ...]:
     return tuple(_DECLARED)
 
 
-def _backend_with(**classes: type) -> Callable[[Any, Any], Any]:
+def backend_with(**classes: type) -> Callable[[Any, Any], Any]:
     """``make_backend`` that swaps the class of the backend the real factory would build."""
 
     def make(config: Any, platform: Any) -> Any:
@@ -132,25 +131,8 @@ def _backend_with(**classes: type) -> Callable[[Any, Any], Any]:
     return make
 
 
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = owner.__dict__[name]
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
-def _patched_all(owner: Any, **values: Any) -> contextlib.ExitStack:
-    """``_patched`` for several names of one owner, undone together."""
-    stack = contextlib.ExitStack()
-    for name, value in values.items():
-        stack.enter_context(_patched(owner, name, value))
-    return stack
-
-
-def _layerwise(ring: type[BlockRing], base: type = LayerWiseOffloadBackend) -> type:
+def with_ring(ring: type[BlockRing], base: type = LayerWiseOffloadBackend) -> type:
+    """``base`` (a layerwise backend class) with ``ring`` as its ``ring_class``."""
     return type(f"Mutant{ring.__name__}", (base,), {"ring_class": ring})
 
 

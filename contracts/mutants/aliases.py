@@ -8,7 +8,7 @@ import dataclasses
 from offload_ref.backends.layerwise import LayerWiseOffloadBackend
 from offload_ref.backends.ring import BlockRing
 
-from ._declare import LAYERWISE, _backend_with, _layerwise, declare
+from ._declare import LAYERWISE, backend_with, with_ring, declare
 
 
 class _NameBasedRing(BlockRing):
@@ -27,7 +27,7 @@ declare(
     "alias_placed_as_non_block_state",
     "an alias of a block tensor gets its own device copy",
     LAYERWISE,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_NameBasedPlacement),
+    make_backend=backend_with(LayerWiseOffloadBackend=_NameBasedPlacement),
     kills={
         "check_resident_head_stays_put_unhooked_and_within_the_prediction",
         "check_block_alias_follows_its_block",
@@ -44,6 +44,6 @@ class _TwoMastersRing(BlockRing):
 
 declare(
     "tied_parameter_two_masters", "a weight shared by two blocks streams with each", LAYERWISE,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_TwoMastersRing)),
+    make_backend=backend_with(LayerWiseOffloadBackend=with_ring(_TwoMastersRing)),
     kills={"check_parameter_shared_by_two_blocks_is_never_copied_twice"},
 )

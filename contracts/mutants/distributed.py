@@ -3,42 +3,41 @@ in checks/distributed.py."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any
 
-from offload_ref.backends.distributed import (
-    AllGatherTransport,
-    DistributedLayerwiseOffloadBackend,
-    _all_gather,
-)
+import torch
+
+from offload_ref.backends.distributed import AllGatherTransport, DistributedLayerWiseOffloadBackend
 from offload_ref.backends.layerwise import LayerWiseOffloadBackend
+from offload_ref.distributed import WaveRunner
 
-from ._declare import DISTRIBUTED, _patched, declare
+from ._declare import DISTRIBUTED, backend_with, declare
 
 
-def _in_every_rank(patches: dict[str, Any]) -> Any:
-    """A mutant of the AllGather transport or the distributed backend, applied (by name) inside
-    every spawned rank too (Note [One spawn per batch] in checks/distributed.py): ``patches``
-    maps ``"Class.attr"`` of ``offload_ref.backends.distributed`` to the value it takes."""
-    def patch() -> Any:
-        from offload_ref.backends import distributed
+def _allgather(transport: type[AllGatherTransport]) -> Any:
+    """``make_backend`` of the distributed backend whose AllGather rings use ``transport`` (its
+    ``allgather_transport_class`` seam); spawned ranks rebuild it by the mutant's name
+    (``Implementation.in_rank``)."""
+    backend = type(f"Mutant{transport.__name__}", (DistributedLayerWiseOffloadBackend,),
+                   {"allgather_transport_class": transport})
+    return backend_with(DistributedLayerWiseOffloadBackend=backend)
 
-        stack = contextlib.ExitStack()
-        for qualified, value in patches.items():
-            owner_name, attr = qualified.split(".")
-            stack.enter_context(_patched(getattr(distributed, owner_name), attr, value))
-        return stack
 
-    return patch
+class _EagerAllGather(AllGatherTransport):
+    collective = False  # the ring then prefetches block 0 at enable
+
+
+class _SkippedRankRunsAlone(DistributedLayerWiseOffloadBackend):
+    def resolve(self, pipeline):
+        return LayerWiseOffloadBackend.resolve(self, pipeline)  # a skipped plan is not refused
 
 
 declare(
     "skipped_rank_runs_alone",
     "a rank whose plan is skipped runs un-offloaded beside its offloaded peers",
     DISTRIBUTED,
-    patch=_in_every_rank(
-        {"DistributedLayerwiseOffloadBackend._resolve": LayerWiseOffloadBackend._resolve}),
+    make_backend=backend_with(DistributedLayerWiseOffloadBackend=_SkippedRankRunsAlone),
     kills={"check_rank_whose_plan_is_skipped_makes_every_rank_raise"},
 )
 
@@ -46,19 +45,24 @@ declare(
     "eager_collective_at_enable",
     "enable prefetches block 0 with a collective, as a rank-local ring does",
     DISTRIBUTED,
-    patch=_in_every_rank({"AllGatherTransport.collective": False}),
+    make_backend=_allgather(_EagerAllGather),
     kills={  # and rank 0's eager gather is never matched by failed rank 1
         "check_no_collective_at_enable",
         "check_failed_rank_makes_every_rank_raise_naming_it",
     },
 )
 
+
+class _FailsSilently(DistributedLayerWiseOffloadBackend):
+    def enable_failed(self, exc):
+        pass  # the peers are not told
+
+
 declare(
     "failed_rank_leaves_the_others_waiting",
     "a rank whose enable fails does not tell the others (they wait for the timeout)",
     DISTRIBUTED,
-    patch=_in_every_rank(
-        {"DistributedLayerwiseOffloadBackend._enable_failed": lambda self, exc: None}),
+    make_backend=backend_with(DistributedLayerWiseOffloadBackend=_FailsSilently),
     kills={
         "check_rank_whose_plan_is_skipped_makes_every_rank_raise",
         "check_failed_rank_makes_every_rank_raise_naming_it",
@@ -66,16 +70,13 @@ declare(
 )
 
 
-_BUILD_SHARD = AllGatherTransport.build_master
-_TRANSPORT_FOR = DistributedLayerwiseOffloadBackend._transport_for
-
-
-def _garbage_padding_build(self, txn, ring, group, sections, image_bytes):
-    _BUILD_SHARD(self, txn, ring, group, sections, image_bytes)
-    shard, S = self.shards[-1], self.shard_bytes[-1]
-    tail = max(0, image_bytes - self.rank * S)
-    if tail < S:
-        shard[tail:].fill_(0xA5)  # what an uninitialized host buffer may hold
+class _GarbagePaddingAllGather(AllGatherTransport):
+    def build_master(self, txn, group, sections, image_bytes):
+        super().build_master(txn, group, sections, image_bytes)
+        shard, S = self.shards[-1], self.shard_bytes[-1]
+        tail = max(0, image_bytes - self.rank * S)
+        if tail < S:
+            shard[tail:].fill_(0xA5)  # what an uninitialized host buffer may hold
 
 
 declare(
@@ -83,23 +84,24 @@ declare(
     "shard bytes past a block are left uninitialized",
     # nextstep: its blocks' images do not split into 64-byte aligned halves (flux2's do)
     dict(DISTRIBUTED, pipelines=("nextstep",)),
-    patch=_in_every_rank({"AllGatherTransport.build_master": _garbage_padding_build}),
+    make_backend=_allgather(_GarbagePaddingAllGather),
     kills={"check_allgather_shards_are_zero_padded"},
 )
 
 
-def _wrong_rank_build(self, txn, ring, group, sections, image_bytes):
-    rank = self.rank
-    self.rank = (rank + 1) % self.world  # cut the neighbour's shard ...
-    try:
-        _BUILD_SHARD(self, txn, ring, group, sections, image_bytes)
-    finally:
-        self.rank = rank  # ... and gather it into this rank's place
+class _WrongRankAllGather(AllGatherTransport):
+    def build_master(self, txn, group, sections, image_bytes):
+        rank = self.rank
+        self.rank = (rank + 1) % self.world  # cut the neighbour's shard ...
+        try:
+            super().build_master(txn, group, sections, image_bytes)
+        finally:
+            self.rank = rank  # ... and gather it into this rank's place
 
 
 declare(
     "wrong_rank_shard_gathered", "each rank keeps and gathers its neighbour's shard", DISTRIBUTED,
-    patch=_in_every_rank({"AllGatherTransport.build_master": _wrong_rank_build}),
+    make_backend=_allgather(_WrongRankAllGather),
     kills={
         "check_allgather_generation_after_an_interrupt_is_exact",
         "check_allgather_outputs_match_each_ranks_reference",
@@ -108,26 +110,21 @@ declare(
 )
 
 
-def _ready_on_copy_stream_fill(self, ring, k, s):
-    """Records the ready event after the shard copy, not after the gather."""
-    platform = ring.platform
-    out, mine = self._slot_views(ring, k, s)
-    with platform.stream(ring.copy_stream):
-        ring.copy_stream.wait_event(ring.free[s])
-        platform.copy_(mine, self.shards[k])
-        self.copied[s].record(ring.copy_stream)
-        ring.ready[s].record(ring.copy_stream)
-    with platform.stream(self.comm_stream):
-        self.comm_stream.wait_event(self.copied[s])
-        platform.submit(lambda: _all_gather(out, mine, self.group),
-                        reads=(ring.slots[s],), writes=(ring.slots[s],))
+class _ReadyBeforeGather(AllGatherTransport):
+    """Records the slot's ready event after the shard copy, not after the gather."""
+
+    def fill(self, slot, k, group):
+        self.copy_shard(slot, k)
+        with self.platform.stream(self.streams.copy):
+            slot.ready.record(self.streams.copy)
+        self.gather(slot, k)
 
 
 declare(
     "no_wait_between_gather_and_compute",
     "the ready event is recorded after the shard copy, before the gather",
     DISTRIBUTED,
-    patch=_in_every_rank({"AllGatherTransport.fill": _ready_on_copy_stream_fill}),
+    make_backend=_allgather(_ReadyBeforeGather),
     kills={  # the generation and disable raise StreamOrderError
         "check_allgather_generation_after_an_interrupt_is_exact",
         "check_allgather_outputs_match_each_ranks_reference",
@@ -140,19 +137,20 @@ declare(
 )
 
 
-def _gathers_rank_local_rings(self, stack):
+class _GathersRankLocalRings(DistributedLayerWiseOffloadBackend):
     """Every ring AllGathers across the ranks, rank-local ones included."""
-    from offload_ref.config import WeightTransfer
 
-    return _TRANSPORT_FOR(self, dataclasses.replace(stack, transfer=WeightTransfer.ALLGATHER))
+    def transport_for(self, stack):
+        from offload_ref.config import WeightTransfer
+
+        return super().transport_for(dataclasses.replace(stack, transfer=WeightTransfer.ALLGATHER))
 
 
 declare(
     "rank_local_rings_gather",
     "weight_transfer='rank-local' is ignored: every ring gathers 1/world shards",
     DISTRIBUTED,
-    patch=_in_every_rank(
-        {"DistributedLayerwiseOffloadBackend._transport_for": _gathers_rank_local_rings}),
+    make_backend=backend_with(DistributedLayerWiseOffloadBackend=_GathersRankLocalRings),
     kills={  # rank-local mode is what the mmap scenario streams too
         "check_rank_local_outputs_match_each_ranks_reference",
         "check_mmap_loaded_weights_keep_non_persistent_buffers",
@@ -160,8 +158,12 @@ declare(
 )
 
 
-def _recovery_waits_for_copies_only(self, ring):
-    return (ring.copy_stream,)
+class _CopyStreamOnlyWrites(AllGatherTransport):
+    """Declares the copy stream as a slot's only writer: recovery then orders compute after
+    the shard copies but not after the gathers."""
+
+    def writers(self):
+        return (self.streams.copy,)
 
 
 declare(
@@ -169,48 +171,43 @@ declare(
     "recovery after a Ctrl-C orders compute after the copy stream only, while AllGather's last "
     "writer is the communication stream",
     DISTRIBUTED,
-    patch=_in_every_rank({"AllGatherTransport.writers": _recovery_waits_for_copies_only}),
+    make_backend=_allgather(_CopyStreamOnlyWrites),
     kills={"check_allgather_generation_after_an_interrupt_is_exact"},
 )
 
 
-def _wave_without_agreement(self, request):
-    with __import__("torch").inference_mode():
-        return self.pipeline(**request)
-
-
-def _buffers_left_uninitialized() -> Any:
+def _load_leaving_buffers_uninitialized(module, paths, **kwargs):
     """load_safetensors that leaves non-persistent buffers as torch.empty left them (zeros
     here), as a to_empty() loader that forgets to save and restore them does."""
-    from offload_ref import loading
+    from offload_ref import load_safetensors
 
-    def wipe(others, kept):
-        for slot in others:
-            slot.tensor.data.zero_()
-        return []
-
-    return _patched(loading, "_restore_non_persistent", wipe)
+    report = load_safetensors(module, paths, **kwargs)
+    persistent = set(module.state_dict())
+    for name, buffer in module.named_buffers():
+        if name not in persistent:
+            buffer.data.zero_()
+    return report
 
 
 declare(
     "mmap_drops_non_persistent_buffers",
     "mmap loading leaves non-persistent buffers uninitialized",
     DISTRIBUTED,
-    patch=_buffers_left_uninitialized,
+    load_safetensors=_load_leaving_buffers_uninitialized,
     kills={"check_mmap_loaded_weights_keep_non_persistent_buffers"},
 )
 
 
-def _wave_runner_without_agreement() -> Any:
-    from offload_ref.distributed import waves
-
-    return _patched(waves.WaveRunner, "run", _wave_without_agreement)
+class _WaveRunnerWithoutAgreement(WaveRunner):
+    def run(self, request):
+        with torch.inference_mode():
+            return self.pipeline(**request)
 
 
 declare(
     "unequal_wave_steps_accepted",
     "a DP wave runs without the ranks agreeing on its steps",
     DISTRIBUTED,
-    patch=_wave_runner_without_agreement,
+    make_wave_runner=_WaveRunnerWithoutAgreement,
     kills={"check_wave_with_unequal_steps_is_rejected_before_any_collective"},
 )

@@ -3,14 +3,13 @@ the checks they fail are mostly in checks/lifecycle.py."""
 
 from __future__ import annotations
 
-import weakref
-
 from offload_ref.backends import OffloadEnableError
 from offload_ref.backends.model_level import ModelLevelOffloadBackend
 from offload_ref.backends.ring import BlockRing
 from offload_ref.backends.transaction import Transaction
+from offload_ref.hooks import HookRegistry
 
-from ._declare import INTERRUPTS, MODEL_LEVEL, _backend_with, _layerwise, declare
+from ._declare import INTERRUPTS, MODEL_LEVEL, backend_with, with_ring, declare
 
 
 # -- §B, §C: rollback and cycles (model level) -----------------------------------------------------
@@ -33,7 +32,7 @@ class _RollbackMissesAHook(ModelLevelOffloadBackend):
 
 declare(
     "rollback_misses_a_hook", "a failed enable leaves one hook installed", MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_RollbackMissesAHook),
+    make_backend=backend_with(ModelLevelOffloadBackend=_RollbackMissesAHook),
     kills={
         "check_failed_enable_can_be_retried",
         "check_failed_enable_restores_the_pipeline",
@@ -43,19 +42,18 @@ declare(
 
 
 class _LeavesAHook(ModelLevelOffloadBackend):
-    def _disable(self, pipeline):
+    def uninstall(self, pipeline):
         installed = self.registry.installed()
-        kept = installed[0] if installed else None
-        self._swapper.restore()
+        self.swapper.restore()
         for module, name in installed[1:]:
             self.registry.remove_hook(module, name)
-        if kept is not None:  # forget it: the registry will never remove it
-            self.registry._installed = [(weakref.ref(kept[0]), "lost")]
+        # Forget the first hook: a fresh registry knows nothing of it, so no one removes it.
+        self.registry = HookRegistry()
 
 
 declare(
     "hook_left_after_disable", "disable forgets one hook", MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_LeavesAHook),
+    make_backend=backend_with(ModelLevelOffloadBackend=_LeavesAHook),
     kills={
         "check_cycles_do_not_grow_memory",
         "check_disable_removes_every_trace",
@@ -79,7 +77,7 @@ class _RollbackLeaksDeviceMemory(ModelLevelOffloadBackend):
 
 declare(
     "rollback_leaks_device_memory", "a failed enable keeps its device allocations", MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_RollbackLeaksDeviceMemory),
+    make_backend=backend_with(ModelLevelOffloadBackend=_RollbackLeaksDeviceMemory),
     kills={
         "check_failed_enable_releases_memory_and_chains_the_cause",
         "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
@@ -101,7 +99,7 @@ class _RollbackLeaksHostMasters(ModelLevelOffloadBackend):
 
 declare(
     "rollback_leaks_host_masters", "a failed enable keeps its host masters", MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_RollbackLeaksHostMasters),
+    make_backend=backend_with(ModelLevelOffloadBackend=_RollbackLeaksHostMasters),
     kills={"check_failed_enable_releases_memory_and_chains_the_cause"},
 )
 
@@ -116,7 +114,7 @@ class _LosesTheCause(ModelLevelOffloadBackend):
 
 declare(
     "enable_error_loses_cause", "a failed enable re-raises without its cause", MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_LosesTheCause),
+    make_backend=backend_with(ModelLevelOffloadBackend=_LosesTheCause),
     kills={"check_failed_enable_releases_memory_and_chains_the_cause"},
 )
 
@@ -133,7 +131,7 @@ class _DisableNotIdempotent(ModelLevelOffloadBackend):
 
 declare(
     "disable_not_idempotent", "every disable call re-materializes the weights", MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_DisableNotIdempotent),
+    make_backend=backend_with(ModelLevelOffloadBackend=_DisableNotIdempotent),
     kills={
         "check_pipeline_built_under_inference_mode_matches_reference",
         "check_second_disable_is_a_noop",
@@ -142,13 +140,13 @@ declare(
 
 
 class _ForgetsPlacement(ModelLevelOffloadBackend):
-    def _disable(self, pipeline):
+    def uninstall(self, pipeline):
         self.registry.remove_all()  # tensors stay where the offloader put them
 
 
 declare(
     "disable_forgets_placement", "disable removes hooks but leaves tensors offloaded", MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_ForgetsPlacement),
+    make_backend=backend_with(ModelLevelOffloadBackend=_ForgetsPlacement),
     kills={
         "check_cycles_do_not_grow_memory",
         "check_disable_restores_parameters_and_placement",
@@ -170,15 +168,15 @@ class _KeepsInterruptedBlocksRunning(BlockRing):
     """Trusts the post-hook to end every forward: torch skips it for a KeyboardInterrupt, so the
     interrupted block stays running (holding its slot) forever."""
 
-    def _recover(self, calling, finishing):
-        if self._dirty:  # interrupted hook work is still repaired; a stale block is not seen
-            super()._recover(calling, finishing)
+    def recover(self, calling, finishing):
+        if self.interrupted:  # interrupted hook work is still repaired; a stale block is not seen
+            super().recover(calling, finishing)
 
 
 declare(
     "interrupted_block_stays_running",
     "a block interrupted by Ctrl-C stays running: its slot is never released",
     INTERRUPTS,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_KeepsInterruptedBlocksRunning)),
+    make_backend=backend_with(LayerWiseOffloadBackend=with_ring(_KeepsInterruptedBlocksRunning)),
     kills={"check_interrupt_inside_a_block_leaves_a_recoverable_ring"},
 )

@@ -4,35 +4,39 @@ checks/misuse.py."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
+from offload_ref.backends.call_guard import CallGuard
 from offload_ref.backends.layerwise import LayerWiseOffloadBackend
 from offload_ref.backends.model_level import ModelLevelOffloadBackend
+from offload_ref.backends.refusals import RefusalPolicy
+from offload_ref.split import ComponentGroups
 
-from ._declare import (
-    MISUSE_LAYER, MISUSE_MODEL, SPLIT_THREADS, _backend_with, _patched, _patched_all, declare,
-)
+from ._declare import MISUSE_LAYER, MISUSE_MODEL, SPLIT_THREADS, backend_with, declare
+from .split import _cosmos3_with
 
 
-def _split_threads_unguarded() -> Any:
-    """ComponentGroups without its call guard: two threads swap the groups at once."""
-    from offload_ref.split import ComponentGroups
+class _UnguardedGroups(ComponentGroups):
+    """ComponentGroups without its call guard: two threads swap the groups at once.  Its swap
+    also runs in the caller's inference mode (no Note [Hooks leave inference mode]), as this
+    mutant always has, and that is what the check sees: the device copies are inference tensors
+    and ``disable()`` fails.  The missing guard alone passes: the check's first thread pauses
+    before the split model's DiT forward, inside no component context."""
 
     @contextlib.contextmanager
-    def activated(self, name):
-        if self._swapper is not None:
-            self._swapper.check(name)
-            self._swapper.activate(name)
+    def activated(self, name: str) -> Iterator[None]:
+        if self.enabled:
+            self.check_swap(name)
+            self.swap_in(name)
         yield
-
-    return _patched(ComponentGroups, "_activated", activated)
 
 
 declare(
     "split_threads_unguarded",
     "a split model's component groups let a second thread swap while the first runs",
     SPLIT_THREADS,
-    patch=_split_threads_unguarded,
+    factory=_cosmos3_with(_UnguardedGroups),
     kills={"check_second_thread_gets_a_clear_error_or_exact_output"},
 )
 
@@ -41,7 +45,7 @@ class _EditsUnguarded(LayerWiseOffloadBackend):
     """Streams without refusing in-place edits between forwards: a loop editing every DiT weight
     changes the resident ones and stops at the first placeholder with torch's raw error."""
 
-    def _after_guard(self, txn) -> None:
+    def after_guard(self, txn) -> None:
         pass
 
 
@@ -50,7 +54,7 @@ declare(
     "an in-place edit of every DiT weight between generations changes the resident ones and stops "
     "at the first streamed one",
     MISUSE_LAYER,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_EditsUnguarded),
+    make_backend=backend_with(LayerWiseOffloadBackend=_EditsUnguarded),
     kills={"check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_change"},
 )
 
@@ -69,7 +73,7 @@ declare(
     "edit_weights_in_place_layerwise",
     "edit_weights() does not re-read: edits hit the ring",
     MISUSE_LAYER,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_editing_in_place(LayerWiseOffloadBackend)),
+    make_backend=backend_with(LayerWiseOffloadBackend=_editing_in_place(LayerWiseOffloadBackend)),
     kills={"check_edit_weights_round_trip_takes_effect_exactly"},
 )
 
@@ -77,7 +81,7 @@ declare(
     "edit_weights_in_place_model_level",
     "edit_weights() does not re-read: edits hit masters and device copies",
     MISUSE_MODEL,
-    make_backend=_backend_with(
+    make_backend=backend_with(
         ModelLevelOffloadBackend=_editing_in_place(ModelLevelOffloadBackend)),
     kills={"check_edit_weights_round_trip_takes_effect_exactly"},
 )
@@ -86,29 +90,29 @@ declare(
 class _PlaceholderStateDict(LayerWiseOffloadBackend):
     """state_dict() reads whatever the tensors are bound to (placeholders between blocks)."""
 
-    def _offloaded_tensors(self):
-        return {key: None for key in super()._offloaded_tensors()}
+    def offloaded_tensors(self):
+        return {key: None for key in super().offloaded_tensors()}
 
 
 declare(
     "state_dict_returns_placeholders",
     "state_dict() while enabled returns the NaN placeholders of streamed blocks",
     MISUSE_LAYER,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_PlaceholderStateDict),
+    make_backend=backend_with(LayerWiseOffloadBackend=_PlaceholderStateDict),
     kills={"check_state_dict_while_enabled_returns_true_weights"},
 )
 
 
 def _unguarded(base: type) -> type:
     """Edits through ``.data`` pass unseen (no Note [Rebind guard]): the next swap drops them."""
-    return type(f"Unguarded{base.__name__}", (base,), {"_rebound_tensors": lambda self: []})
+    return type(f"Unguarded{base.__name__}", (base,), {"rebound_tensors": lambda self: []})
 
 
 declare(
     "data_edits_unguarded_layerwise",
     "an edit through .data outside edit_weights() is dropped by the next block load",
     MISUSE_LAYER,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_unguarded(LayerWiseOffloadBackend)),
+    make_backend=backend_with(LayerWiseOffloadBackend=_unguarded(LayerWiseOffloadBackend)),
     kills={
         "check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_change",
         "check_edits_through_data_are_exact_or_refused",
@@ -120,32 +124,35 @@ declare(
     "data_edits_unguarded_model_level",
     "an edit through .data outside edit_weights() is dropped by the next swap",
     MISUSE_MODEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_unguarded(ModelLevelOffloadBackend)),
+    make_backend=backend_with(ModelLevelOffloadBackend=_unguarded(ModelLevelOffloadBackend)),
     kills={"check_edits_through_data_are_exact_or_refused"},
 )
 
 
-def _backward_not_refused() -> Any:
-    from offload_ref.backends import layerwise
+def _refusing(policy: type[RefusalPolicy], base: type = LayerWiseOffloadBackend) -> type:
+    """``base`` with another refusal policy (Note [Refusal policy] in backends/refusals.py)."""
+    return type(f"{base.__name__}{policy.__name__}", (base,), {"refusal_policy_class": policy})
 
-    return _patched(layerwise, "refuse_autograd", lambda *args, **kwargs: None)
+
+class _AutogradAllowed(RefusalPolicy):
+    def refuse_autograd(self, label, names, tensors, args=(), kwargs=None, module=None) -> None:
+        pass
 
 
 declare(
     "backward_not_refused",
     "a grad-mode forward through streamed blocks is not refused",
     MISUSE_LAYER,
-    patch=_backward_not_refused,
+    make_backend=backend_with(LayerWiseOffloadBackend=_refusing(_AutogradAllowed)),
     kills={"check_backward_is_exact_or_refused_at_forward"},
 )
 
 
-def _reads_between_forwards_allowed() -> Any:
+class _ReadsBetweenForwardsAllowed(RefusalPolicy):
     """Note [Reads between forwards] undone: ``.data`` of a streamed tensor reads whatever it is
     bound to (NaN placeholders, a slot still filling) between forwards."""
-    from offload_ref.backends import layerwise
 
-    return _patched(layerwise, "readable_while", lambda *args, **kwargs: None)
+    refuses_reads_between_forwards = False
 
 
 declare(
@@ -153,20 +160,18 @@ declare(
     "reading a streamed weight's .data between forwards gives its placeholder (diffusers' "
     "fuse_qkv_projections builds NaN projections from it)",
     MISUSE_LAYER,
-    patch=_reads_between_forwards_allowed,
+    make_backend=backend_with(
+        LayerWiseOffloadBackend=_refusing(_ReadsBetweenForwardsAllowed)),
     kills={"check_reads_through_data_are_true_or_refused"},
 )
 
 
-def _frozen_backward_not_refused() -> Any:
+class _WeightsOnlyAutograd(RefusalPolicy):
     """Note [Autograd] checking only whether the offloaded weights require grad: a frozen
     weight is still saved for the gradient of an input, and read back as a placeholder."""
-    from offload_ref.backends import layerwise, refusals
 
-    def weights_only(label, names, tensors, args=(), kwargs=None, module=None):
-        refusals.refuse_autograd(label, names, tensors)
-
-    return _patched(layerwise, "refuse_autograd", weights_only)
+    def refuse_autograd(self, label, names, tensors, args=(), kwargs=None, module=None) -> None:
+        super().refuse_autograd(label, names, tensors)
 
 
 declare(
@@ -174,40 +179,52 @@ declare(
     "a grad-mode forward through frozen streamed weights with an input that requires grad is not "
     "refused (autograd saves the placeholders)",
     MISUSE_LAYER,
-    patch=_frozen_backward_not_refused,
+    make_backend=backend_with(LayerWiseOffloadBackend=_refusing(_WeightsOnlyAutograd)),
     kills={"check_backward_is_exact_or_refused_at_forward"},
 )
 
 
-def _unguarded_calls() -> Any:
-    from offload_ref.backends.call_guard import CallGuard
+class _LetsEveryThreadIn(CallGuard):
+    """A call guard that never refuses a second thread (Note [One thread at a time] undone):
+    nothing is recorded, so ``exclusive()`` waits for nobody."""
 
-    return _patched_all(CallGuard, enter=lambda self, label, frame: True,
-                        holds=lambda self, frame: True, exit=lambda self, frame: True)
+    def enter(self, label: str, frame: Any) -> bool:
+        return True
+
+    def holds(self, frame: Any) -> bool:
+        return True
+
+    def exit(self, frame: Any) -> bool:
+        return True
+
+
+class _UnguardedCalls(LayerWiseOffloadBackend):
+    call_guard_class = _LetsEveryThreadIn
 
 
 declare(
     "concurrent_calls_unguarded",
     "a second thread runs the ring while the first is inside",
     MISUSE_LAYER,
-    patch=_unguarded_calls,
+    make_backend=backend_with(LayerWiseOffloadBackend=_UnguardedCalls),
     kills={"check_second_thread_gets_a_clear_error_or_exact_output"},
 )
 
 
-def _copies_not_refused() -> Any:
+class _CopiesAllowed(RefusalPolicy):
     """Note [No copies while enabled] undone: a deep copy or pickle of an enabled module
     copies its hooks, and fails deep inside with torch's "cannot pickle '_thread.lock'"."""
-    from offload_ref.backends.refusals import RefusesCopies
 
-    return _patched_all(RefusesCopies, __deepcopy__=None, __copy__=None,
-                        __reduce_ex__=object.__reduce_ex__)
+    def refuse_copy(self, subject: str) -> None:
+        pass
 
 
 declare(
     "copies_not_refused",
     "copy.deepcopy of an enabled module copies its offload hooks",
     dict(pipelines=("flux2",), sections=("J.8",), strategies=("model_level", "layer_wise")),
-    patch=_copies_not_refused,
+    make_backend=backend_with(
+        LayerWiseOffloadBackend=_refusing(_CopiesAllowed),
+        ModelLevelOffloadBackend=_refusing(_CopiesAllowed, ModelLevelOffloadBackend)),
     kills={"check_copies_of_an_enabled_pipeline_are_refused_or_exact"},
 )

@@ -9,21 +9,20 @@ from typing import Any
 
 from torch import nn
 
-from offload_ref import discovery
 from offload_ref.backends.auto import AutoOffloadBackend
-from offload_ref.discovery import FALLBACK_NAMES, get_submodule_path
+from offload_ref.discovery import FALLBACK_NAMES, forget_scan_warnings, get_submodule_path
 from offload_ref.plan import (
     AutoChoice,
     OffloadTopologyError,
     ResolvedComponent,
     ResolvedOffloadPlan,
-    _Resolver,
+    Resolver,
     auto_candidates,
     resolve_candidate,
     resolve_offload_plan,
 )
 
-from ._declare import AUTO, HEAD, J7, J7_SPLIT, RESOLVER, _backend_with, _patched, declare
+from ._declare import AUTO, HEAD, J7, J7_SPLIT, RESOLVER, backend_with, declare
 
 
 # -- §A: resolution --------------------------------------------------------------------------------
@@ -61,12 +60,12 @@ declare(
 )
 
 
-class _ClassAttrsWin(_Resolver):
-    def _container_names(self, path: str, module: nn.Module) -> tuple[tuple[str, ...], str]:
+class _ClassAttrsWin(Resolver):
+    def container_names(self, path: str, module: nn.Module) -> tuple[tuple[str, ...], str]:
         names = getattr(module, "_layerwise_offload_blocks_attrs", None)
         if names:
             return tuple(names), f"{type(module).__name__}._layerwise_offload_blocks_attrs"
-        return super()._container_names(path, module)
+        return super().container_names(path, module)
 
 
 def _class_attrs_win(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
@@ -105,7 +104,7 @@ declare(
 
 
 def _warn_every_time(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
-    discovery._warned_classes.clear()
+    forget_scan_warnings()
     return resolve_offload_plan(pipeline, config)
 
 
@@ -209,12 +208,12 @@ declare(
 )
 
 
-class _AcceptsResidentInBlock(_Resolver):
-    def _check_unique_ownership(self, components):
+class _AcceptsResidentInBlock(Resolver):
+    def check_unique_ownership(self, components):
         inside = {id(sub) for c in components for s in c.stacks for b in s.blocks
                   for sub in b.modules() if sub is not b}
         # A component inside a streamed block is silently streamed with it.
-        super()._check_unique_ownership([c for c in components if id(c.module) not in inside])
+        super().check_unique_ownership([c for c in components if id(c.module) not in inside])
 
 
 def _resident_in_block_accepted(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
@@ -230,8 +229,8 @@ declare(
 )
 
 
-class _AcceptsSharedStorage(_Resolver):
-    def _check_one_group_per_storage(self, components):
+class _AcceptsSharedStorage(Resolver):
+    def check_one_group_per_storage(self, components):
         pass  # left to the backend, which meets it mid-enable
 
 
@@ -248,8 +247,8 @@ declare(
 )
 
 
-class _VaeWithoutLifecycle(_Resolver):
-    def _vaes(self, found, on_demand):
+class _VaeWithoutLifecycle(Resolver):
+    def vae_components(self, found, on_demand):
         selected = self.config.selects("vae")  # the lifecycle declaration is never checked
         return [ResolvedComponent(p, m, "vae", selected, selected) for p, m in found.vaes]
 
@@ -273,8 +272,8 @@ declare(
 # -- §J.7: rejections the resolver owns ------------------------------------------------------------
 
 
-class _AcceptsSparse(_Resolver):
-    def _reject_unreadable_storage(self, found):
+class _AcceptsSparse(Resolver):
+    def reject_unreadable_storage(self, found):
         pass  # layouts and storages are never looked at: a sparse tensor crashes a later walk
 
 
@@ -289,8 +288,8 @@ declare(
 )
 
 
-class _DelegatedUnvalidated(_Resolver):
-    def _validate_delegated(self) -> None:
+class _DelegatedUnvalidated(Resolver):
+    def validate_delegated(self) -> None:
         pass
 
 
@@ -310,14 +309,18 @@ declare(
 )
 
 
-def _cycles_unchecked() -> Any:
-    """Discovery walks the module graph without looking for a back edge."""
-    return _patched(discovery, "require_acyclic", lambda *args, **kwargs: None)
+class _CyclesUnchecked(Resolver):
+    def check_acyclic(self, root, prefix=""):
+        pass  # discovery walks the module graph without looking for a back edge
+
+
+def _cycles_unchecked(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
+    return _CyclesUnchecked(pipeline, config).resolve()
 
 
 declare(
     "cyclic_graph_unchecked", "a cyclic module graph is walked without a cycle check", J7,
-    patch=_cycles_unchecked,
+    resolve_offload_plan=_cycles_unchecked,
     kills={"check_cyclic_module_graph_is_rejected_before_mutation"},
 )
 
@@ -329,7 +332,7 @@ class _BudgetBlindAuto(AutoOffloadBackend):
     """strategy='auto' that ignores the budget: always the coarsest strategy (every weight
     resident), as an offloader that reads "auto" as "off" does."""
 
-    def _choose(self, pipeline):
+    def choose(self, pipeline):
         candidates = auto_candidates(pipeline, self.config, alignment=self.platform.alignment)
         chosen = candidates[0]
         plan = resolve_candidate(pipeline, chosen, alignment=self.platform.alignment)
@@ -341,7 +344,7 @@ declare(
     "auto_ignores_budget",
     "strategy='auto' ignores device_budget_bytes: every weight stays resident",
     AUTO,
-    make_backend=_backend_with(AutoOffloadBackend=_BudgetBlindAuto),
+    make_backend=backend_with(AutoOffloadBackend=_BudgetBlindAuto),
     kills={"check_auto_mode_measured_peak_never_exceeds_the_budget"},
 )
 
@@ -350,8 +353,8 @@ class _HeadGreedyAuto(AutoOffloadBackend):
     """strategy='auto' that keeps one head block more than the budget allows (it compares the
     head's bytes with the budget, forgetting that the slots still stream)."""
 
-    def _choose(self, pipeline):
-        picked, plan = super()._choose(pipeline)
+    def choose(self, pipeline):
+        picked, plan = super().choose(pipeline)
         heads = plan.auto.heads
         if picked in heads and heads.index(picked) + 1 < len(heads):
             picked = heads[heads.index(picked) + 1]
@@ -362,7 +365,7 @@ declare(
     "auto_head_over_budget",
     "strategy='auto' keeps one resident head block more than the budget allows",
     HEAD,
-    make_backend=_backend_with(AutoOffloadBackend=_HeadGreedyAuto),
+    make_backend=backend_with(AutoOffloadBackend=_HeadGreedyAuto),
     kills={
         "check_auto_mode_fills_the_budget_with_a_resident_head",
         "check_auto_mode_measured_peak_never_exceeds_the_budget",
@@ -374,8 +377,8 @@ class _HeadlessAuto(AutoOffloadBackend):
     """strategy='auto' that never keeps a resident head: the budget between layerwise's peak
     and model level's goes unused."""
 
-    def _choose(self, pipeline):
-        picked, plan = super()._choose(pipeline)
+    def choose(self, pipeline):
+        picked, plan = super().choose(pipeline)
         return (plan.auto.heads[0] if plan.auto.heads else picked), plan
 
 
@@ -383,6 +386,6 @@ declare(
     "auto_keeps_no_head",
     "strategy='auto' never fills the budget left above layerwise's peak with a resident head",
     HEAD,
-    make_backend=_backend_with(AutoOffloadBackend=_HeadlessAuto),
+    make_backend=backend_with(AutoOffloadBackend=_HeadlessAuto),
     kills={"check_auto_mode_fills_the_budget_with_a_resident_head"},
 )

@@ -5,6 +5,7 @@ fail are mostly in checks/residency.py."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from offload_ref.backends.groups import ComponentSwapper
@@ -12,12 +13,14 @@ from offload_ref.backends.layerwise import LayerWiseOffloadBackend
 from offload_ref.backends.model_level import ModelLevelOffloadBackend
 from offload_ref.backends.ring import BlockRing
 from offload_ref.backends.transaction import Transaction
+from offload_ref.backends.transports import RankLocalTransport
 from offload_ref.hooks import ModelHook
-from offload_ref.plan import _predict
+from offload_ref.host import LayoutRule
+from offload_ref.plan import predict_device_bytes
 
+from ..case import DEFAULT_IMPLEMENTATION
 from ._declare import (
-    ALIGNMENT, HEAD, LAYERWISE, MODEL_LEVEL, NESTED_RESIDENT, _backend_with, _layerwise, _patched,
-    _patched_all, declare,
+    ALIGNMENT, HEAD, LAYERWISE, MODEL_LEVEL, NESTED_RESIDENT, backend_with, with_ring, declare,
 )
 
 
@@ -34,7 +37,7 @@ class _HeadStreamedRing(BlockRing):
 
 declare(
     "head_streamed", "the declared resident head streams through the ring", HEAD,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_HeadStreamedRing)),
+    make_backend=backend_with(LayerWiseOffloadBackend=with_ring(_HeadStreamedRing)),
     kills={"check_resident_head_stays_put_unhooked_and_within_the_prediction"},
 )
 
@@ -50,8 +53,8 @@ class _HooksTheHead(LayerWiseOffloadBackend):
     """Hooks every block of the DiT, the resident head included (hooks that do nothing there,
     but run twice per block and step, and sit where a user's hook expects none)."""
 
-    def _enable(self, pipeline, plan, txn) -> None:
-        super()._enable(pipeline, plan, txn)
+    def install(self, pipeline, plan, txn) -> None:
+        super().install(pipeline, plan, txn)
         for stack in plan.stacks:
             for block, path in zip(stack.blocks[:stack.resident_head], stack.block_paths):
                 txn.register_hook(block, self.hook_name + ".head", _CountingHook(), path)
@@ -59,7 +62,7 @@ class _HooksTheHead(LayerWiseOffloadBackend):
 
 declare(
     "head_hooked", "the resident head blocks get hooks", HEAD,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_HooksTheHead),
+    make_backend=backend_with(LayerWiseOffloadBackend=_HooksTheHead),
     kills={"check_resident_head_stays_put_unhooked_and_within_the_prediction"},
 )
 
@@ -67,18 +70,18 @@ declare(
 class _HeadUnpredicted(LayerWiseOffloadBackend):
     """A plan whose predicted peak counts the resident head as streamed."""
 
-    def _resolve(self, pipeline):
-        plan = super()._resolve(pipeline)
+    def resolve(self, pipeline):
+        plan = super().resolve(pipeline)
         headless = dataclasses.replace(plan, components=tuple(
             dataclasses.replace(c, stacks=tuple(dataclasses.replace(s, resident_head=0)
                                                 for s in c.stacks))
             for c in plan.components))
-        return dataclasses.replace(plan, device_bytes_bound=_predict(headless))
+        return dataclasses.replace(plan, device_bytes_bound=predict_device_bytes(headless))
 
 
 declare(
     "head_not_predicted", "the predicted peak counts the resident head as streamed", HEAD,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_HeadUnpredicted),
+    make_backend=backend_with(LayerWiseOffloadBackend=_HeadUnpredicted),
     kills={"check_resident_head_stays_put_unhooked_and_within_the_prediction"},
 )
 
@@ -103,7 +106,7 @@ declare(
     "inference_tensors_rebound_as_normal",
     "the .data of a pipeline's inference tensors is rebound to ordinary tensors",
     MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_InferenceBlindModelLevel),
+    make_backend=backend_with(ModelLevelOffloadBackend=_InferenceBlindModelLevel),
     kills={"check_pipeline_built_under_inference_mode_matches_reference"},
 )
 
@@ -116,7 +119,7 @@ declare(
     "inference_tensors_rebound_as_normal_layerwise",
     "the .data of a pipeline's inference tensors is rebound to ordinary tensors",
     LAYERWISE,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_InferenceBlindLayerwise),
+    make_backend=backend_with(LayerWiseOffloadBackend=_InferenceBlindLayerwise),
     kills={"check_pipeline_built_under_inference_mode_matches_reference"},
 )
 
@@ -140,7 +143,7 @@ class _DoubleCopyOnSwap(ModelLevelOffloadBackend):
 
 declare(
     "double_copy_on_swap", "every swap uploads the component twice", MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_DoubleCopyOnSwap),
+    make_backend=backend_with(ModelLevelOffloadBackend=_DoubleCopyOnSwap),
     kills={
         "check_model_level_swaps_move_component_bytes_host_to_device_only",
         "check_stats_match_what_the_platform_saw",
@@ -157,20 +160,20 @@ class _StatsCountHostAsDevice(ModelLevelOffloadBackend):
 
 declare(
     "stats_count_host_as_device", "stats() adds host master bytes to device bytes", MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_StatsCountHostAsDevice),
+    make_backend=backend_with(ModelLevelOffloadBackend=_StatsCountHostAsDevice),
     kills={"check_stats_match_what_the_platform_saw"},
 )
 
 
 class _TwoGroupsResident(ModelLevelOffloadBackend):
-    def _activate(self, comp):
-        if self._swapper is not None:
-            self._swapper.activate(comp.path, [])  # loads, never evicts
+    def activate(self, comp):
+        if self.swapper is not None:
+            self.swapper.activate(comp.path, [])  # loads, never evicts
 
 
 declare(
     "two_groups_resident", "a DiT runs with the encoders still on the device", MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_TwoGroupsResident),
+    make_backend=backend_with(ModelLevelOffloadBackend=_TwoGroupsResident),
     kills={
         "check_model_level_keeps_one_group_resident",
         "check_peak_device_bytes_stay_within_the_plan_bound",
@@ -179,15 +182,15 @@ declare(
 
 
 class _VaeOffloaded(ModelLevelOffloadBackend):
-    def _enable(self, pipeline, plan, txn):
+    def install(self, pipeline, plan, txn):
         comps = tuple(dataclasses.replace(c, role="encoder", selected=True) if c.role == "vae"
                       else c for c in plan.components)
-        super()._enable(pipeline, dataclasses.replace(plan, components=comps), txn)
+        super().install(pipeline, dataclasses.replace(plan, components=comps), txn)
 
 
 declare(
     "vae_offloaded", "the VAE is swapped like an encoder", MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_VaeOffloaded),
+    make_backend=backend_with(ModelLevelOffloadBackend=_VaeOffloaded),
     kills={
         "check_model_level_keeps_one_group_resident",
         "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
@@ -217,18 +220,18 @@ declare(
 
 
 class _NestedResidentSwaps(ModelLevelOffloadBackend):
-    def _enable(self, pipeline, plan, txn):
+    def install(self, pipeline, plan, txn):
         nested = {p for c in plan.components if c.selected for p in c.nested}
         comps = tuple(dataclasses.replace(c, nested=()) for c in plan.components
                       if c.path not in nested)  # the resident swaps with its DiT
-        super()._enable(pipeline, dataclasses.replace(plan, components=comps), txn)
+        super().install(pipeline, dataclasses.replace(plan, components=comps), txn)
 
 
 declare(
     "nested_resident_swaps_with_its_dit",
     "a resident declared inside a DiT is swapped out with it",
     NESTED_RESIDENT,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_NestedResidentSwaps),
+    make_backend=backend_with(ModelLevelOffloadBackend=_NestedResidentSwaps),
     kills={
         "check_model_level_keeps_one_group_resident",
         "check_model_level_swaps_move_component_bytes_host_to_device_only",
@@ -250,7 +253,7 @@ class _D2HOnSwap(ModelLevelOffloadBackend):
 
 declare(
     "d2h_copy_on_swap", "offloading copies the device weights back to the host", MODEL_LEVEL,
-    make_backend=_backend_with(ModelLevelOffloadBackend=_D2HOnSwap),
+    make_backend=backend_with(ModelLevelOffloadBackend=_D2HOnSwap),
     kills={
         "check_pipeline_built_under_inference_mode_matches_reference",
         "check_model_level_swaps_move_component_bytes_host_to_device_only",
@@ -294,31 +297,39 @@ _SLOT_RACE_KILLS = frozenset({
 
 
 class _NoReadyWait(BlockRing):
-    def _wait_ready(self, s):
+    def wait_ready(self, s):
         pass
 
 
 declare(
     "missing_ready_wait", "compute reads a slot without waiting for its copy", LAYERWISE,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoReadyWait)),
+    make_backend=backend_with(LayerWiseOffloadBackend=with_ring(_NoReadyWait)),
     kills=_SLOT_RACE_KILLS,
 )
 
 
+class _NoFreeWaitTransport(RankLocalTransport):
+    """Fills a slot without waiting for its last reader (its free event)."""
+
+    def fill_pairs(self, slot, k, group):
+        return None  # every fill through fill() below
+
+    def fill(self, slot, k, group):
+        copy_stream = self.streams.copy
+        with self.platform.stream(copy_stream):
+            for dtype, flat in slot.flats[k].items():
+                self.platform.copy_(flat, group.master.flats[dtype])
+            slot.ready.record(copy_stream)
+
+
 class _NoFreeWait(BlockRing):
-    def _issue_copy(self, k, s):
-        master = self.groups[k].master
-        with self.platform.stream(self.copy_stream):
-            for dtype, flat in self._slot_flats(k, s).items():
-                self.platform.copy_(flat, master.flats[dtype])
-            self.ready[s].record(self.copy_stream)
-        self.slot_of[k] = s
-        self.occupant[s] = k
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "transport": _NoFreeWaitTransport()})
 
 
 declare(
     "slot_reused_before_free", "a prefetch overwrites a slot before its reader finished", LAYERWISE,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoFreeWait)),
+    make_backend=backend_with(LayerWiseOffloadBackend=with_ring(_NoFreeWait)),
     kills=_SLOT_RACE_KILLS,
 )
 
@@ -337,7 +348,7 @@ class _NoWrapAround(BlockRing):
 
 declare(
     "no_wraparound_prefetch", "the last block does not prefetch block 0", LAYERWISE,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoWrapAround)),
+    make_backend=backend_with(LayerWiseOffloadBackend=with_ring(_NoWrapAround)),
     kills={
         "check_layerwise_materializes_only_block_zero_between_passes",
         "check_layerwise_prefetches_the_next_block_before_it_runs",
@@ -348,10 +359,7 @@ declare(
 class _NoRecoveryRing(BlockRing):
     def before(self, k, frame=None):
         if self.slot_of[k] is None:  # run on whatever the slot holds
-            s = 0 if self.occupant[0] is not None else 1
-            self.slot_of[k] = s
-            self.occupant[s] = k
-            self._rebind(k, self._slot_views(k, s))
+            self.bind(k, 0 if self.slots[0].occupant is not None else 1)
         super().before(k, frame)
 
 
@@ -359,7 +367,7 @@ declare(
     "skipped_block_not_recovered",
     "a block that was not prefetched runs on stale weights",
     LAYERWISE,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_NoRecoveryRing)),
+    make_backend=backend_with(LayerWiseOffloadBackend=with_ring(_NoRecoveryRing)),
     kills={"check_skipped_block_is_recovered"},
 )
 
@@ -379,7 +387,7 @@ class _SilentlySerialRing(BlockRing):
 
 declare(
     "silently_serial", "no prefetch, and the synchronous loads are not counted", LAYERWISE,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_SilentlySerialRing)),
+    make_backend=backend_with(LayerWiseOffloadBackend=with_ring(_SilentlySerialRing)),
     kills={
         "check_layerwise_materializes_only_block_zero_between_passes",
         "check_layerwise_prefetches_the_next_block_before_it_runs",
@@ -390,14 +398,13 @@ declare(
 class _ThreeSlotsRing(BlockRing):
     def prepare(self, txn, pipeline):
         super().prepare(txn, pipeline)
-        self.slots.append(txn.device_empty(f"{self.label} spare slot", self.slot_bytes,
-                                           self.slots[0].dtype))
-        self._build_flats()
+        self.slots.append(self.new_slot(txn))
+        self.build_views()
 
 
 declare(
     "three_slots", "the ring keeps a third device slot", LAYERWISE,
-    make_backend=_backend_with(LayerWiseOffloadBackend=_layerwise(_ThreeSlotsRing)),
+    make_backend=backend_with(LayerWiseOffloadBackend=with_ring(_ThreeSlotsRing)),
     kills={
         "check_resident_head_stays_put_unhooked_and_within_the_prediction",
         "check_layerwise_keeps_at_most_two_blocks_resident",
@@ -410,32 +417,46 @@ declare(
 # -- §F.6: alignment, every strategy ---------------------------------------------------------------
 
 
-def _packs_without_padding() -> Any:
-    """Segments packed back to back at element alignment (the layout before aligned regions)."""
-    from offload_ref import host
+def _laid_out_by(rule: type[LayoutRule]) -> Callable[[], Any]:
+    """``make_platform``: the kit's platform, with layouts placed by ``rule`` (the platform's
+    ``layout_rule``, Note [Aligned layout] in offload_ref/host.py)."""
 
-    return _patched_all(host, _storage_phase=lambda ptr, offset, alignment: 0,
-                        region_bytes=lambda phase, nbytes, alignment: nbytes)
+    def make() -> Any:
+        platform = DEFAULT_IMPLEMENTATION.make_platform()
+        platform.layout_rule = rule()
+        return platform
+
+    return make
+
+
+class _BackToBack(LayoutRule):
+    """Segments packed back to back at element alignment (the layout before aligned regions)."""
+
+    def phase(self, storage_ptr: int, byte_offset: int, alignment: int) -> int:
+        return 0
+
+    def region_bytes(self, phase: int, nbytes: int, alignment: int) -> int:
+        return nbytes
 
 
 declare(
     "packs_without_padding",
     "tensors are packed back to back, at element alignment only",
     ALIGNMENT,
-    patch=_packs_without_padding,
+    make_platform=_laid_out_by(_BackToBack),
     kills={"check_offloaded_tensors_keep_their_alignment"},
 )
 
 
-def _realigns_every_tensor() -> Any:
+class _OnRegionBoundaries(LayoutRule):
     """Aligned regions, but every segment starts at its region's boundary (its phase dropped)."""
-    from offload_ref import host
 
-    return _patched(host, "_storage_phase", lambda ptr, offset, alignment: 0)
+    def phase(self, storage_ptr: int, byte_offset: int, alignment: int) -> int:
+        return 0
 
 
 declare(
     "realigns_every_tensor", "a weight stored off a 64-byte boundary is moved onto one", ALIGNMENT,
-    patch=_realigns_every_tensor,
+    make_platform=_laid_out_by(_OnRegionBoundaries),
     kills={"check_offloaded_tensors_keep_their_alignment"},
 )

@@ -27,7 +27,11 @@ __all__ = ["AutoOffloadBackend"]
 
 
 class AutoOffloadBackend(OffloadBackend):
-    """See Note [Auto backend]."""
+    """See Note [Auto backend].
+
+    Seams (a subclass may override): :meth:`choose`, the strategy ``enable`` hands the pipeline
+    to (and the auto plan it recorded the choice in).
+    """
 
     strategy = OffloadStrategy.AUTO
     hook_name = "offload_ref.auto"
@@ -38,8 +42,10 @@ class AutoOffloadBackend(OffloadBackend):
         self.delegate: OffloadBackend | None = None
         self.chosen: AutoCandidate | None = None
 
-    def _choose(self, pipeline: Any) -> tuple[AutoCandidate, ResolvedOffloadPlan]:
-        """The candidate the budget allows and the auto plan (raises before any mutation)."""
+    def choose(self, pipeline: Any) -> tuple[AutoCandidate, ResolvedOffloadPlan]:
+        """Seam: the candidate the budget allows and the auto plan (``plan.auto`` records the
+        choice); pure, so it raises before any mutation.  ``enable`` builds the candidate's
+        backend with its ``config`` and ``resident_heads``."""
         plan = resolve_offload_plan(pipeline, self.config, alignment=self.platform.alignment)
         assert plan.auto is not None
         return plan.auto.picked, plan
@@ -51,7 +57,7 @@ class AutoOffloadBackend(OffloadBackend):
                 return
             raise RuntimeError(f"{type(self).__name__} is already enabled on another "
                                f"{type(delegate.pipeline).__name__}; call disable() first")
-        chosen, plan = self._choose(pipeline)
+        chosen, plan = self.choose(pipeline)
         delegate = _backend_for(chosen.config, self.platform, self.options)
         delegate.resident_heads = chosen.resident_heads
         delegate.fault_injector = self.fault_injector

@@ -21,7 +21,7 @@ from ..platform import Platform
 from .._interrupts import deferred_interrupts, interruption_point
 from .call_guard import CallGuard
 from .rebind_guard import guard_rebinds, guarded_by, unguard_rebinds
-from .refusals import OffloadWeightEditError, RefusesCopies
+from .refusals import OffloadWeightEditError, RefusalPolicy, RefusesCopies
 from .stats import OffloadStats
 from .transaction import FaultInjector, Transaction
 
@@ -42,11 +42,41 @@ class OffloadDisableError(RuntimeError):
 
 
 class OffloadBackend:
-    """One offload strategy applied to one pipeline.  See Note [Transactions]."""
+    """One offload strategy applied to one pipeline.  See Note [Transactions].
+
+    Users call ``enable``, ``disable``, ``edit_weights``, ``stats`` and ``is_enabled``.  ``enable``
+    is a template: it resolves the plan, then builds everything inside one transaction, calling
+    the methods below in this order; a strategy (and a subclass that changes one step of a
+    strategy: the kit's mutants, a test's broken backend) overrides them, never the private
+    helpers around them.
+
+    Seams (a subclass may override):
+
+    * :meth:`resolve` ``(pipeline)`` -- the plan ``enable`` applies; pure, raises before any
+      mutation.
+    * :meth:`install` ``(pipeline, plan, txn)`` -- build the strategy: masters, slots, hooks,
+      every mutation recorded in ``txn`` (a :class:`~offload_ref.backends.transaction.Transaction`
+      of :attr:`transaction_class`) so a failure rolls it back.
+    * :meth:`offloaded_tensors` -- the tensors ``state_dict`` / ``load_state_dict`` guard.
+    * :meth:`rebound_tensors` -- the tensors the ``.data`` guard covers (Note [Rebind guard]).
+    * :meth:`after_guard` ``(txn)`` -- once those tensors are guarded.
+    * :meth:`before_commit` ``(txn)`` -- the last step that may still fail and roll back.
+    * :meth:`enable_failed` ``(exc)`` -- enable failed, before its rollback.
+    * :meth:`uninstall` ``(pipeline)`` -- ``disable``'s work: restore every tensor at its
+      original placement and remove the hooks.
+
+    Policy classes (class attributes): :attr:`transaction_class`, the undo log ``enable`` records
+    into (strategies add theirs, e.g. ``ring_class``, ``swapper_class``); :attr:`call_guard_class`,
+    the guard each enable's hooks enter (Note [One thread at a time] in call_guard.py);
+    :attr:`refusal_policy_class`, what the hooks and the objects the backend attaches refuse
+    (Note [Refusal policy] in refusals.py; each enable's instance is :attr:`refusal_policy`).
+    """
 
     strategy: ClassVar[OffloadStrategy]
     hook_name: ClassVar[str]
     transaction_class: ClassVar[type[Transaction]] = Transaction
+    call_guard_class: ClassVar[type[CallGuard]] = CallGuard
+    refusal_policy_class: ClassVar[type[RefusalPolicy]] = RefusalPolicy
 
     def __init__(self, config: OffloadConfig, platform: Platform) -> None:
         self.config = config
@@ -62,7 +92,8 @@ class OffloadBackend:
         self.last_steps: list[str] = []
         self._pipeline: Callable[[], Any] | None = None  # a weak reference where possible
         self._stats = OffloadStats()
-        self._guard = CallGuard(type(self).__name__)
+        self._guard = self.call_guard_class(type(self).__name__)
+        self.refusal_policy = self.refusal_policy_class()  # Note [Refusal policy]
         self._handles: list[Any] = []  # state-dict hooks of the current enable
         # Note [Rebind guard] (rebind_guard.py): the tensors guarded by the current enable.
         self._guarded: list[torch.Tensor] = []
@@ -100,7 +131,7 @@ class OffloadBackend:
                 "backend first (at most one offload strategy may own a pipeline)"
             )
         _require_unowned_modules(pipeline)
-        plan = self._resolve(pipeline)  # raises before any mutation
+        plan = self.resolve(pipeline)  # raises before any mutation
         self.plan = plan
         self.skip_reason = plan.skip_reason
         if plan.skip_reason is not None:
@@ -113,22 +144,24 @@ class OffloadBackend:
         reference = _reference(pipeline)  # before any mutation: nothing can fail after commit
         txn = self.transaction_class(self.platform, self.registry, self.fault_injector)
         self._stats = OffloadStats()
-        self._guard = CallGuard(type(self).__name__)  # hooks of an earlier enable see theirs
+        # A fresh guard: hooks of an earlier enable see theirs.
+        self._guard = self.call_guard_class(type(self).__name__)
+        self.refusal_policy = self.refusal_policy_class()  # Note [Refusal policy] (refusals.py)
         # Note [Hooks leave inference mode]: what enable builds must be ordinary tensors, and
         # building it must not record autograd history, whatever mode the caller is in.
         with torch.inference_mode(False), torch.no_grad():
             try:
-                self._enable(pipeline, plan, txn)
+                self.install(pipeline, plan, txn)
                 self._install_state_hooks(pipeline, plan, txn)
-                self._guarded_named = self._rebound_tensors()
+                self._guarded_named = self.rebound_tensors()
                 self._guarded = txn.guard_rebinds(self._guarded_named, type(self).__name__)
-                self._after_guard(txn)
+                self.after_guard(txn)
                 txn.set_attr(pipeline, PIPELINE_ATTR, _Owner(self), type(pipeline).__name__)
                 interruption_point()  # a Ctrl-C during enable rolls it back
                 self.platform.synchronize()
-                self._before_commit(txn)  # the last thing that may fail (Note [Collective safety])
+                self.before_commit(txn)  # the last thing that may fail (Note [Collective safety])
             except BaseException as exc:
-                self._enable_failed(exc)
+                self.enable_failed(exc)
                 self.last_steps = list(txn.steps)
                 where = (f"step {len(txn.steps) - 1} ({txn.steps[-1]})" if txn.steps
                          else "preparation, before its first mutation")
@@ -173,7 +206,7 @@ class OffloadBackend:
             unguard_rebinds(self._guarded)  # Note [Rebind guard]: plain tensors again
             self._guarded = []
             try:
-                self._disable(pipeline)
+                self.uninstall(pipeline)
             except Exception as exc:
                 guard_rebinds(self._guarded_named, type(self).__name__, self._guarded)
                 raise OffloadDisableError(
@@ -229,7 +262,7 @@ class OffloadBackend:
         enabled (Note [Weight edits]), on every module that holds an offloaded tensor (and on its
         ancestors for ``load_state_dict``)."""
         self._handles = []
-        live = self._offloaded_tensors()
+        live = self.offloaded_tensors()
         if not live:
             return
         by_path: dict[str, nn.Module] = {}
@@ -253,20 +286,22 @@ class OffloadBackend:
         for path, module, entries in owners:
             if any(value is not None for _, value in entries):
                 hook = _TrueWeightsHook(entries, path or type(pipeline).__name__)
+                hook.refusal_policy = self.refusal_policy
                 installs.append(lambda m=module, h=hook: m.register_state_dict_post_hook(h))
         for path, module in guarded.values():
             hook = _RefuseLoadHook(path or type(pipeline).__name__, name)
+            hook.refusal_policy = self.refusal_policy
             installs.append(lambda m=module, h=hook: m.register_load_state_dict_pre_hook(h))
         # One step: the rollback suite injects a fault at every step, so per-module steps
         # would cost a full enable per module for nothing.
         self._handles = txn.add_handles("state_dict / load_state_dict", installs)
 
-    def _rebound_tensors(self) -> list[tuple[str, torch.Tensor]]:
+    def rebound_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """``(qualified name, tensor)`` of every tensor the backend rebinds while enabled
         (Note [Rebind guard] in rebind_guard.py guards them)."""
         return []
 
-    def _offloaded_tensors(self) -> dict[int, Callable[[], torch.Tensor | None] | None]:
+    def offloaded_tensors(self) -> dict[int, Callable[[], torch.Tensor | None] | None]:
         """``id(tensor) -> value`` for every tensor the backend streams or swaps: ``value()``
         returns its true weight when the tensor is not bound to it (a placeholder), else None;
         ``value`` is None for tensors always bound to real storage."""
@@ -281,28 +316,31 @@ class OffloadBackend:
         """Bytes of the current enable (all zero while disabled)."""
         return OffloadStats(**self._stats.as_dict())
 
-    # -- for subclasses -------------------------------------------------------------------------
+    # -- seams (the class docstring lists them) -------------------------------------------------
 
-    def _resolve(self, pipeline: Any) -> ResolvedOffloadPlan:
+    def resolve(self, pipeline: Any) -> ResolvedOffloadPlan:
         """The plan ``enable`` applies (pure: Note [Resolution is pure] in plan.py)."""
         return resolve_offload_plan(pipeline, self.config, alignment=self.platform.alignment,
                                     resident_heads=self.resident_heads)
 
-    def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
+    def install(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
+        """Apply ``plan`` to ``pipeline`` (``enable``'s work), recording every mutation in
+        ``txn`` so that a failure anywhere in enable rolls it back."""
         raise NotImplementedError
 
-    def _disable(self, pipeline: Any) -> None:
-        """Restore and release; ``pipeline`` is None if it was garbage-collected."""
+    def uninstall(self, pipeline: Any) -> None:
+        """``disable``'s work: remove the hooks, restore every tensor at its original placement
+        and release the buffers; ``pipeline`` is None if it was garbage-collected."""
         raise NotImplementedError
 
-    def _after_guard(self, txn: Transaction) -> None:
+    def after_guard(self, txn: Transaction) -> None:
         """After the rebound tensors are guarded (Note [Rebind guard] in rebind_guard.py)."""
 
-    def _before_commit(self, txn: Transaction) -> None:
+    def before_commit(self, txn: Transaction) -> None:
         """Called once everything is built and bound, before the undo log is dropped: the last
         point where enable can still fail and roll back (ranks agree here)."""
 
-    def _enable_failed(self, exc: BaseException) -> None:
+    def enable_failed(self, exc: BaseException) -> None:
         """Called when enable failed, before its rollback (a rank tells the others)."""
 
     def _reset(self) -> None:
@@ -377,6 +415,10 @@ class _Owner(RefusesCopies):
 
     def _copy_subject(self) -> str:  # Note [No copies while enabled]
         return f"a pipeline that {type(self._backend).__name__} is enabled on"
+
+    @property
+    def refusal_policy(self) -> RefusalPolicy:  # Note [Refusal policy]
+        return self._backend.refusal_policy
 
     def __call__(self) -> OffloadBackend:
         return self._backend

@@ -7,7 +7,9 @@ Note [One thread at a time]
     raises :class:`OffloadConcurrencyError` in B before anything changes, so A's generation
     stays correct.  ``disable()`` and ``edit_weights()`` take the guard exclusively: they wait
     until no other thread is inside an offloaded forward, and hooks that fire meanwhile wait for
-    them and then leave the module alone.
+    them and then leave the module alone.  The guard's class is a policy of its owner:
+    ``OffloadBackend.call_guard_class``, ``ComponentGroups.call_guard_class`` (one guard per
+    enable).
 
     torch skips ``always_call`` forward hooks for a ``BaseException`` (Ctrl-C), so an entry can
     outlive its forward.  Each entry records the frame of the ``nn.Module.__call__`` running
@@ -102,7 +104,11 @@ def _on_stack(frame: FrameType, top: FrameType | None) -> bool:
 
 
 class CallGuard:
-    """Which threads are inside an offloaded module's forward (Note [One thread at a time])."""
+    """Which threads are inside an offloaded module's forward (Note [One thread at a time]).
+
+    Seams (a subclass named by ``call_guard_class`` may override): :meth:`enter`, :meth:`holds`
+    and :meth:`exit` (the hooks' side), :meth:`exclusive` (``disable()`` and ``edit_weights()``).
+    """
 
     def __init__(self, owner: str) -> None:
         self.owner = owner

@@ -51,9 +51,11 @@ Note [Gather tags]
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,9 +63,9 @@ import torch
 from .. import _spans
 from ..config import OffloadStrategy, WeightTransfer
 from ..plan import OffloadTopologyError, ResolvedOffloadPlan, RingPlan, shard_bytes
-from .groups import TensorGroup, restore_group
+from .groups import TensorGroup
 from .layerwise import LayerWiseOffloadBackend
-from .ring import BlockRing
+from .slots import Slot
 from .transaction import Transaction
 from .transports import RankLocalTransport, Transport
 
@@ -146,6 +148,7 @@ class AllGatherTransport(Transport):
 
     name = "allgather"
     collective = True
+    restores_through_slots = True
 
     def __init__(self, group: Any, rank: int, world: int, comm_stream: Any,
                  alignment: int) -> None:
@@ -168,15 +171,15 @@ class AllGatherTransport(Transport):
 
     # -- enable ---------------------------------------------------------------------------------
 
-    def build_master(self, txn: Transaction, ring: BlockRing, group: TensorGroup,
+    def build_master(self, txn: Transaction, group: TensorGroup,
                      sections: dict[torch.dtype, tuple[int, int]], image_bytes: int) -> None:
         S = shard_bytes(image_bytes, self.world, self.alignment)
         image = torch.zeros(self.world * S, dtype=torch.uint8)  # zero past the weights
-        flats = {dtype: image.narrow(0, offset, numel * _itemsize(dtype)).view(dtype)
+        flats = {dtype: image.narrow(0, offset, numel * dtype.itemsize).view(dtype)
                  for dtype, (offset, numel) in sections.items()}
         group.layout.pack_into(flats, lambda dst, src: dst.copy_(src))
         shard = txn.host_empty(f"{group.label} shard {self.rank}/{self.world}", S, torch.uint8,
-                               ring.pin)
+                               self.pin)
         shard.copy_(image.narrow(0, self.rank * S, S))
         # A checksum of the whole block, which every rank still holds here: ranks whose weights
         # differ would gather a mix of both (Note [Collective safety]).
@@ -184,8 +187,8 @@ class AllGatherTransport(Transport):
         lo, hi = self.rank * S, (self.rank + 1) * S
         weight = 0
         for seg in group.layout.segments:
-            start = sections[seg.dtype][0] + seg.offset * _itemsize(seg.dtype)
-            end = start + seg.numel * _itemsize(seg.dtype)
+            start = sections[seg.dtype][0] + seg.offset * seg.dtype.itemsize
+            end = start + seg.numel * seg.dtype.itemsize
             weight += max(0, min(end, hi) - max(start, lo))
         self.shards.append(shard)
         self._shard_of[id(group)] = shard
@@ -193,101 +196,102 @@ class AllGatherTransport(Transport):
         self.image_bytes.append(image_bytes)
         self.shard_weight_bytes.append(weight)
         if not self.copied:
-            self.copied = [ring.platform.Event() for _ in range(2)]
+            self.copied = [self.platform.Event() for _ in range(2)]
         group.master = None  # the shard is this rank's host side of the block
-        ring.stats.add_host(weight, S - weight, pinned=ring.platform.pin_memory_supported
-                            and ring.pin)
+        self.stats.add_host(weight, S - weight, pinned=self.platform.pin_memory_supported
+                            and self.pin)
 
     def slot_bytes(self, image_bytes: int) -> int:
         return self.world * shard_bytes(image_bytes, self.world, self.alignment)
 
     # -- fills ----------------------------------------------------------------------------------
 
-    def _slot_views(self, ring: BlockRing, k: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        views = self._views.get((k, s))
+    def slot_views(self, slot: Slot, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ``k``'s whole image in ``slot`` and this rank's shard of it (the gather's
+        output and input)."""
+        views = self._views.get((k, slot.index))
         if views is None:
             S = self.shard_bytes[k]
-            out = ring.slots[s].narrow(0, 0, self.world * S)
-            views = self._views[(k, s)] = (out, out.narrow(0, self.rank * S, S))
+            out = slot.storage.narrow(0, 0, self.world * S)
+            views = self._views[(k, slot.index)] = (out, out.narrow(0, self.rank * S, S))
         return views
 
-    def fill(self, ring: BlockRing, k: int, s: int) -> None:
-        platform = ring.platform
-        out, mine = self._slot_views(ring, k, s)
-        with platform.stream(ring.copy_stream):
-            ring.copy_stream.wait_event(ring.free[s])
+    def copy_shard(self, slot: Slot, k: int) -> None:
+        """The first half of a fill: this rank's shard into its place in ``slot``, on the copy
+        stream after the slot's last reader, recording the slot's shard-copied event."""
+        platform = self.platform
+        copy_stream = self.streams.copy
+        _, mine = self.slot_views(slot, k)
+        with platform.stream(copy_stream):
+            copy_stream.wait_event(slot.free)
             # The previous gather into this slot ran on the communication stream: a block that
-            # was prefetched and then skipped (skip-layer guidance) never recorded free[s] after
-            # it, so the copy below waits for that gather itself (a rank-local fill needs no
-            # such wait: all its writes are on the copy stream).
-            ring.copy_stream.wait_event(ring.ready[s])
-            span = _spans.stream_enter(platform, "copy", _WHERE, ring.label, k, s)
+            # was prefetched and then skipped (skip-layer guidance) never recorded the slot's
+            # free event after it, so the copy below waits for that gather itself (a rank-local
+            # fill needs no such wait: all its writes are on the copy stream).
+            copy_stream.wait_event(slot.ready)
+            span = _spans.stream_enter(platform, "copy", _WHERE, self.label, k, slot.index)
             platform.copy_(mine, self.shards[k])
             _spans.stream_exit(platform, span)
-            self.copied[s].record(ring.copy_stream)
+            self.copied[slot.index].record(copy_stream)
+
+    def gather(self, slot: Slot, k: int) -> None:
+        """The second half of a fill: the AllGather of block ``k``'s shards into ``slot``, on the
+        communication stream after the shard copy; the work is issued, not waited for."""
+        platform = self.platform
+        out, mine = self.slot_views(slot, k)
         tag = None
         if self._tagged:  # Note [Gather tags]: host-run collectives (gloo) only
             self._sequence += 1
             tag = torch.tensor([self._kind, k, self._sequence], dtype=torch.int64)
         with platform.stream(self.comm_stream):
-            self.comm_stream.wait_event(self.copied[s])
-            span = _spans.stream_enter(platform, "collective", _WHERE, ring.label, k, s)
+            self.comm_stream.wait_event(self.copied[slot.index])
+            span = _spans.stream_enter(platform, "collective", _WHERE, self.label, k, slot.index)
             platform.submit(functools.partial(_all_gather, out, mine, self.group, tag,
-                                              f"ring {ring.label}"),
-                            reads=(ring.slots[s],), writes=(ring.slots[s],))
+                                              f"ring {self.label}"),
+                            reads=(slot.storage,), writes=(slot.storage,))
             _spans.stream_exit(platform, span)
-            ring.ready[s].record(self.comm_stream)
 
-    def writers(self, ring: BlockRing) -> tuple[Any, ...]:
+    def fill(self, slot: Slot, k: int, group: TensorGroup) -> None:
+        self.copy_shard(slot, k)
+        self.gather(slot, k)
+        with self.platform.stream(self.comm_stream):
+            slot.ready.record(self.comm_stream)  # the last writer of a fill is the gather
+
+    def writers(self) -> tuple[Any, ...]:
         # A fill copies this rank's shard on the copy stream, then gathers on the
         # communication stream: the last writer of a slot is the gather.
-        return (ring.copy_stream, self.comm_stream)
+        return (self.streams.copy, self.comm_stream)
 
-    def count_fill(self, ring: BlockRing, k: int) -> None:
+    def count_fill(self, k: int, group: TensorGroup) -> None:
         weight = self.shard_weight_bytes[k]
-        ring.stats.add_h2d(weight, self.shard_bytes[k] - weight)
-        ring.stats.collective_bytes += self.world * self.shard_bytes[k]
+        self.stats.add_h2d(weight, self.shard_bytes[k] - weight)
+        self.stats.collective_bytes += self.world * self.shard_bytes[k]
 
     # -- disable --------------------------------------------------------------------------------
 
-    def restored_views(self, ring: BlockRing) -> list[list[torch.Tensor]]:
-        """Rebuild each block from a gather into slot 0 (every rank disables together)."""
-        platform = ring.platform
-        platform.synchronize()
-        for s in range(len(ring.slots)):
-            ring._evict(s)  # nothing stays bound to a slot that the gathers below overwrite
-        ring._cold = True
-        compute = platform.current_stream()
-        out = []
-        self._kind = 1  # Note [Gather tags]: these gathers are disable's
+    @contextlib.contextmanager
+    def disabling(self) -> Iterator[None]:
+        """Around disable's fills, which rebuild each block through slot 0 (every rank disables
+        together): their gathers are tagged as disable's (Note [Gather tags])."""
+        self._kind = 1
         try:
-            for k, group in enumerate(ring.groups):
-                self.fill(ring, k, 0)
-                compute.wait_event(ring.ready[0])
-                platform.record_use(ring.slots[0])
-                out.append(restore_group(group, platform, ring._slot_flats(k, 0)))
-                ring.free[0].record(compute)
+            yield
         finally:
             self._kind = 0
-        return out
 
-    def true_value(self, ring: BlockRing, k: int, i: int) -> torch.Tensor:
+    def true_value(self, k: int, group: TensorGroup, i: int) -> torch.Tensor:
         raise RuntimeError(
-            f"state_dict() while {ring.block_paths[k]} streams with AllGather: this rank holds "
+            f"state_dict() while {group.label} streams with AllGather: this rank holds "
             f"1/{self.world} of the block's bytes, and rebuilding it takes a collective that every "
             "rank would have to issue; call backend.disable() on every rank first (it gathers "
             "the full weights back), or use weight_transfer='rank-local'"
         )
 
-    def release(self, group: TensorGroup, platform: Any) -> None:
+    def release(self, group: TensorGroup) -> None:
         shard = self._shard_of.pop(id(group), None)
         if shard is not None:
-            platform.host_free(shard)
+            self.platform.host_free(shard)
         self._views = {}
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
@@ -306,10 +310,17 @@ class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
 
     ``process_group`` is the data-parallel group (default: the default group); ``timeout_s``
     bounds how long a rank waits for the others at enable.
+
+    Seams: :class:`~offload_ref.backends.layerwise.LayerWiseOffloadBackend`'s.  This class fills
+    four of them: :meth:`resolve` (a rank whose plan is skipped raises, Note [Collective
+    safety]), :meth:`transport_for` (AllGather rings), :meth:`before_commit` (the ranks agree)
+    and :meth:`enable_failed` (a failed rank tells the others).  Policy class:
+    ``allgather_transport_class``, the transport of an AllGather ring.
     """
 
     strategy = OffloadStrategy.DISTRIBUTED_LAYER_WISE
     hook_name = "offload_ref.distributed_layerwise"
+    allgather_transport_class: type[AllGatherTransport] = AllGatherTransport
 
     def __init__(self, config, platform, *, process_group: Any = None,
                  timeout_s: float = 60.0, prefetch: bool = True, rendezvous: Any = None) -> None:
@@ -381,11 +392,11 @@ class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
             self._resolve_group()
             super().enable(pipeline)
         except BaseException as exc:
-            self._enable_failed(exc)  # once per round: a no-op if the rendezvous itself raised
+            self.enable_failed(exc)  # once per round: a no-op if the rendezvous itself raised
             raise
 
-    def _resolve(self, pipeline: Any) -> ResolvedOffloadPlan:
-        plan = super()._resolve(pipeline)
+    def resolve(self, pipeline: Any) -> ResolvedOffloadPlan:
+        plan = super().resolve(pipeline)
         if plan.skip_reason is not None and self.world > 1:
             # Note [Collective safety]: a rank that would skip while its peers enable would
             # run un-offloaded beside them (and never meet their rounds).  It raises, before
@@ -398,14 +409,13 @@ class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
                 "or declarations, or disable distributed offload on every rank")
         return plan
 
-    def _transport_for(self, stack: RingPlan) -> Transport | None:
+    def transport_for(self, stack: RingPlan) -> Transport | None:
         if stack.transfer is not WeightTransfer.ALLGATHER or self.world == 1:
             return RankLocalTransport()
         if self._comm_stream is None:
             self._comm_stream = self.platform.Stream()
-        transport = AllGatherTransport(self.process_group, self.rank, self.world,
-                                       self._comm_stream, self.platform.alignment)
-        return transport
+        return self.allgather_transport_class(self.process_group, self.rank, self.world,
+                                              self._comm_stream, self.platform.alignment)
 
     def schedule(self) -> list[dict[str, Any]]:
         """What every rank must agree on: each ring's blocks, transport and shard sizes."""
@@ -417,7 +427,7 @@ class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
                         "slot_bytes": ring.slot_bytes})
         return out
 
-    def _before_commit(self, txn: Transaction) -> None:
+    def before_commit(self, txn: Transaction) -> None:
         if self._rendezvous is None or self.world == 1:
             return
         txn.step("agree with every rank")
@@ -442,7 +452,7 @@ class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
                 "on every rank (load the same checkpoint everywhere, and apply edits such as "
                 "LoRA on every rank)"))
 
-    def _enable_failed(self, exc: BaseException) -> None:
+    def enable_failed(self, exc: BaseException) -> None:
         if self._rendezvous is not None and not self._agreeing:
             self._agreeing = True
             try:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _spans
-from ..host import HostMaster, Layout, aligned_empty, storage_key, unique_tensors
+from ..host import HostMaster, Layout, aligned_empty, layout_rule, storage_key, unique_tensors
 from ..platform import Platform
 from .inference import rebind_restored
 from .rebind_guard import set_data
@@ -45,7 +45,7 @@ class TensorGroup:
     def of(cls, label: str, named: Sequence[tuple[str, torch.Tensor]],
            platform: Platform) -> TensorGroup:
         named = unique_tensors(named)  # Parameters reachable twice are one tensor
-        layout = Layout(named, alignment=platform.alignment)
+        layout = Layout(named, alignment=platform.alignment, rule=layout_rule(platform))
         was_resident = [platform.is_resident(src) for src in layout._sources]
         was_inference = [src.is_inference() for src in layout._sources]
         return cls(label, [t for _, t in named], layout, was_resident,

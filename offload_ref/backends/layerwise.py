@@ -36,11 +36,12 @@ from .rebind_guard import (
     readable_while,
     refuse_edits_between_forwards,
 )
-from .refusals import OffloadWeightEditError, RefusesCopies, refuse_autograd
+from .refusals import REFUSE_ALL, OffloadWeightEditError, RefusalPolicy, RefusesCopies
 from .ring import BlockRing, _Placeholders
 from .staging import StagingPool
 from .transaction import Transaction
-from .transports import RankLocalTransport, Transport
+from .slots import RingStreams
+from .transports import Transport
 
 __all__ = ["LayerWiseOffloadBackend", "LayerWiseOffloadHook", "LayerwiseOffloadHook"]
 
@@ -58,9 +59,11 @@ class LayerWiseOffloadHook(RefusesCopies, ModelHook):
     [Autograd], [Weight edits] in refusals.py)."""
 
     def __init__(self, ring: BlockRing, index: int, guard: CallGuard | None = None,
-                 refusals: _ReadRefusals | None = None) -> None:
+                 refusals: _ReadRefusals | None = None,
+                 refusal_policy: RefusalPolicy = REFUSE_ALL) -> None:
         self.ring = ring
         self.index = index
+        self.refusal_policy = refusal_policy  # the backend's (Note [Refusal policy])
         self.guard = guard if guard is not None else CallGuard(ring.label)
         group = ring.groups[index]
         self.path = ring.block_paths[index]
@@ -99,7 +102,8 @@ class LayerWiseOffloadHook(RefusesCopies, ModelHook):
             component.run()  # the pipeline called the block without its component
         try:
             if _grad_enabled():
-                refuse_autograd(self.path, self.names, self.tensors, args, kwargs, module)
+                self.refusal_policy.refuse_autograd(self.path, self.names, self.tensors, args,
+                                                    kwargs, module)
             for t, v in zip(self.counters, self.versions):
                 if t._version != v:
                     self._refuse_edit()
@@ -374,6 +378,7 @@ class LayerWisePartHook(RefusesCopies, ModelHook):
 
     def __init__(self, block_hook: LayerWiseOffloadHook, path: str) -> None:
         self.block_hook = block_hook
+        self.refusal_policy = block_hook.refusal_policy  # Note [Refusal policy] (refusals.py)
         self.ring = block_hook.ring
         self.index = block_hook.index
         self.path = path
@@ -405,8 +410,8 @@ class LayerWisePartHook(RefusesCopies, ModelHook):
                 one_shot.handle = module.register_forward_hook(
                     functools.partial(self._post_outside, one_shot), with_kwargs=True,
                     always_call=True)
-            refuse_autograd(block.path, block.names, self.ring.groups[self.index].tensors,
-                            args, kwargs, module)
+            block.refusal_policy.refuse_autograd(
+                block.path, block.names, self.ring.groups[self.index].tensors, args, kwargs, module)
             edited = block.edited()
             if edited:
                 raise OffloadWeightEditError(
@@ -504,6 +509,14 @@ class LayerWiseOffloadBackend(OffloadBackend):
 
     ``prefetch=False`` is a debug switch: every block is loaded synchronously when it runs (the
     serial baseline that overlap measurements compare against).
+
+    Seams (a subclass may override), besides :class:`~offload_ref.backends.base.OffloadBackend`'s
+    (``resolve``, ``install``, ``uninstall``, ``after_guard``, ``offloaded_tensors``,
+    ``rebound_tensors``, ...):
+
+    * :meth:`transport_for` ``(ring_plan)`` -- the ``Transport`` of one ring (how its host side
+      reaches its slots; transports.py).
+    * :attr:`ring_class` -- the :class:`BlockRing` each ring is built as (policy class).
     """
 
     strategy = OffloadStrategy.LAYER_WISE
@@ -522,7 +535,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         self._refusals: _ReadRefusals | None = None
         self._staging: StagingPool | None = None
 
-    def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
+    def install(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         placeholders = _Placeholders()
         if self._copy_stream is not None:
             try:  # a stream whose work failed skips all later work: this enable starts clean
@@ -531,7 +544,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
                 self._copy_stream = None
         if self._copy_stream is None:  # one per backend, reused by every enable
             self._copy_stream = self.platform.Stream()
-        copy_stream = self._copy_stream
+        streams = RingStreams(self.platform, self._copy_stream)  # Note [Ring streams]
         # Pipeline-managed (on-demand) components stream their declared rings too; only their
         # non-block residency is left to their load_to_device / offload_to_cpu.
         streamed = [c for c in plan.components if c.selected]
@@ -539,9 +552,9 @@ class LayerWiseOffloadBackend(OffloadBackend):
             for stack in comp.stacks:
                 if len(stack.streamed_blocks) < 2:
                     continue
-                ring = self.ring_class(stack, self.platform, self._stats, copy_stream, placeholders,
+                ring = self.ring_class(stack, self.platform, self._stats, streams, placeholders,
                                        pin=self.config.pin_memory, prefetch=self.prefetch,
-                                       transport=self._transport_for(stack))
+                                       transport=self.transport_for(stack))
                 self.rings.append(ring)
                 ring.prepare(txn, pipeline)
         self._staging = self._staging_pool(txn)  # Note [Pinned staging] (staging.py)
@@ -564,17 +577,18 @@ class LayerWiseOffloadBackend(OffloadBackend):
         txn.on_rollback(lambda: forget_readable(streamed_tensors))
         refusals = _ReadRefusals(type(self).__name__, resident.named_tensors())
         self._refusals = refusals
-        for ring in self.rings:
-            for k, group in enumerate(ring.groups):
-                readable_while(group.tensors, functools.partial(ring.is_running, k),
-                               refusals.refused)
+        if self.refusal_policy.refuses_reads_between_forwards:  # Note [Refusal policy]
+            for ring in self.rings:
+                for k, group in enumerate(ring.groups):
+                    readable_while(group.tensors, functools.partial(ring.is_running, k),
+                                   refusals.refused)
         self._hooks = []
         self._parts = []
         blocks = {id(b) for ring in self.rings for b in ring.blocks}
         parts: set[int] = set()
         for ring in self.rings:
             for k, (block, path) in enumerate(zip(ring.blocks, ring.block_paths)):
-                hook = LayerWiseOffloadHook(ring, k, self._guard, refusals)
+                hook = LayerWiseOffloadHook(ring, k, self._guard, refusals, self.refusal_policy)
                 self._hooks.append(hook)
                 txn.register_hook(block, self.hook_name, hook, path)
                 # Note [Block parts] (ring.py): a submodule the model calls outside the block.
@@ -597,6 +611,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
             if not isinstance(owner, nn.Module):
                 continue
             guard = guards[path] = _ComponentEditGuard(path, self._guard)
+            guard.refusal_policy = self.refusal_policy  # Note [Refusal policy] (refusals.py)
             guard.tensors = [t for t in owner.parameters() if id(t) not in claimed]
             claimed.update(id(t) for t in guard.tensors)
             self._edit_guards.append(guard)
@@ -604,7 +619,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         for hook in self._hooks:
             hook.component = guards.get(hook.ring.stack.owner_path)
 
-    def _after_guard(self, txn: Transaction) -> None:
+    def after_guard(self, txn: Transaction) -> None:
         # Note [Edits between forwards] (rebind_guard.py): the rings' components refuse in-place
         # edits outside their forwards.  A rollback unguards them with the rest.
         txn.step("refuse in-place edits of streamed components between forwards")
@@ -613,7 +628,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
             guard.params = refuse_edits_between_forwards(guard.tensors, report)
             guard.idle = bool(guard.params)
 
-    def _transport_for(self, stack: Any) -> Transport | None:
+    def transport_for(self, stack: Any) -> Transport | None:
         """The transport of ``stack``'s ring (None: rank-local host masters)."""
         return None
 
@@ -622,8 +637,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         [Pinned staging] in staging.py): ``OffloadConfig.staging_slots`` slots of the largest
         file-backed block (default: two where the platform pins memory), as many as
         ``staging_budget_bytes`` holds when it is set."""
-        mapped = [r for r in self.rings
-                  if isinstance(r.transport, RankLocalTransport) and r.transport.maps_files]
+        mapped = [r for r in self.rings if r.maps_files]
         if not mapped:
             return None
         config = self.config
@@ -632,7 +646,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
             slots = 2 if config.pin_memory and self.platform.pin_memory_supported else 0
         if slots == 0:
             return None
-        slot_bytes = max(r.transport.mapped_image_bytes(r) for r in mapped)
+        slot_bytes = max(r.mapped_image_bytes() for r in mapped)
         if config.staging_budget_bytes is not None:
             fit = config.staging_budget_bytes // slot_bytes
             slots = fit if slots is None else min(slots, fit)
@@ -643,16 +657,16 @@ class LayerWiseOffloadBackend(OffloadBackend):
                            pin=config.pin_memory)
         pool.prepare(txn, "layerwise")
         for ring in mapped:
-            ring.transport.use_staging(ring, pool)
+            ring.use_staging(pool)
         return pool
 
-    def _rebound_tensors(self) -> list[tuple[str, Any]]:
+    def rebound_tensors(self) -> list[tuple[str, Any]]:
         named = [n for ring in self.rings for g in ring.groups for n in g.named_tensors()]
         if self._resident is not None:
             named += self._resident.named_tensors()
         return named
 
-    def _offloaded_tensors(self) -> dict[int, Any]:
+    def offloaded_tensors(self) -> dict[int, Any]:
         """A streamed tensor reads as a copy of its host master (Note [Weight edits]): a copy,
         so editing a state_dict value never writes a master; from the master even while the
         block is bound to a slot, whose prefetch copy may still be in flight on the copy
@@ -664,7 +678,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
                     out[id(t)] = lambda ring=ring, k=k, i=i: ring.true_value(k, i)
         return out
 
-    def _disable(self, pipeline: Any) -> None:
+    def uninstall(self, pipeline: Any) -> None:
         if self._staging is not None:
             self._staging.close()  # no staging is issued from here on (synchronized below)
         for guard in self._edit_guards:  # unguarded: no class swaps from now on

@@ -41,7 +41,7 @@ from .base import OffloadBackend
 from .groups import ComponentSwapper
 from .stats import OffloadStats
 from .call_guard import CallGuard, call_frame
-from .refusals import RefusesCopies, refuse_autograd
+from .refusals import RefusesCopies
 from .transaction import Transaction
 
 __all__ = ["ComponentSwapper", "ModelLevelOffloadBackend", "ModelLevelOffloadHook",
@@ -60,6 +60,7 @@ class ModelLevelOffloadHook(RefusesCopies, ModelHook):
         self.backend = backend
         self.component = component
         self.guard = guard
+        self.refusal_policy = backend.refusal_policy  # Note [Refusal policy] (refusals.py)
 
     def _copy_subject(self) -> str:  # Note [No copies while enabled]
         return f"component {self.component.path!r}"
@@ -69,13 +70,13 @@ class ModelLevelOffloadHook(RefusesCopies, ModelHook):
         if not self.guard.enter(self.component.path, frame):
             return None  # the backend is being disabled: leave the module alone
         try:
-            swapper = self.backend._swapper
+            swapper = self.backend.swapper
             group = swapper.swappable.get(self.component.path) if swapper else None
             if group is not None:  # Note [Autograd]
-                refuse_autograd(self.component.path,
-                                [r.name for r in group.layout.records], group.tensors)
+                self.refusal_policy.refuse_autograd(
+                    self.component.path, [r.name for r in group.layout.records], group.tensors)
             with torch.inference_mode(False):  # Note [Hooks leave inference mode] (layerwise.py)
-                self.backend._activate(self.component)
+                self.backend.activate(self.component)
         except BaseException:
             self.guard.exit(frame)
             raise
@@ -87,7 +88,18 @@ class ModelLevelOffloadHook(RefusesCopies, ModelHook):
 
 
 class ModelLevelOffloadBackend(OffloadBackend):
-    """See the module docstring.  Selected by ``enable_cpu_offload`` or ``mode="module"``."""
+    """See the module docstring.  Selected by ``enable_cpu_offload`` or ``mode="module"``.
+
+    Seams (a subclass may override), besides :class:`~offload_ref.backends.base.OffloadBackend`'s
+    (``resolve``, ``install``, ``uninstall``, ...):
+
+    * :meth:`activate` ``(component)`` -- make a component the resident swap group; the
+      component's hook calls it before each forward, :meth:`use_component` on entry.
+    * :meth:`enable_delegated` ``(pipeline, txn)`` -- ``install`` of a split model: hand its
+      offload to the pipeline's ``enable_omni_model_cpu_offload``.
+    * :attr:`swapper_class` -- the :class:`ComponentSwapper` an enable builds (policy class);
+      :attr:`swapper` is the current enable's (read-only).
+    """
 
     strategy = OffloadStrategy.MODEL_LEVEL
     hook_name = "offload_ref.model_level"
@@ -101,9 +113,10 @@ class ModelLevelOffloadBackend(OffloadBackend):
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
+    def install(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         if plan.delegated:
-            self._enable_delegated(pipeline, txn)
+            self.enable_delegated(pipeline, txn)
+            self._delegated = True
             return
         swapper = self.swapper_class(self.platform, self._stats)
         self._swapper = swapper
@@ -125,7 +138,10 @@ class ModelLevelOffloadBackend(OffloadBackend):
                 txn.register_hook(comp.module, self.hook_name,
                                   ModelLevelOffloadHook(self, comp, self._guard), comp.path)
 
-    def _enable_delegated(self, pipeline: Any, txn: Transaction) -> None:
+    def enable_delegated(self, pipeline: Any, txn: Transaction) -> None:
+        """Hand a split model's offload to its ``enable_omni_model_cpu_offload`` (with the
+        keywords it accepts), registering its ``disable_omni_model_cpu_offload`` as the undo;
+        ``disable`` then calls that."""
         kwargs = {"device": self.platform.device, "pin_memory": self.config.pin_memory}
         enable = pipeline.enable_omni_model_cpu_offload
         params = inspect.signature(enable).parameters
@@ -141,9 +157,8 @@ class ModelLevelOffloadBackend(OffloadBackend):
         # Registered before the call: a failure inside the pipeline's enable calls its disable.
         txn.on_rollback(pipeline.disable_omni_model_cpu_offload)
         enable(**kwargs)
-        self._delegated = True
 
-    def _disable(self, pipeline: Any) -> None:
+    def uninstall(self, pipeline: Any) -> None:
         if self._delegated:
             if pipeline is not None:  # a collected split model took its offload state with it
                 pipeline.disable_omni_model_cpu_offload()
@@ -153,6 +168,11 @@ class ModelLevelOffloadBackend(OffloadBackend):
         self.registry.remove_all()
         self.platform.synchronize()
 
+    @property
+    def swapper(self) -> ComponentSwapper | None:
+        """The current enable's swapper (None while disabled, or for a delegated split model)."""
+        return self._swapper
+
     def _reset(self) -> None:
         self._swapper = None
         self._components = ()
@@ -161,7 +181,10 @@ class ModelLevelOffloadBackend(OffloadBackend):
 
     # -- swaps ----------------------------------------------------------------------------------
 
-    def _activate(self, comp: ResolvedComponent) -> None:
+    def activate(self, comp: ResolvedComponent) -> None:
+        """Make ``comp`` the resident swap group: load it, offload the groups the residency rule
+        (the module docstring) evicts for it.  Called by its hook before each of its forwards
+        (and by :meth:`use_component`); a no-op while disabled."""
         swapper = self._swapper
         if swapper is None:
             return
@@ -188,18 +211,18 @@ class ModelLevelOffloadBackend(OffloadBackend):
             if comp.path == path:
                 if comp.role in _SWAPPED:
                     with torch.inference_mode(False):
-                        self._activate(comp)
+                        self.activate(comp)
                 yield
                 return
         known = [c.path for c in self._components]
         raise ValueError(f"unknown component {path!r}; the plan's components are {known}")
 
-    def _rebound_tensors(self) -> list[tuple[str, Any]]:
+    def rebound_tensors(self) -> list[tuple[str, Any]]:
         if self._swapper is None:
             return []
         return self._swapper.named_tensors()
 
-    def _offloaded_tensors(self) -> dict[int, Any]:
+    def offloaded_tensors(self) -> dict[int, Any]:
         # Swapped tensors always view real storage (a host master or a device copy): state_dict
         # reads them as they are; load_state_dict must go through edit_weights.
         if self._swapper is None:

@@ -37,6 +37,16 @@ Note [No copies while enabled]
     ``module.state_dict()``, which holds the true weights while enabled.  The guarded tensors
     themselves still copy and pickle (as their original class): a ``state_dict(keep_vars=True)``
     holds them.
+
+Note [Refusal policy]
+    Which of these refusals a backend applies is its :class:`RefusalPolicy`, named by the
+    backend class (``OffloadBackend.refusal_policy_class``; each enable makes the backend's
+    ``refusal_policy``): the hooks of layerwise and model level refuse autograd through it, the
+    layerwise backend asks it whether a streamed tensor's ``.data`` refuses reads between
+    forwards (Note [Reads between forwards] in rebind_guard.py), and every object the backend
+    attaches to a module (:class:`RefusesCopies`) refuses copies through it.  The policy is
+    stateless; a backend subclass names another one (the kit's mutants: a backend that lets one
+    of these through).
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ from torch import nn
 __all__ = [
     "OffloadAutogradError",
     "OffloadWeightEditError",
+    "RefusalPolicy",
     "RefusesCopies",
     "refuse_autograd",
     "refuse_copy",
@@ -68,24 +79,56 @@ def refuse_copy(subject: str) -> None:
     )
 
 
+class RefusalPolicy:
+    """What an enabled backend refuses, as one stateless object (Note [Refusal policy]).
+
+    Seams (a subclass may override):
+
+    * :meth:`refuse_autograd` -- Note [Autograd]: raise before a forward that would record a
+      graph saving offloaded tensors (the hooks call it only with grad mode on).
+    * :attr:`refuses_reads_between_forwards` -- Note [Reads between forwards] (rebind_guard.py):
+      whether the layerwise backend lets a streamed tensor's ``.data`` be read only while its
+      block runs.
+    * :meth:`refuse_copy` -- Note [No copies while enabled]: raise for a copy or pickle of an
+      object the backend attached; returning lets the copy proceed as any object's.
+    """
+
+    #: Note [Reads between forwards] (rebind_guard.py).
+    refuses_reads_between_forwards: bool = True
+
+    def refuse_autograd(self, label: str, names: Sequence[str], tensors: Sequence[torch.Tensor],
+                        args: Any = (), kwargs: Any = None,
+                        module: nn.Module | None = None) -> None:
+        """:func:`refuse_autograd`."""
+        refuse_autograd(label, names, tensors, args, kwargs, module)
+
+    def refuse_copy(self, subject: str) -> None:
+        """:func:`refuse_copy`."""
+        refuse_copy(subject)
+
+
+#: The policy of offload-ref's backends (and of an object no backend gave one).
+REFUSE_ALL = RefusalPolicy()
+
+
 class RefusesCopies:
     """Mixin for what an enabled backend attaches to a module: ``copy.deepcopy``, ``copy.copy``
     and pickling raise a ``TypeError`` naming :meth:`_copy_subject` (Note [No copies while
-    enabled])."""
+    enabled]).  All three reach ``__reduce_ex__``, which asks :attr:`refusal_policy` (the
+    backend's, Note [Refusal policy]); a policy that lets the copy through gets an ordinary copy
+    of the object."""
 
     __slots__ = ()
+
+    #: Set by the backend that attaches the object (a class attribute default otherwise).
+    refusal_policy: RefusalPolicy = REFUSE_ALL
 
     def _copy_subject(self) -> str:
         return "a module"
 
-    def __deepcopy__(self, memo: dict) -> Any:
-        refuse_copy(self._copy_subject())
-
-    def __copy__(self) -> Any:
-        refuse_copy(self._copy_subject())
-
     def __reduce_ex__(self, protocol: Any) -> Any:
-        refuse_copy(self._copy_subject())
+        self.refusal_policy.refuse_copy(self._copy_subject())
+        return object.__reduce_ex__(self, protocol)
 
 
 

@@ -32,10 +32,10 @@ class ResidentBackend(OffloadBackend):
         super().__init__(config, platform)
         self._resident: ComponentSwapper | None = None
 
-    def _resolve(self, pipeline: Any) -> ResolvedOffloadPlan:
+    def resolve(self, pipeline: Any) -> ResolvedOffloadPlan:
         return resident_plan(pipeline, alignment=self.platform.alignment)
 
-    def _enable(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
+    def install(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         declared = getattr(pipeline, "_offload_plan", None)
         managed = []
         if isinstance(declared, OffloadPlan):
@@ -46,7 +46,7 @@ class ResidentBackend(OffloadBackend):
         self._resident = resident
         resident.prepare(txn, [], [("<resident>", resident_state(pipeline, managed))], pin=False)
 
-    def _disable(self, pipeline: Any) -> None:
+    def uninstall(self, pipeline: Any) -> None:
         assert self._resident is not None
         self._resident.restore()
         self.platform.synchronize()

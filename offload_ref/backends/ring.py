@@ -2,8 +2,9 @@
 (:class:`~offload_ref.plan.RingPlan`) streamed through two fixed device slots.
 
 Note [The ring]
-    A :class:`BlockRing` owns its blocks' host masters, two device slots, a ready and a free event
-    per slot, and the predictor that says which block to prefetch next.  Hooks on the blocks
+    A :class:`BlockRing` owns its blocks' groups, two device slots (:class:`Slot`, each with its
+    ready and free events: Note [Slots] in slots.py), its transport (which owns the blocks' host
+    side and fills the slots) and the predictor that says which block to prefetch next.  Hooks on the blocks
     are thin callbacks into it::
 
         pre-forward of block k                      post-forward of block k
@@ -34,7 +35,8 @@ Note [Slot layout]
     for rings whose blocks mix dtypes unevenly.)  Of a slot, the largest block's weight bytes
     count as device weight bytes and the rest as device padding.
 
-The ring's predictor is in predictor.py and its transports (Note [Transports]) in transports.py.
+The ring's predictor is in predictor.py, its slots in slots.py and its transports (Note
+[Transports]) in transports.py.
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ from ..plan import RingPlan, named_tensors
 from ..platform import Platform
 from ..platform.base import fast_calls
 from .call_guard import call_frame
-from .groups import TensorGroup
+from .groups import TensorGroup, restore_group
 from .predictor import CallOrderPredictor
 from .rebind_guard import set_data
+from .slots import RingStreams, Slot
 from .stats import OffloadStats
 from .transaction import Transaction
 from .transports import RankLocalTransport, Transport
@@ -65,11 +68,6 @@ from .transports import RankLocalTransport, Transport
 __all__ = ["BlockRing"]
 
 _NUM_SLOTS = 2
-# The frame of ``nn.Module.__call__`` that runs a block (Note [Interrupted blocks]).
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return dtype.itemsize
 
 
 class _Placeholders:
@@ -88,18 +86,27 @@ class _Placeholders:
 
 
 class BlockRing:
-    """One ring of blocks, its masters, slots and events.  See Note [The ring].  ``stack`` is
-    the plan's description of the ring (a :class:`~offload_ref.plan.RingPlan`)."""
+    """One ring of blocks, its slots, transport and predictor.  See Note [The ring].  ``stack``
+    is the plan's description of the ring (a :class:`~offload_ref.plan.RingPlan`); ``streams``
+    the streams the backend's rings share (a :class:`RingStreams`; a bare copy stream is taken
+    as one).
+
+    Seams (a subclass may override; the kit's mutants use nothing else): :meth:`prepare`,
+    :meth:`commit`, :meth:`before`, :meth:`after`, :meth:`wait_ready`, :meth:`recover`,
+    :meth:`storage_keys`; ``prefetch_enabled``; the transport passed in."""
 
     def __init__(self, stack: RingPlan, platform: Platform, stats: OffloadStats,
-                 copy_stream: Any, placeholders: _Placeholders, *, pin: bool,
+                 streams: RingStreams | Any, placeholders: _Placeholders, *, pin: bool,
                  prefetch: bool = True, transport: Transport | None = None) -> None:
+        if not isinstance(streams, RingStreams):
+            streams = RingStreams(platform, streams)
         self.transport: Transport = transport if transport is not None else RankLocalTransport()
         self.stack = stack
         self.label = "+".join(stack.container_paths)
         self.platform = platform
         self.stats = stats
-        self.copy_stream = copy_stream
+        self.streams = streams
+        self.copy_stream = streams.copy
         self.placeholders = placeholders
         self.pin = pin
         self.prefetch_enabled = prefetch
@@ -109,13 +116,10 @@ class BlockRing:
         self.sections: list[dict[torch.dtype, tuple[int, int]]] = []  # byte offset, numel
         self.slot_bytes = 0  # the largest aligned block (Note [Slot layout])
         self.slot_weight_bytes = 0  # the largest block's weight bytes
-        self.slots: list[torch.Tensor] = []
-        self.ready: list[Any] = []
-        self.free: list[Any] = []
+        self.slots: list[Slot] = []  # Note [Slots] (slots.py)
         n = len(self.blocks)
         self.order = CallOrderPredictor(n)
-        self.slot_of: list[int | None] = [None] * n
-        self.occupant: list[int | None] = [None] * _NUM_SLOTS
+        self.slot_of: list[int | None] = [None] * n  # block -> the index of its slot
         # Blocks whose forward is in progress (nested calls), each with the frame of the
         # nn.Module call that runs it (None: unknown); see Note [Interrupted blocks].
         self._running: list[tuple[int, FrameType | None]] = []
@@ -124,8 +128,8 @@ class BlockRing:
         # Note [Fast path]: one platform call per fill, and no calls that do nothing.
         self._platform_fill, skip_accesses = fast_calls(platform)
         self._tracks_accesses = not skip_accesses
-        self._fills: list[list[list[tuple[torch.Tensor, torch.Tensor]] | None]] = []
         self.creates_no_tensors = False
+        self.transport.bind(streams, stats, self.label, pin=pin, predict_after=self.predict_after)
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -144,24 +148,29 @@ class BlockRing:
             named += aliases.get(path, [])
             group = TensorGroup.of(path, named, self.platform)
             sections, image_bytes = {}, 0
-            for dtype in sorted(group.layout.numel, key=lambda d: (-_element_size(d), str(d))):
+            for dtype in sorted(group.layout.numel, key=lambda d: (-d.itemsize, str(d))):
                 numel = group.layout.numel[dtype]
                 sections[dtype] = (image_bytes, numel)  # offset: a multiple of the alignment
-                image_bytes += numel * _element_size(dtype)
-            self.transport.build_master(txn, self, group, sections, image_bytes)
+                image_bytes += numel * dtype.itemsize
+            self.transport.build_master(txn, group, sections, image_bytes)
             group.drop_sources()
             self.groups.append(group)
             self.sections.append(sections)
             self.slot_bytes = max(self.slot_bytes, self.transport.slot_bytes(image_bytes))
             self.slot_weight_bytes = max(self.slot_weight_bytes, group.weight_bytes)
-        for s in range(_NUM_SLOTS):
-            self.slots.append(txn.device_empty(f"{self.label} slot {s}", self.slot_bytes,
-                                               torch.uint8))
-            self.ready.append(self.platform.Event())
-            self.free.append(self.platform.Event())
-        self._build_flats()
+        for _ in range(_NUM_SLOTS):
+            self.slots.append(self.new_slot(txn))
+        self.build_views()
         self.stats.hold_device(_NUM_SLOTS * self.slot_weight_bytes,
                                _NUM_SLOTS * (self.slot_bytes - self.slot_weight_bytes))
+
+    def new_slot(self, txn: Transaction) -> Slot:
+        """A slot of :attr:`slot_bytes` device bytes with fresh events; :meth:`prepare` makes
+        two and then builds every slot's views."""
+        s = len(self.slots)
+        storage = txn.device_empty(f"{self.label} slot {s}", self.slot_bytes, torch.uint8)
+        return Slot(s, storage, self.platform.Event(), self.platform.Event(),
+                    self.transport.writers())
 
     def storage_keys(self) -> set[tuple[str, int]]:
         return {storage_key(t) for g in self.groups for t in g.tensors if t.numel()}
@@ -176,49 +185,52 @@ class BlockRing:
             return
         txn.step(f"prefetch {self.block_paths[0]}")
         self._issue_copy(0, 0)
-        txn.rebind(self.block_paths[0], self.groups[0].tensors, self._slot_views(0, 0))
+        txn.rebind(self.block_paths[0], self.groups[0].tensors, self.slots[0].views[0])
 
     # -- views ----------------------------------------------------------------------------------
 
-    def _slot_flats(self, k: int, s: int) -> dict[torch.dtype, torch.Tensor]:
-        # Built once at enable: views made under inference_mode would be inference tensors,
-        # which a copy issued outside inference_mode may not write.
-        return self._flats[s][k]
-
-    def _build_flats(self) -> None:
-        self._flats = [
-            [
-                {
-                    dtype: slab.narrow(0, offset, numel * _element_size(dtype)).view(dtype)
-                    for dtype, (offset, numel) in sections.items()
-                }
-                for sections in self.sections
-            ]
-            for slab in self.slots
-        ]
-        self._views = [[group.layout.views(flats) for group, flats in zip(self.groups, per_slot)]
-                       for per_slot in self._flats]
+    def build_views(self) -> None:
+        """Build every slot's flats, views and plain fills, per block (at enable, once every
+        slot exists: views made under inference_mode would be inference tensors, which a copy
+        issued outside inference_mode may not write)."""
+        for slot in self.slots:
+            slot.flats = [
+                {dtype: slot.storage.narrow(0, offset, numel * dtype.itemsize).view(dtype)
+                 for dtype, (offset, numel) in sections.items()}
+                for sections in self.sections]
+            slot.views = [group.layout.views(flats)
+                          for group, flats in zip(self.groups, slot.flats)]
         self._placeholder_cache: list[list[torch.Tensor] | None] = [None] * len(self.groups)
-        self._fills = [[self.transport.fill_pairs(self, k, s) for k in range(len(self.groups))]
-                       for s in range(len(self.slots))]
-        # Note [Hooks leave inference mode] (layerwise.py): the hooks may stay in inference mode
-        # when every fill is plain copies (views, placeholders and fills are all built here).
-        self.creates_no_tensors = all(p is not None for per_slot in self._fills for p in per_slot)
+        self.refresh_fills()
 
     def refresh_fills(self) -> None:
-        """Ask the transport again which fills are plain copies (it changed how it fills)."""
-        self._fills = [[self.transport.fill_pairs(self, k, s) for k in range(len(self.groups))]
-                       for s in range(len(self.slots))]
-        self.creates_no_tensors = all(p is not None for per_slot in self._fills for p in per_slot)
+        """Ask the transport which fills are plain copies (at enable, and after it changed how it
+        fills)."""
+        for slot in self.slots:
+            slot.fills = [self.transport.fill_pairs(slot, k, group)
+                          for k, group in enumerate(self.groups)]
+        # Note [Hooks leave inference mode] (layerwise.py): the hooks may stay in inference mode
+        # when every fill is plain copies (views, placeholders and fills are all built here).
+        self.creates_no_tensors = all(p is not None for slot in self.slots for p in slot.fills)
+
+    @property
+    def maps_files(self) -> bool:
+        """Whether a block of the ring is served from file pages (Note [Mapped masters])."""
+        return bool(getattr(self.transport, "maps_files", False))
+
+    def mapped_image_bytes(self) -> int:
+        """The largest slot image of a block served from file pages (0: none is)."""
+        return self.transport.mapped_image_bytes(self.groups, self.sections)
+
+    def use_staging(self, pool: Any) -> None:
+        """Fill the ring's file-backed blocks through ``pool`` (Note [Pinned staging])."""
+        self.transport.use_staging(pool, self.groups, self.sections)
+        self.refresh_fills()
 
     def predict_after(self, q: int) -> int:
         """The block expected after ``q`` when ``q`` is the one predicted next (a fill's
         look-ahead: Note [Pinned staging] in staging.py)."""
         return self.order.predict_after(q)
-
-    def _slot_views(self, k: int, s: int) -> list[torch.Tensor]:
-        # Built once at enable (_build_flats), like the flats: a rebind creates no tensor.
-        return self._views[s][k]
 
     def _placeholder_views(self, k: int) -> list[torch.Tensor]:
         views = self._placeholder_cache[k]
@@ -233,33 +245,42 @@ class BlockRing:
         for t, v in zip(self.groups[k].tensors, views):
             set_data(t, v)  # Note [Rebind guard] (rebind_guard.py)
 
+    def bind(self, k: int, s: int) -> None:
+        """Bind block ``k`` to slot ``s`` as the slot holds it, with no fill: ``slot_of`` and the
+        slot's occupant say so, and the block's tensors are the slot's views."""
+        self.slot_of[k] = s
+        self.slots[s].occupant = k
+        self._rebind(k, self.slots[s].views[k])
+
     # -- transfers ------------------------------------------------------------------------------
 
     def _issue_copy(self, k: int, s: int) -> None:
         """Fill slot s with block k (the transport's copies, and collective where it has one),
-        after the slot's last reader; ``ready[s]`` is recorded when the slot is filled."""
-        pairs = self._fills[s][k]
+        after the slot's last reader; the slot's ready event is recorded when it is filled."""
+        slot = self.slots[s]
+        pairs = slot.fills[k]
         if pairs is not None and not _profiler._is_profiler_enabled:  # Note [Fast path]
-            self._platform_fill(self.copy_stream, self.free[s], pairs, self.ready[s])
+            self._platform_fill(self.copy_stream, slot.free, pairs, slot.ready)
         else:
-            self.transport.fill(self, k, s)
+            self.transport.fill(slot, k, self.groups[k])
         self.slot_of[k] = s
-        self.occupant[s] = k
-        self.transport.count_fill(self, k)
+        slot.occupant = k
+        self.transport.count_fill(k, self.groups[k])
         self.stats.swaps += 1
 
-    def _evict(self, s: int) -> None:
+    def evict(self, s: int) -> None:
         """Forget the (never run) block prefetched into slot s."""
-        k = self.occupant[s]
+        slot = self.slots[s]
+        k = slot.occupant
         if k is not None:
             self._rebind(k, self._placeholder_views(k))
             self.slot_of[k] = None
-            self.occupant[s] = None
+            slot.occupant = None
 
     def _load(self, k: int, s: int) -> None:
-        self._evict(s)
+        self.evict(s)
         self._issue_copy(k, s)
-        self._rebind(k, self._slot_views(k, s))
+        self._rebind(k, self.slots[s].views[k])
 
     # -- hooks ----------------------------------------------------------------------------------
 
@@ -274,7 +295,7 @@ class BlockRing:
     #       steady state walks no frames), ``before`` checks that each running block's frame is
     #       still on this thread's stack; one that is not ended without its post-hook (stale).
     #     * Hook work runs under ``_dirty``: set first, cleared last.  A ring found dirty, or
-    #       holding a stale block, is reset (``_recover``): every slot no live block reads gets a
+    #       holding a stale block, is reset (``recover``): every slot no live block reads gets a
     #       fresh ready event after all the copies issued into it, compute waits for it, the
     #       slot is discarded and its free event recorded, every other block is rebound to its
     #       placeholders and unmarked.  Each step is idempotent, so an interrupted reset is
@@ -287,7 +308,7 @@ class BlockRing:
         found it already; found here when None)."""
         running = self._running
         if self._dirty or running:
-            self._recover(k, None)  # cheap when every running block is live (nested calls)
+            self.recover(k, None)  # cheap when every running block is live (nested calls)
             running = self._running
         self._dirty = True
         q = self.order.call(k)  # learn the order the caller runs; q: the block predicted next
@@ -295,16 +316,16 @@ class BlockRing:
         if s is None or self._tracks_accesses:
             s = self._materialize(k)
         else:  # _materialize(k), inlined: a prefetch hit (Note [Fast path])
-            self._wait_ready(s)
+            self.wait_ready(s)
         busy = {self.slot_of[r] for r, _ in running} if running else ()
         running.append((k, frame if frame is not None else call_frame()))
         t = 1 - s
         if self.prefetch_enabled and t not in busy:
             if q != k and self.slot_of[q] is None:
-                if self.occupant[t] is not None:
-                    self._evict(t)
+                if self.slots[t].occupant is not None:
+                    self.evict(t)
                 self._issue_copy(q, t)
-                for tensor, v in zip(self.groups[q].tensors, self._views[t][q]):
+                for tensor, v in zip(self.groups[q].tensors, self.slots[t].views[q]):
                     set_data(tensor, v)
         self._dirty = False
 
@@ -345,7 +366,7 @@ class BlockRing:
         """Pre-forward of a submodule of block k called outside k's forward (Note [Block
         parts])."""
         if self._dirty or self._running:
-            self._recover(None, None)  # cheap when every running block is live
+            self.recover(None, None)  # cheap when every running block is live
         self._dirty = True
         self._materialize(k)
         self._running.append((k, frame if frame is not None else call_frame()))
@@ -363,15 +384,15 @@ class BlockRing:
                 self._cold = False
             else:
                 self.stats.sync_recoveries += 1
-        self._wait_ready(s)
+        self.wait_ready(s)
         if self._tracks_accesses:
-            self.platform.record_use(self.slots[s])
+            self.platform.record_use(self.slots[s].storage)
         return s
 
     def after_part(self, k: int) -> None:
         """Post-forward of a submodule of block k that ``before_part`` let run."""
         if self._dirty:
-            self._recover(None, k)
+            self.recover(None, k)
             return
         self._dirty = True
         for i in range(len(self._running) - 1, -1, -1):
@@ -380,9 +401,10 @@ class BlockRing:
                 break
         s = self.slot_of[k]
         if s is not None:  # the block stays bound; its slot is refilled only after these reads
+            slot = self.slots[s]
             if self._tracks_accesses:
-                self.platform.record_use(self.slots[s])
-            self.free[s].record(self.platform.current_stream())
+                self.platform.record_use(slot.storage)
+            slot.free.record(self.platform.current_stream())
         self._dirty = False
 
     @property
@@ -390,18 +412,25 @@ class BlockRing:
         """Blocks whose forward is in progress (more than one: nested calls)."""
         return [r for r, _ in self._running]
 
-    def _wait_ready(self, s: int) -> None:
-        """Order compute after the copy that filled slot s (a device-side wait)."""
+    @property
+    def interrupted(self) -> bool:
+        """Whether hook work of this ring was interrupted (or is in progress): the next hook
+        call resets the ring first (Note [Interrupted blocks])."""
+        return self._dirty
+
+    def wait_ready(self, s: int) -> None:
+        """Order compute after the fill of slot s (a device-side wait on its ready event)."""
+        slot = self.slots[s]
         if not _profiler._is_profiler_enabled:  # Note [Spans] (_spans.py): no range to open
-            self.platform.current_stream().wait_event(self.ready[s])
+            self.platform.current_stream().wait_event(slot.ready)
             return
-        span = _spans.enter("wait", "ring=%s block=%s slot=%d", self.label, self.occupant[s], s)
-        self.platform.current_stream().wait_event(self.ready[s])
+        span = _spans.enter("wait", "ring=%s block=%s slot=%d", self.label, slot.occupant, s)
+        self.platform.current_stream().wait_event(slot.ready)
         _spans.exit(span)
 
     def after(self, k: int) -> None:
         if self._dirty:  # our hook work was interrupted (or raised): reset, k included
-            self._recover(None, k)
+            self.recover(None, k)
             return
         self._dirty = True
         running = self._running
@@ -415,12 +444,13 @@ class BlockRing:
         s = self.slot_of[k]
         if s is not None:
             platform = self.platform
+            slot = self.slots[s]
             if self._tracks_accesses:
-                platform.record_use(self.slots[s])
-                platform.discard(self.slots[s])
-            self.free[s].record(platform.current_stream())
+                platform.record_use(slot.storage)
+                platform.discard(slot.storage)
+            slot.free.record(platform.current_stream())
             self.slot_of[k] = None  # unmarked before its tensors lose the slot
-            self.occupant[s] = None
+            slot.occupant = None
             views = self._placeholder_cache[k]
             if views is None:
                 views = self._placeholder_views(k)
@@ -428,7 +458,7 @@ class BlockRing:
                 set_data(t, v)
         self._dirty = False
 
-    def _recover(self, calling: int | None, finishing: int | None) -> None:
+    def recover(self, calling: int | None, finishing: int | None) -> None:
         """Reset the ring after interrupted hook work or a stale running block (Note
         [Interrupted blocks]); ``calling`` is the block whose pre-hook runs now, ``finishing``
         the one whose post-hook does."""
@@ -442,25 +472,25 @@ class BlockRing:
         live_blocks = {r for r, _ in live}
         keep = {self.slot_of[r] for r in live_blocks}
         compute = platform.current_stream()
-        writers = self.transport.writers(self)
         for s in range(_NUM_SLOTS):
             if s in keep:
                 continue
-            # After every write issued into slot s, on each stream that writes slots (the
-            # copy stream; AllGather's communication stream too): ready[s] ends recorded on the
-            # last writer, which the next fill into s waits for.
-            for stream in writers:
-                self.ready[s].record(stream)
-                compute.wait_event(self.ready[s])
-            platform.discard(self.slots[s])
-            self.free[s].record(compute)
+            # After every write issued into the slot, on each stream its fills write it on
+            # (Note [Slots]): its ready event ends recorded on the last writer, which the next
+            # fill into it waits for.
+            slot = self.slots[s]
+            for stream in slot.writers:
+                slot.ready.record(stream)
+                compute.wait_event(slot.ready)
+            platform.discard(slot.storage)
+            slot.free.record(compute)
         for b in range(len(self.blocks)):
             if b not in live_blocks:
                 self.slot_of[b] = None
                 self._rebind(b, self._placeholder_views(b))
         for s in range(_NUM_SLOTS):
             if s not in keep:
-                self.occupant[s] = None
+                self.slots[s].occupant = None
         self._running = live
         if calling is not None and not live:
             # An interrupted pass leaves a fragment in the call history that the predictor
@@ -481,11 +511,11 @@ class BlockRing:
                 "streams through two slots, so blocks may nest at most one deep"
             )
         for s in free:
-            if self.occupant[s] is None:
+            if self.slots[s].occupant is None:
                 return s
         # The free slots hold prefetched blocks that did not run: drop one we will not need.
         keep = self.order.predict(k)
-        return next((s for s in free if self.occupant[s] != keep), free[0])
+        return next((s for s in free if self.slots[s].occupant != keep), free[0])
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -499,23 +529,41 @@ class BlockRing:
     # -- disable --------------------------------------------------------------------------------
 
     def restored_views(self) -> list[list[torch.Tensor]]:
-        return self.transport.restored_views(self)
+        """Every block's tensors rebuilt at their original placement: from the transport's host
+        side, or through slot 0 with one fill per block where the transport says so (AllGather:
+        every rank disables together)."""
+        if not self.transport.restores_through_slots:
+            return self.transport.restored_views(self.groups)
+        platform = self.platform
+        platform.synchronize()
+        for s in range(len(self.slots)):
+            self.evict(s)  # nothing stays bound to a slot that the fills below overwrite
+        self._cold = True
+        compute = platform.current_stream()
+        slot = self.slots[0]
+        out = []
+        with self.transport.disabling():
+            for k, group in enumerate(self.groups):
+                self.transport.fill(slot, k, group)
+                compute.wait_event(slot.ready)
+                platform.record_use(slot.storage)
+                out.append(restore_group(group, platform, slot.flats[k]))
+                slot.free.record(compute)
+        return out
 
     def true_value(self, k: int, i: int) -> torch.Tensor:
-        """A copy of the true value of tensor ``i`` of block ``k`` (from its host master)."""
-        return self.transport.true_value(self, k, i)
+        """A copy of the true value of tensor ``i`` of block ``k`` (from its host side)."""
+        return self.transport.true_value(k, self.groups[k], i)
 
     def release(self) -> None:
         for slot in self.slots:
-            self.platform.free(slot)
+            self.platform.free(slot.storage)
+            slot.flats, slot.views, slot.fills = [], [], []
         self.slots = []
-        self._flats = []
-        self._views = []
         self._placeholder_cache = []
-        self._fills = []
         self._running = []  # drops the frames of interrupted blocks
         for g in self.groups:
-            self.transport.release(g, self.platform)
+            self.transport.release(g)
         self.groups = []
 
 

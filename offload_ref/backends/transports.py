@@ -18,37 +18,60 @@ Note [Transports]
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import _spans
-from ..platform import Platform
 from .groups import TensorGroup, restore_group
+from .slots import RingStreams, Slot
+from .stats import OffloadStats
 from .transaction import Transaction
 
-# ``BlockRing`` (ring.py) appears in annotations only: ring.py imports this module (a ring's
-# default transport is rank-local), so this one does not import ring.py.
-
 __all__ = ["RankLocalTransport", "Transport"]
+
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class Transport:
     """How a ring's blocks reach its slots: the ring owns one (the way FSDP2 keeps its all-gather
     a swappable callable beside its parameter group).  The ring keeps events, predictor,
     placeholders and recovery; a transport owns the host side of each block and the work that
-    fills a slot.  See Note [Transports].
+    fills a slot.  It sees the slot it fills and the block's group, never the ring: the ring
+    binds it once (:meth:`bind`) to the streams, counters and look-ahead it needs.  See Note
+    [Transports]; a transport is the seam a broken or new way of moving bytes plugs into.
 
     ``collective`` transports issue a collective per fill, so enable issues none (the ring defers
-    block 0's first load to the first forward) and every rank must run the same schedule."""
+    block 0's first load to the first forward) and every rank must run the same schedule; at
+    disable the ring rebuilds each block through a slot with one more fill per block, which
+    every rank issues in the same order."""
 
     name: str = "transport"
     collective: bool = False
+    #: Whether disable rebuilds the blocks through a slot, with one :meth:`fill` per block (the
+    #: host side alone cannot: an AllGather rank holds 1/world of each block); else from
+    #: :meth:`restored_views`.
+    restores_through_slots: bool = False
 
-    def build_master(self, txn: Transaction, ring: BlockRing, group: TensorGroup,
+    def bind(self, streams: RingStreams, stats: OffloadStats, label: str, *, pin: bool,
+             predict_after: Callable[[int], int]) -> None:
+        """Called once by the ring that owns this transport, before any other method:
+        ``streams`` (Note [Ring streams] in slots.py), the counters fills are counted in, the
+        ring's label, whether host sides are pinned, and the ring's look-ahead (the block
+        expected after a given one)."""
+        self.streams = streams
+        self.platform = streams.platform
+        self.stats = stats
+        self.label = label
+        self.pin = pin
+        self.predict_after = predict_after
+
+    def build_master(self, txn: Transaction, group: TensorGroup,
                      sections: dict[torch.dtype, tuple[int, int]], image_bytes: int) -> None:
         """Build the host side of ``group`` (one block) while its source tensors are alive;
-        count it in ``ring.stats``.  ``sections`` place each dtype's flat in the block's
+        count it in ``stats``.  ``sections`` place each dtype's flat in the block's
         ``image_bytes``-byte slot image (Note [Slot layout] in ring.py)."""
         raise NotImplementedError
 
@@ -56,43 +79,44 @@ class Transport:
         """Slot bytes a block whose image has ``image_bytes`` bytes needs."""
         return image_bytes
 
-    def fill(self, ring: BlockRing, k: int, s: int) -> None:
-        """Issue the work that fills slot ``s`` with block ``k``: ordered after ``ring.free[s]``,
-        ending with ``ring.ready[s]`` recorded on the stream that finished it."""
+    def writers(self) -> tuple[Any, ...]:
+        """Every stream a fill of this transport writes a slot on, the last one last (a slot's
+        ``writers``, Note [Slots] in slots.py)."""
+        return (self.streams.copy,)
+
+    def fill(self, slot: Slot, k: int, group: TensorGroup) -> None:
+        """Issue the work that fills ``slot`` with block ``k`` (``group``): ordered after
+        ``slot.free``, ending with ``slot.ready`` recorded on the last of :meth:`writers`."""
         raise NotImplementedError
 
-    def writers(self, ring: BlockRing) -> tuple[Any, ...]:
-        """Every stream a fill of this transport writes a slot on, the last one last.  Recovery
-        (Note [Interrupted blocks] in ring.py) orders the compute stream after each: an
-        interrupted fill may have stopped after any of them."""
-        return (ring.copy_stream,)
-
-    def fill_pairs(self, ring: BlockRing, k: int, s: int
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The ``(slot view, host view)`` copies that fill slot ``s`` with block ``k``, when a
-        fill is exactly those copies on the copy stream between ``free[s]`` and ``ready[s]``
+    def fill_pairs(self, slot: Slot, k: int, group: TensorGroup) -> Pairs | None:
+        """The ``(slot view, host view)`` copies that fill ``slot`` with block ``k``, when a fill
+        is exactly those copies on the copy stream between ``slot.free`` and ``slot.ready``
         (the ring then issues them in one ``platform.fill``, Note [Fast path] in ring.py); None
         when a fill is more (a collective).  Called once per block and slot at enable."""
         return None
 
-    def count_fill(self, ring: BlockRing, k: int) -> None:
-        """Count one fill of block ``k`` in ``ring.stats``."""
-        group = ring.groups[k]
-        ring.stats.add_h2d(group.weight_bytes, group.padding_bytes)
+    def count_fill(self, k: int, group: TensorGroup) -> None:
+        """Count one fill of block ``k`` in ``stats``."""
+        self.stats.add_h2d(group.weight_bytes, group.padding_bytes)
 
-    def restored_views(self, ring: BlockRing) -> list[list[torch.Tensor]]:
-        """Fresh storage for every block's tensors at their original placement (disable)."""
-        return [restore_group(g, ring.platform) for g in ring.groups]
+    def restored_views(self, groups: list[TensorGroup]) -> list[list[torch.Tensor]]:
+        """Fresh storage for every block's tensors at their original placement (disable); a
+        collective transport's blocks are rebuilt through a slot by the ring instead."""
+        return [restore_group(g, self.platform) for g in groups]
 
-    def true_value(self, ring: BlockRing, k: int, i: int) -> torch.Tensor:
+    def disabling(self) -> Any:
+        """A context around the fills that rebuild a collective transport's blocks at disable."""
+        return contextlib.nullcontext()
+
+    def true_value(self, k: int, group: TensorGroup, i: int) -> torch.Tensor:
         """A copy of tensor ``i`` of block ``k`` as its host side holds it."""
-        group = ring.groups[k]
         layout = group.layout
         record = layout.records[i]
         flat = group.master.flats[layout.segments[record.segment].dtype]
         return record.view(flat).detach().clone()
 
-    def release(self, group: TensorGroup, platform: Platform) -> None:
+    def release(self, group: TensorGroup) -> None:
         if group.master is not None:
             group.master.release()
 
@@ -114,18 +138,18 @@ class RankLocalTransport(Transport):
         self.staging: Any = None
         self._segments: dict[int, list[tuple[int, torch.dtype, int, torch.Tensor]]] = {}
         # (block, ring slot, staging slot) -> the copies of a staged fill
-        self._staged: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._staged: dict[tuple[int, int, int], Pairs] = {}
         self._mapped: dict[int, list[torch.Tensor]] = {}  # id(group) -> one span per segment
         self._copies: dict[int, list[torch.Tensor]] = {}  # id(group) -> private host copies
         self._counts: dict[int, tuple[int, int]] = {}  # block -> h2d (weight, padding) per fill
 
-    def build_master(self, txn, ring, group, sections, image_bytes) -> None:
+    def build_master(self, txn, group, sections, image_bytes) -> None:
         # detach(): the tensors themselves are rebound at commit; these keep their storage.
         sources = [t.detach() for t in group.layout._sources]
         backed = [_is_file_backed(t) for t in sources] if self.map_files else []
         if not any(backed):
-            group.master = txn.host_master(group.label, group.layout, ring.pin)
-            ring.stats.add_host(group.weight_bytes, group.padding_bytes,
+            group.master = txn.host_master(group.label, group.layout, self.pin)
+            self.stats.add_host(group.weight_bytes, group.padding_bytes,
                                 pinned=group.master.pinned)
             return
         # Note [Mapped masters]: file views are the host side of their spans; any other span
@@ -133,101 +157,100 @@ class RankLocalTransport(Transport):
         txn.step(f"map {group.label} from its files")
         mapped: list[torch.Tensor] = []
         self._mapped[id(group)] = mapped
-        txn.on_rollback(lambda key=id(group): self._release_mapped(ring.platform, key))
+        txn.on_rollback(lambda key=id(group): self._release_mapped(key))
         copied = 0
         for seg, src, file_backed in zip(group.layout.segments, sources, backed):
             span = torch.as_strided(src, (seg.numel,), (1,), seg.lo) if seg.numel else src
             if file_backed or not seg.numel:
                 mapped.append(span)
                 continue
-            copy = ring.platform.host_empty(seg.numel, seg.dtype, pin=ring.pin)
+            copy = self.platform.host_empty(seg.numel, seg.dtype, pin=self.pin)
             mapped.append(copy)  # listed before the copy: released by the rollback either way
             self._copies.setdefault(id(group), []).append(copy)
             copy.copy_(span)
             copied += seg.numel * copy.element_size()
-        ring.stats.add_host(group.weight_bytes, 0, pinned=False)
-        ring.stats.file_backed_bytes += group.weight_bytes - copied
+        self.stats.add_host(group.weight_bytes, 0, pinned=False)
+        self.stats.file_backed_bytes += group.weight_bytes - copied
 
     @property
     def maps_files(self) -> bool:
         """Whether any block of the ring is served from file pages (Note [Mapped masters])."""
         return bool(self._mapped)
 
-    def mapped_image_bytes(self, ring: BlockRing) -> int:
+    def mapped_image_bytes(self, groups: list[TensorGroup],
+                           sections: list[dict[torch.dtype, tuple[int, int]]]) -> int:
         """The largest slot image of a block served from file pages (0: none is)."""
-        return max((sum(numel * dtype.itemsize for dtype, (_, numel) in ring.sections[k].items())
-                    for k, g in enumerate(ring.groups) if id(g) in self._mapped), default=0)
+        return max((sum(numel * dtype.itemsize for dtype, (_, numel) in sections[k].items())
+                    for k, g in enumerate(groups) if id(g) in self._mapped), default=0)
 
-    def use_staging(self, ring: BlockRing, pool: Any) -> None:
-        """Fill the ring's file-backed blocks through ``pool`` (Note [Pinned staging])."""
+    def use_staging(self, pool: Any, groups: list[TensorGroup],
+                    sections: list[dict[torch.dtype, tuple[int, int]]]) -> None:
+        """Fill the ring's file-backed blocks through ``pool`` (Note [Pinned staging]); the ring
+        asks for its plain fills again afterwards (``BlockRing.use_staging``)."""
         self.staging = pool
-        for k, group in enumerate(ring.groups):
+        for k, group in enumerate(groups):
             mapped = self._mapped.get(id(group))
             if mapped is None:
                 continue
-            sections = ring.sections[k]
             self._segments[k] = [
-                (sections[seg.dtype][0] + seg.offset * seg.dtype.itemsize, seg.dtype,
+                (sections[k][seg.dtype][0] + seg.offset * seg.dtype.itemsize, seg.dtype,
                  seg.numel, span)
                 for seg, span in zip(group.layout.segments, mapped) if seg.numel]
-        ring.refresh_fills()
 
-    def _pairs(self, ring: BlockRing, k: int, s: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        group = ring.groups[k]
+    def _pairs(self, slot: Slot, k: int, group: TensorGroup) -> Pairs:
         mapped = self._mapped.get(id(group))
-        flats = ring._slot_flats(k, s)
+        flats = slot.flats[k]
         if mapped is None:
             return [(flat, group.master.flats[dtype]) for dtype, flat in flats.items()]
         return [(flats[seg.dtype].narrow(0, seg.offset, seg.numel), span)
                 for seg, span in zip(group.layout.segments, mapped) if seg.numel]
 
-    def fill_pairs(self, ring: BlockRing, k: int, s: int
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def fill_pairs(self, slot: Slot, k: int, group: TensorGroup) -> Pairs | None:
         if self.staging is not None and k in self._segments:
             return None  # through the staging pool: more than plain copies
-        return self._pairs(ring, k, s)
+        return self._pairs(slot, k, group)
 
-    def fill(self, ring: BlockRing, k: int, s: int) -> None:
+    def fill(self, slot: Slot, k: int, group: TensorGroup) -> None:
         """The general path of a fill (a profiler running, or a block staged through pinned
         slots): the copies of :meth:`fill_pairs` inside a copy span."""
-        platform = ring.platform
+        platform = self.platform
+        copy_stream = self.streams.copy
         pool = self.staging if k in self._segments else None
         if pool is not None:  # Note [Pinned staging]
-            key = (id(ring), k)
+            key = (id(self), k)
             p = pool.acquire(key, self._segments[k])
-            pairs = self._staged.get((k, s, p))
+            pairs = self._staged.get((k, slot.index, p))
             if pairs is None:  # built once per block, ring slot and staging slot
-                pairs = self._staged[(k, s, p)] = pool.copies(
-                    p, key, self._segments[k], [dst for dst, _ in self._pairs(ring, k, s)])
+                pairs = self._staged[(k, slot.index, p)] = pool.copies(
+                    p, key, self._segments[k], [dst for dst, _ in self._pairs(slot, k, group)])
         else:
-            pairs = ring._fills[s][k] or self._pairs(ring, k, s)
-        with platform.stream(ring.copy_stream):
-            ring.copy_stream.wait_event(ring.free[s])
+            pairs = slot.fills[k] or self._pairs(slot, k, group)
+        with platform.stream(copy_stream):
+            copy_stream.wait_event(slot.free)
             if pool is not None:
-                ring.copy_stream.wait_event(pool.filled[p])  # its own slot, not the pool
+                copy_stream.wait_event(pool.filled[p])  # its own slot, not the pool
             copy_span = _spans.stream_enter(platform, "copy", "ring=%s block=%d slot=%d",
-                                            ring.label, k, s)
+                                            self.label, k, slot.index)
             for dst, src in pairs:
                 platform.copy_(dst, src)
             _spans.stream_exit(platform, copy_span)
             if pool is not None:
-                pool.read[p].record(ring.copy_stream)  # the slot is free after this copy
-            ring.ready[s].record(ring.copy_stream)
+                pool.read[p].record(copy_stream)  # the slot is free after this copy
+            slot.ready.record(copy_stream)
         if pool is not None:
-            after = ring.predict_after(k)
+            after = self.predict_after(k)
             if after in self._segments:
-                pool.prefetch((id(ring), after), self._segments[after], keep=p)
+                pool.prefetch((id(self), after), self._segments[after], keep=p)
 
-    def count_fill(self, ring: BlockRing, k: int) -> None:
+    def count_fill(self, k: int, group: TensorGroup) -> None:
         counts = self._counts.get(k)
         if counts is None:
-            group = ring.groups[k]
             if id(group) in self._mapped:  # spans only: the padding is not copied
                 counts = (group.weight_bytes, 0)
             else:
                 counts = (group.weight_bytes, group.padding_bytes)
             self._counts[k] = counts
-        stats = ring.stats  # stats.add_h2d(*counts), inlined (Note [Fast path] in ring.py)
+        stats = self.stats  # stats.add_h2d(*counts), inlined (Note [Fast path] in ring.py)
         stats.h2d_bytes += counts[0]
         stats.h2d_padding_bytes += counts[1]
 
@@ -247,35 +270,34 @@ class RankLocalTransport(Transport):
                                           span.storage_offset() + record.offset - seg.offset))
         return views
 
-    def restored_views(self, ring: BlockRing) -> list[list[torch.Tensor]]:
+    def restored_views(self, groups: list[TensorGroup]) -> list[list[torch.Tensor]]:
         out = []
-        for group in ring.groups:
+        for group in groups:
             views = self._mapped_views(group)
-            out.append(views if views is not None else restore_group(group, ring.platform))
+            out.append(views if views is not None else restore_group(group, self.platform))
         return out
 
-    def true_value(self, ring: BlockRing, k: int, i: int) -> torch.Tensor:
-        views = self._mapped_views(ring.groups[k])
+    def true_value(self, k: int, group: TensorGroup, i: int) -> torch.Tensor:
+        views = self._mapped_views(group)
         if views is not None:
             return views[i].detach().clone()
-        return super().true_value(ring, k, i)
+        return super().true_value(k, group, i)
 
-    def _release_mapped(self, platform: Platform, key: int) -> None:
+    def _release_mapped(self, key: int) -> None:
         self._mapped.pop(key, None)
         for copy in self._copies.pop(key, []):
-            platform.host_free(copy)
+            self.platform.host_free(copy)
 
-    def release(self, group: TensorGroup, platform: Platform) -> None:
-        self._release_mapped(platform, id(group))
+    def release(self, group: TensorGroup) -> None:
+        self._release_mapped(id(group))
         self._counts.clear()
         self._segments.clear()
         self._staged.clear()
         self.staging = None
-        super().release(group, platform)
+        super().release(group)
 
 
 def _is_file_backed(t: torch.Tensor) -> bool:
     from ..loading import is_file_backed
 
     return is_file_backed(t)
-

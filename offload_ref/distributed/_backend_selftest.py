@@ -530,11 +530,11 @@ def three_ranks(rank: int, world: int, name: str = THREE_RANK_FIXTURE) -> dict[s
         rings[ring.label] = {
             "transport": t.name,
             # each block's slot image, from the ring's own layout (Note [Slot layout])
-            "images": [sum(numel * torch.empty((), dtype=d).element_size()
+            "images": [sum(numel * d.itemsize
                            for d, (_, numel) in sections.items()) for sections in ring.sections],
             "shard_numel": [int(s.numel()) for s in getattr(t, "shards", ())],
             "nonzero_padding": tails, "slot_bytes": ring.slot_bytes,
-            "slots": [int(s.numel()) for s in ring.slots]}
+            "slots": [int(s.storage.numel()) for s in ring.slots]}
     obs["rings"] = rings
     backend.disable()
     want = tensor_state(fresh)
@@ -634,7 +634,7 @@ def _streamed(pipeline: nn.Module, map_files: bool,
     if not map_files:  # the deliberately broken variant: a host copy of every block
         from offload_ref.backends.transports import RankLocalTransport
 
-        backend._transport_for = lambda stack: RankLocalTransport(map_files=False)
+        backend.transport_for = lambda stack: RankLocalTransport(map_files=False)
     backend.enable(pipeline)
     with torch.inference_mode():
         out = pipeline(mmap_input())

@@ -18,7 +18,8 @@ The package, one file per concept (a submodule imports only those above it in th
   :class:`AutoChoice`) and the tensors a component owns (:func:`owned_tensors`);
 * ``prediction.py``: byte arithmetic (the predicted peak device bytes, slots, shards, staging);
 * ``ownership.py``: ring aliases and shared tensors (Note [Ownership by identity]);
-* ``resolver.py``: ``_Resolver``, every topology check;
+* ``resolver.py``: :class:`Resolver`, every topology check (a subclass may override its named
+  rules: the seams its docstring lists);
 * ``auto.py``: ``strategy="auto"`` (Note [Auto mode]);
 * this file: :func:`resolve_offload_plan`, the entry point, and the names other modules import.
 """
@@ -46,7 +47,7 @@ from .declarations import (
     encoder_kind,
     selectable_components,
 )
-from .prediction import _predict, shard_bytes, staging_budget_error
+from .prediction import predict_device_bytes, shard_bytes, staging_budget_error
 from .resolved import (
     AutoCandidate,
     AutoChoice,
@@ -58,7 +59,7 @@ from .resolved import (
     RingPlan,
     owned_tensors,
 )
-from .resolver import _Resolver
+from .resolver import Resolver
 from .tree import _tensors, named_tensors, pipeline_state
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "OffloadTopologyError",
     "ResolvedComponent",
     "ResolvedOffloadPlan",
+    "Resolver",
     "RingAlias",
     "RingPlan",
     "auto_candidates",
@@ -78,6 +80,7 @@ __all__ = [
     "named_tensors",
     "owned_tensors",
     "pipeline_state",
+    "predict_device_bytes",
     "resolve_offload_plan",
     "staging_budget_error",
     "selectable_components",
@@ -102,4 +105,4 @@ def resolve_offload_plan(pipeline: Any, config: OffloadConfig, *,
         return _resolve_auto(pipeline, config, alignment)
     if resident_heads is not None:
         resident_heads = _head_map(resident_heads)
-    return _Resolver(pipeline, config, alignment, resident_heads).resolve()
+    return Resolver(pipeline, config, alignment, resident_heads).resolve()

@@ -5,10 +5,11 @@ Note [Auto mode]
     ``strategy="auto"`` weighs, coarsest first: none (every weight resident), model level (every
     selectable component swaps), layerwise (the DiTs stream), layerwise with encoder rings
     (every encoder kind with declared blocks streams too).  Each is resolved purely, as an
-    explicit config, and its predicted peak device bytes (``_predict``, which equals the
-    measured ``stats().peak_device_bytes``) is compared with the budget; the first that fits is
-    the plan.  A strategy that cannot serve the pipeline (no encoder, no blocks) or whose peak
-    cannot be predicted (model level delegated to a split model) is skipped, with its reason.
+    explicit config, and its predicted peak device bytes (``predict_device_bytes``, which
+    equals the measured ``stats().peak_device_bytes``) is compared with the budget; the first
+    that fits is the plan.  A strategy that cannot serve the pipeline (no encoder, no blocks)
+    or whose peak cannot be predicted (model level delegated to a split model) is skipped,
+    with its reason.
     Nothing fitting is an OffloadTopologyError before any mutation.  Layer strategies are
     weighed without a resident head; when one is chosen, the budget left between its peak and
     the next coarser strategy's is filled with the largest resident head whose predicted peak
@@ -33,7 +34,7 @@ from ..host import ALLOCATOR_ALIGNMENT
 from .declarations import OffloadPlan, OffloadTopologyError, selectable_components
 from .prediction import _span_bytes
 from .resolved import AutoCandidate, AutoChoice, ResolvedOffloadPlan
-from .resolver import _Resolver
+from .resolver import Resolver
 from .tree import named_tensors, pipeline_state
 
 
@@ -98,8 +99,8 @@ def auto_candidates(pipeline: Any, config: OffloadConfig | None = None, *,
         try:
             with warnings.catch_warnings():  # the chosen plan warns when it is enabled
                 warnings.simplefilter("ignore")
-                plan = _Resolver(pipeline, cfg, alignment,
-                                 None if heads is None else {}).resolve()
+                plan = Resolver(pipeline, cfg, alignment,
+                                None if heads is None else {}).resolve()
         except OffloadTopologyError as exc:
             cands.append(AutoCandidate(name, cfg, None, str(exc)))
             continue
@@ -124,7 +125,7 @@ def head_candidates(pipeline: Any, candidate: AutoCandidate, *,
         return []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        resolver = _Resolver(pipeline, candidate.config, alignment, {})
+        resolver = Resolver(pipeline, candidate.config, alignment, {})
         base = resolver.resolve()
         # A DiT's own ring (a submodule that owns its residency keeps none: offload_submodules)
         rings = {c.path: len(s.blocks) for c in base.dits for s in c.stacks
@@ -134,8 +135,8 @@ def head_candidates(pipeline: Any, candidate: AutoCandidate, *,
         out = []
         for k in range(max(rings.values()) - 1):
             heads = tuple((path, min(k, n - 2)) for path, n in rings.items())
-            plan = base if not k else _Resolver(pipeline, candidate.config, alignment,
-                                                dict(heads)).resolve()
+            plan = base if not k else Resolver(pipeline, candidate.config, alignment,
+                                               dict(heads)).resolve()
             out.append(dataclasses.replace(candidate, predicted=plan.predicted_device_bytes(),
                                            heads=heads))
     return out
@@ -186,4 +187,4 @@ def resolve_candidate(pipeline: Any, candidate: AutoCandidate, *,
     """The plan of one auto candidate (the resident plan for "none"), with its resident head."""
     if candidate.name == "none":
         return resident_plan(pipeline, alignment=alignment)
-    return _Resolver(pipeline, candidate.config, alignment, candidate.resident_heads).resolve()
+    return Resolver(pipeline, candidate.config, alignment, candidate.resident_heads).resolve()

@@ -1,5 +1,6 @@
-"""Byte arithmetic of a resolved plan: its predicted peak device bytes (:func:`_predict`), the
-span bytes of tensors, ring slots and AllGather shards, and the staging budget's refusal."""
+"""Byte arithmetic of a resolved plan: its predicted peak device bytes
+(:func:`predict_device_bytes`), the span bytes of tensors, ring slots and AllGather shards, and
+the staging budget's refusal."""
 
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ from .resolved import (
 from .tree import _tensors
 
 
-def _predict(plan: ResolvedOffloadPlan) -> int:
-    """Model level keeps the resident state plus the largest swap group (one DiT, or the
+def predict_device_bytes(plan: ResolvedOffloadPlan) -> int:
+    """The predicted peak device bytes of ``plan`` (``ResolvedOffloadPlan.device_bytes_bound``,
+    which the resolver sets with it; a plan changed after resolution can be predicted again).
+
+    Model level keeps the resident state plus the largest swap group (one DiT, or the
     encoders); layerwise keeps everything but the streamed blocks, plus two of each ring's
     largest block.  A swap group is its component's own tensors (:func:`owned_tensors`);
     pipeline-managed (on-demand) components hold no bytes of ours, but their rings do.  Bytes

@@ -190,7 +190,8 @@ class ResolvedOffloadPlan:
     delegated: bool = False  # split model: the pipeline's enable_omni_model_cpu_offload owns it
     warnings: tuple[str, ...] = ()
     other_state_bytes: int = 0  # parameters/buffers of the pipeline outside every component
-    device_bytes_bound: int = 0  # predicted peak device bytes, padding included (see _predict)
+    # predicted peak device bytes, padding included (see predict_device_bytes)
+    device_bytes_bound: int = 0
     alignment: int = ALLOCATOR_ALIGNMENT  # the platform's alignment the prediction assumes
     world_size: int = 1  # ranks an AllGather ring shards across (distributed layerwise)
     #: ``strategy="auto"``: the choice this plan is (``strategy`` is the chosen one; ``NONE``
@@ -260,8 +261,9 @@ class ResolvedOffloadPlan:
 
     def predicted_device_bytes(self) -> int:
         """The strategy's residency bound, computed when the plan was resolved (before any
-        tensor moved): see :func:`_predict`.  It equals ``stats().peak_device_bytes`` after a
-        generation on a platform with the same ``alignment``."""
+        tensor moved): see :func:`~offload_ref.plan.predict_device_bytes`.  It equals
+        ``stats().peak_device_bytes`` after a generation on a platform with the same
+        ``alignment``."""
         return self.device_bytes_bound
 
 

@@ -1,4 +1,4 @@
-"""The resolver: :class:`_Resolver` turns a pipeline's declarations and an
+"""The resolver: :class:`Resolver` turns a pipeline's declarations and an
 :class:`OffloadConfig` into a :class:`ResolvedOffloadPlan` (components, roles, selection, rings),
 raising every topology error before anything is placed (Note [Resolution is pure] in
 plan/__init__.py)."""
@@ -27,7 +27,7 @@ from ..discovery import (
 )
 from .declarations import OffloadPlan, OffloadTopologyError, encoder_kind
 from .ownership import _ring_aliases, _with_shared
-from .prediction import _other_state_bytes, _predict, _span_bytes, staging_budget_error
+from .prediction import _other_state_bytes, _span_bytes, predict_device_bytes, staging_budget_error
 from .resolved import (
     ComponentRole,
     ResolvedComponent,
@@ -39,7 +39,25 @@ from .resolved import (
 from .tree import _has_readable_storage, _storage_key, named_tensors, pipeline_state
 
 
-class _Resolver:
+class Resolver:
+    """Resolves one pipeline for one config: ``Resolver(pipeline, config).resolve()`` is
+    :func:`~offload_ref.plan.resolve_offload_plan` for a config that is not ``"auto"``
+    (``alignment`` and ``resident_heads`` as there).  Pure (Note [Resolution is pure]).
+
+    Seams (a subclass may override; each is one named rule of resolution, called by
+    :meth:`resolve`, so a subclass changes that rule alone):
+
+    * :meth:`check_acyclic`: the cycle check discovery runs before it walks a module tree;
+    * :meth:`validate_delegated`: the input validation of a split model that delegates model
+      level (it runs instead of everything below);
+    * :meth:`reject_unreadable_storage`: lazy, sparse and unreadable tensors, rejected;
+    * :meth:`container_names`: where a DiT's layerwise blocks are declared;
+    * :meth:`vae_components`: the VAEs, with their selection and lifecycle;
+    * :meth:`check_unique_ownership`: a block belongs to one ring, and nothing inside a
+      streamed block is a component of its own;
+    * :meth:`check_one_group_per_storage`: model level's groups share no storage.
+    """
+
     def __init__(self, pipeline: Any, config: OffloadConfig,
                  alignment: int = ALLOCATOR_ALIGNMENT,
                  resident_heads: Mapping[str, int] | None = None) -> None:
@@ -77,11 +95,12 @@ class _Resolver:
         if strategy is OffloadStrategy.NONE:
             return ResolvedOffloadPlan(strategy, skip_reason="offloading is disabled")
         if strategy is OffloadStrategy.MODEL_LEVEL and supports_model_cpu_offload(self.pipeline):
-            self._validate_delegated()
+            self.validate_delegated()
             return ResolvedOffloadPlan(strategy, delegated=True)
 
         try:
-            found = discover_components(self.pipeline, warn=self._warn_scan)
+            found = discover_components(self.pipeline, warn=self._warn_scan,
+                                        check_acyclic=self.check_acyclic)
         except ModuleCycleError as exc:
             raise OffloadTopologyError(f"{self.cls_name}: {exc}") from None
         for role, path in found.missing:
@@ -95,7 +114,7 @@ class _Resolver:
             else:
                 self.warnings.append(message)
 
-        self._reject_unreadable_storage(found)
+        self.reject_unreadable_storage(found)
         self._check_plan_keys(found)  # before a strategy reads them: a typo would be ignored
         if strategy is OffloadStrategy.MODEL_LEVEL:
             components = self._model_level(found)
@@ -106,9 +125,9 @@ class _Resolver:
                                        warnings=tuple(self.warnings))
         components = _with_nested(components)
         self._check_nesting(components)
-        self._check_unique_ownership(components)
+        self.check_unique_ownership(components)
         if strategy is OffloadStrategy.MODEL_LEVEL:
-            self._check_one_group_per_storage(components)
+            self.check_one_group_per_storage(components)
         components = _with_shared(self.pipeline, components)
         self._check_staging_budget(components)
         plan = ResolvedOffloadPlan(strategy, tuple(components), warnings=tuple(self.warnings),
@@ -116,7 +135,7 @@ class _Resolver:
                                        self.pipeline, components, self.alignment),
                                    alignment=self.alignment,
                                    world_size=self.config.world_size)
-        return dataclasses.replace(plan, device_bytes_bound=_predict(plan))
+        return dataclasses.replace(plan, device_bytes_bound=predict_device_bytes(plan))
 
     def _check_staging_budget(self, components: list[ResolvedComponent]) -> None:
         """A staging budget must hold two slots of the largest block served from file pages
@@ -139,20 +158,32 @@ class _Resolver:
             raise OffloadTopologyError(f"{self.cls_name}: "
                                        f"{staging_budget_error(budget, largest)}")
 
-    def _validate_delegated(self) -> None:
-        """A split model's own component groups walk its module tree and copy its tensors as
-        any backend does: it gets the same input validation (a cycle, a sparse or unreadable
-        tensor named with its path), before its enable_omni_model_cpu_offload mutates it."""
+    def check_acyclic(self, root: nn.Module, prefix: str = "") -> None:
+        """Seam: the cycle check :func:`~offload_ref.discovery.discover_components` runs on the
+        pipeline's module tree (or on each discovered component's, ``prefix`` its path and a
+        dot) before anything walks it: raises :class:`~offload_ref.discovery.ModuleCycleError`
+        naming the back edge (:func:`~offload_ref.discovery.require_acyclic`), which
+        :meth:`resolve` reports as an OffloadTopologyError."""
+        require_acyclic(root, prefix)
+
+    def validate_delegated(self) -> None:
+        """Seam.  A split model's own component groups walk its module tree and copy its
+        tensors as any backend does: it gets the same input validation (a cycle, a sparse or
+        unreadable tensor named with its path), before its enable_omni_model_cpu_offload
+        mutates it."""
         try:
-            found = discover_components(self.pipeline, warn=lambda message: None)
+            found = discover_components(self.pipeline, warn=lambda message: None,
+                                        check_acyclic=self.check_acyclic)
         except ModuleCycleError as exc:
             raise OffloadTopologyError(f"{self.cls_name}: {exc}") from None
-        self._reject_unreadable_storage(found)
+        self.reject_unreadable_storage(found)
 
-    def _reject_unreadable_storage(self, found) -> None:
-        """Tensor subclasses without readable storage (DTensor, other wrapper subclasses) have
-        no storage a host master could copy or a rebind could keep: reject them here, before
-        anything is placed (the storage-key helpers would crash on them later)."""
+    def reject_unreadable_storage(self, found) -> None:
+        """Seam (``found``: the :class:`~offload_ref.discovery.ComponentSet`).  Tensor
+        subclasses without readable storage (DTensor, other wrapper subclasses) have no storage
+        a host master could copy or a rebind could keep: reject them here, before anything is
+        placed (the storage-key helpers would crash on them later).  Lazy (uninitialized) and
+        non-strided (sparse) tensors likewise."""
         if isinstance(self.pipeline, nn.Module):
             roots = [("", self.pipeline)]
         else:
@@ -218,7 +249,7 @@ class _Resolver:
             kind = self._encoder_kind(p)
             comps.append(ResolvedComponent(p, m, ComponentRole.ENCODER, self.config.selects(kind),
                                            kind=kind))
-        comps += self._vaes(found, on_demand=set())
+        comps += self.vae_components(found, on_demand=set())
         comps += [ResolvedComponent(p, m, ComponentRole.RESIDENT, False)
                   for p, m in found.residents]
         return comps
@@ -228,9 +259,11 @@ class _Resolver:
     def _encoder_kind(self, path: str) -> str:
         return encoder_kind(self.plan, path)
 
-    def _vaes(self, found, on_demand: set[str]) -> list[ResolvedComponent]:
-        """Selecting ``"vae"`` hands every VAE to the lifecycle its pipeline declares; a VAE
-        that is not selected stays on the device (or, listed in ``on_demand``, the pipeline's)."""
+    def vae_components(self, found, on_demand: set[str]) -> list[ResolvedComponent]:
+        """Seam: the VAE components of ``found`` (the
+        :class:`~offload_ref.discovery.ComponentSet`).  Selecting ``"vae"`` hands every VAE to
+        the lifecycle its pipeline declares; a VAE that is not selected stays on the device (or,
+        listed in ``on_demand``, the pipeline's)."""
         selected = self.config.selects("vae")
         if selected and not found.vaes:
             raise OffloadTopologyError(
@@ -311,7 +344,7 @@ class _Resolver:
             comps.append(ResolvedComponent(path, module, ComponentRole.ENCODER,
                                            bool(stacks) or (staged and selected),
                                            staged, tuple(stacks), kind))
-        comps += self._vaes(found, on_demand)
+        comps += self.vae_components(found, on_demand)
         for path, module in found.residents:
             comps.append(ResolvedComponent(path, module, ComponentRole.RESIDENT, False))
         for path, container in self.plan.offload_submodules.items():
@@ -342,7 +375,10 @@ class _Resolver:
                 f"implement load_to_device() and offload_to_cpu(); missing: {missing}"
             )
 
-    def _container_names(self, path: str, module: nn.Module) -> tuple[tuple[str, ...], str]:
+    def container_names(self, path: str, module: nn.Module) -> tuple[tuple[str, ...], str]:
+        """Seam: the attribute names of the block containers of the DiT ``module`` at ``path``,
+        and the declaration they come from (for messages); ``((), "")`` when it declares none.
+        ``OffloadPlan.block_attrs`` wins over the class's ``_layerwise_offload_blocks_attrs``."""
         if path in self.plan.block_attrs:
             return tuple(self.plan.block_attrs[path]), f"OffloadPlan.block_attrs[{path!r}]"
         names = getattr(module, "_layerwise_offload_blocks_attrs", None)
@@ -388,7 +424,7 @@ class _Resolver:
         return blocks, block_paths, container_paths
 
     def _dit_stacks(self, path: str, module: nn.Module) -> list[RingPlan]:
-        names, source = self._container_names(path, module)
+        names, source = self.container_names(path, module)
         if not names:
             self.fail_or_warn(
                 f"{self.cls_name}: DiT {path!r} ({type(module).__name__}) has no streamable "
@@ -561,8 +597,8 @@ class _Resolver:
 
     # -- ownership -----------------------------------------------------------------------------
 
-    def _check_unique_ownership(self, components: list[ResolvedComponent]) -> None:
-        """A block belongs to one ring.  (Submodules or tensors shared between blocks are
+    def check_unique_ownership(self, components: list[ResolvedComponent]) -> None:
+        """Seam.  A block belongs to one ring.  (Submodules or tensors shared between blocks are
         handled by storage, see Note [Ownership by identity] in plan/ownership.py: a stateless
         module such as one GELU reused by every block is harmless.)"""
         owners: dict[int, str] = {}
@@ -601,10 +637,11 @@ class _Resolver:
                     "block), or move it out of the block container"
                 )
 
-    def _check_one_group_per_storage(self, components: list[ResolvedComponent]) -> None:
-        """Model level moves each swap group (one DiT, one encoder) on its own and keeps the
-        rest on the device (or leaves it to the pipeline): a storage reachable from two groups
-        would need two masters, or two device copies that drift apart."""
+    def check_one_group_per_storage(self, components: list[ResolvedComponent]) -> None:
+        """Seam (model level only).  Model level moves each swap group (one DiT, one encoder)
+        on its own and keeps the rest on the device (or leaves it to the pipeline): a storage
+        reachable from two groups would need two masters, or two device copies that drift
+        apart."""
         plan = ResolvedOffloadPlan(self.config.strategy, tuple(components))
         claimed: dict[tuple, tuple[str, str]] = {}  # storage -> (tensor path, group)
         resident = "the resident state (kept on the device)"
