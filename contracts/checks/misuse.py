@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from offload_ref.discovery import get_submodule_path
+
 from ..registry import check, fail
 from ._observe import observe
 from ._util import first_dit, module_view, values_equal
@@ -366,7 +368,8 @@ def _pause_point(case: Any, pipeline: Any) -> tuple[str, nn.Module]:
     """Where the first thread waits: inside the last streamed block, at its last submodule that
     holds weights (layerwise: the block's own hooks and its parts' have run, its forward is under
     way, and a second generation would rebind its slot to another block), or inside the first DiT
-    (model level)."""
+    (model level; for a split model, inside its first component context:
+    :func:`_first_called_inside`)."""
     plan = case.resolve(pipeline)
     rings = [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
     if rings:
@@ -378,8 +381,28 @@ def _pause_point(case: Any, pipeline: Any) -> tuple[str, nn.Module]:
         return owners[-1] if owners else (path, block)
     dit = next((c for c in plan.components if c.role == "dit"), None)
     if dit is None:  # a split model delegates model level: its plan lists no component
-        return first_dit(pipeline)
+        return _first_called_inside(case, pipeline, *first_dit(pipeline))
     return dit.path, dit.module
+
+
+def _first_called_inside(case: Any, pipeline: Any, path: str, dit: nn.Module
+                         ) -> tuple[str, nn.Module]:
+    """The DiT's tensor-owning submodule a generation calls first, in ``pipeline``.  A split
+    model calls it inside its first component context, so a thread waiting there holds that
+    context while a second generation swaps the phases (and ends on another phase, as Cosmos3's
+    reasoner-then-generator does): without a guard the first thread resumes on weights swapped
+    out.  (The DiT's own forward hook fires before any context is entered, and a thread waiting
+    in the last phase resumes on weights the second generation swapped back.)  Found on a fresh
+    pipeline run on the host; the DiT itself when none of its submodules owns tensors."""
+    fresh = case.build()
+    owners = [(name, sub) for name, sub in get_submodule_path(fresh, path).named_modules()
+              if name and any(True for _ in sub.parameters(recurse=False))]
+    with observe(owners) as calls:
+        case.run(fresh)
+    case.forget_runs()
+    if not calls:
+        return path, dit
+    return f"{path}.{calls[0]}", dit.get_submodule(calls[0])
 
 
 def _same_threads(fn: Any) -> Any:

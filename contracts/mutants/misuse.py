@@ -17,30 +17,6 @@ from ._declare import MISUSE_LAYER, MISUSE_MODEL, SPLIT_THREADS, backend_with, d
 from .split import _cosmos3_with
 
 
-class _UnguardedGroups(ComponentGroups):
-    """ComponentGroups without its call guard: two threads swap the groups at once.  Its swap
-    also runs in the caller's inference mode (no Note [Hooks leave inference mode]), as this
-    mutant always has, and that is what the check sees: the device copies are inference tensors
-    and ``disable()`` fails.  The missing guard alone passes: the check's first thread pauses
-    before the split model's DiT forward, inside no component context."""
-
-    @contextlib.contextmanager
-    def activated(self, name: str) -> Iterator[None]:
-        if self.enabled:
-            self.check_swap(name)
-            self.swap_in(name)
-        yield
-
-
-declare(
-    "split_threads_unguarded",
-    "a split model's component groups let a second thread swap while the first runs",
-    SPLIT_THREADS,
-    factory=_cosmos3_with(_UnguardedGroups),
-    kills={"check_second_thread_gets_a_clear_error_or_exact_output"},
-)
-
-
 class _EditsUnguarded(LayerWiseOffloadBackend):
     """Streams without refusing in-place edits between forwards: a loop editing every DiT weight
     changes the resident ones and stops at the first placeholder with torch's raw error."""
@@ -196,6 +172,22 @@ class _LetsEveryThreadIn(CallGuard):
 
     def exit(self, frame: Any) -> bool:
         return True
+
+
+class _UnguardedGroups(ComponentGroups):
+    """ComponentGroups whose contexts let every thread in: a second thread swaps the groups
+    while the first runs inside one."""
+
+    call_guard_class = _LetsEveryThreadIn
+
+
+declare(
+    "split_threads_unguarded",
+    "a split model's component groups let a second thread swap while the first runs",
+    SPLIT_THREADS,
+    factory=_cosmos3_with(_UnguardedGroups),
+    kills={"check_second_thread_gets_a_clear_error_or_exact_output"},
+)
 
 
 class _UnguardedCalls(LayerWiseOffloadBackend):
