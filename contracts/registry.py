@@ -10,6 +10,8 @@ import difflib
 import re
 from collections.abc import Iterable
 
+from . import traits as _traits
+
 __all__ = ["ALL_STRATEGIES", "AREAS", "CATALOGUE", "DOCS", "CheckFailure", "CheckInfo",
            "CheckNotApplicable", "NotApplicable", "applicability", "check", "closest", "doc_for",
            "fail", "not_applicable", "strategy_names"]
@@ -132,9 +134,11 @@ class CheckInfo:
 
     ``scope="spec"`` checks run once per pipeline spec and strategy, for the strategies the spec
     claims among ``strategies`` and never for one it does not claim; ``scope="global"`` checks need no pipeline and run once.
-    ``applies(spec, strategy)`` narrows a spec check to pipelines with the needed shape; a check
-    that does not apply is reported "not applicable" with the reason (a :class:`NotApplicable`
-    returned by ``applies``, else ``needs``), never run and never counted as a pass.
+    ``requires`` names the traits (:mod:`.traits`) a spec check needs the pipeline to have, and
+    ``applies(spec, strategy)`` (for checks registered outside the kit) narrows it further; a
+    check that does not apply is reported "not applicable" with the reason (the unmet trait's,
+    a :class:`NotApplicable` returned by ``applies``, else ``needs``), never run and never
+    counted as a pass.
     """
 
     id: str
@@ -145,6 +149,7 @@ class CheckInfo:
     applies: Callable[[Any, str], bool] | None = None
     title: str = ""
     needs: str = ""
+    requires: tuple[str, ...] = ()
 
     @property
     def area(self) -> str:
@@ -162,12 +167,22 @@ def check(
     *,
     scope: str = "spec",
     strategies: tuple[str, ...] = ALL_STRATEGIES,
+    requires: Iterable[str] = (),
     applies: Callable[[Any, str], bool] | None = None,
     needs: str = "",
 ) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
     """Register a check function; its name is its public id (``check_<subject>_<behaviour>``).
-    ``needs`` says what a pipeline must have for ``applies`` to hold (the reason printed when it
-    does not); a check with ``applies`` must state it."""
+
+    ``requires`` names the traits the pipeline must have (:mod:`.traits`: ``"has_vae"``,
+    ``"not delegates_model_level"``, ``"dit_blocks>=2"``); an unknown trait is a ``ValueError``
+    here.  ``needs`` says what a pipeline must have (the reason printed when it does not); it
+    defaults to the required traits' texts.  ``applies(spec, strategy)``, a predicate, is kept
+    for checks registered outside the kit; a check with ``applies`` must state ``needs``.
+    """
+    if isinstance(requires, (str, bytes)):
+        raise ValueError(f"requires: expected a tuple of requirements, got the string "
+                         f"{requires!r}")
+    requires = tuple(requires)
     if applies is not None and not needs:
         raise ValueError("a check with applies= must say what it needs (needs=...)")
 
@@ -175,6 +190,7 @@ def check(
         name = func.__name__
         if not name.startswith("check_"):
             raise ValueError(f"check ids start with 'check_': {name}")
+        _check_requirements(name, scope, requires)
         known = CATALOGUE.get(name)
         # The same function registered again is its module imported anew (pytester restores
         # sys.modules between in-process runs, importlib.reload): it replaces the old entry.
@@ -184,10 +200,26 @@ def check(
             raise ValueError(f"duplicate check id {name}: {func.__module__}.{func.__qualname__} "
                              f"and {known.func.__module__}.{known.func.__qualname__}")
         CATALOGUE[name] = CheckInfo(name, func, section, scope, tuple(strategies), applies,
-                                    first_sentence(func.__doc__ or ""), needs)
+                                    first_sentence(func.__doc__ or ""),
+                                    needs or _traits.needs_of(requires), requires)
         return func
 
     return register
+
+
+def _check_requirements(name: str, scope: str, requires: tuple[str, ...]) -> None:
+    """Reject, naming the check, a requirement that is not one (an unknown trait, bad syntax) and
+    a requirement of a global check (it has no pipeline)."""
+    if requires and scope != "spec":
+        raise ValueError(f"{name}: requires= is for spec checks; a {scope} check has no "
+                         "pipeline to require anything of")
+    for text in requires:
+        try:
+            _traits.parse(text)
+        except (ValueError, TypeError) as exc:
+            trait = _traits.name_in(text)
+            hint = closest(trait, _traits.TRAITS) if trait and trait not in _traits.TRAITS else ""
+            raise ValueError(f"{name}: {exc}{hint}") from None
 
 
 def first_sentence(doc: str) -> str:
@@ -198,8 +230,20 @@ def first_sentence(doc: str) -> str:
     return paragraph[: match.start() + 1] if match else paragraph
 
 
-def applicability(info: CheckInfo, spec: Any, strategy: str) -> str | None:
-    """None when ``info`` applies to ``spec`` under ``strategy``; else the reason it does not."""
+def applicability(info: CheckInfo, spec: Any, strategy: str,
+                  traits_of: Callable[[Any, str], Any] | None = None) -> str | None:
+    """None when ``info`` applies to ``spec`` under ``strategy``; else the reason it does not.
+
+    ``info.requires`` is judged on ``traits_of(spec, strategy)`` (the runner passes
+    ``checks._traits.traits_of``, the record computed once per spec and strategy), then
+    ``info.applies``, if any, is asked."""
+    if info.requires:
+        if traits_of is None:
+            raise TypeError(f"{info.id} requires {list(info.requires)}: applicability() needs "
+                            "traits_of")
+        reason = _traits.unmet(traits_of(spec, strategy), info.requires, info.needs)
+        if reason is not None:
+            return reason
     if info.applies is None:
         return None
     verdict = info.applies(spec, strategy)

@@ -17,6 +17,7 @@ from .preflight import failed_preflight, unresolved_strategies
 from .registry import (CATALOGUE, CheckFailure, CheckInfo, CheckNotApplicable, applicability,
                        closest, strategy_names)
 from .spec import PipelineSpec
+from .traits import required_traits
 
 __all__ = ["CaseId", "CheckResult", "PlannedCase", "expected_failures_for", "failed_preflight",
            "iter_cases", "load_catalogue", "plan_cases", "preflight_message", "run_checks"]
@@ -89,8 +90,8 @@ class PlannedCase:
     spec: PipelineSpec | None
     strategy: str | None
     not_applicable: str | None = None
-    #: the kit could not decide whether the check applies (its ``applies`` raised): the case is
-    #: reported as an error with this message, and not run
+    #: the kit could not decide whether the check applies (a probe of a trait it requires, or its
+    #: ``applies``, raised): the case is reported as an error with this message, and not run
     planning_error: str | None = None
 
 
@@ -108,31 +109,46 @@ def plan_cases(
     A spec check is generated only under the strategies the spec claims (``spec.strategies``):
     a spec that honestly supports model level alone gets no layerwise or distributed case, not
     even a resolution-only one, so it can be green.  Global checks need no pipeline and always
-    run.  A check whose ``applies`` does not hold for a spec is planned as not applicable, with
-    the reason, so that a report shows it instead of letting it vanish.  A spec failing its
-    preflight (:func:`failed_preflight`) gets no case at all (its one preflight result says so).
+    run.  A check whose ``requires`` (judged on the spec's traits, computed once per spec and
+    strategy: :func:`~.checks._traits.traits_of`) or ``applies`` does not hold for a spec is
+    planned as not applicable, with the reason, so that a report shows it instead of letting it
+    vanish.  A spec failing its preflight (:func:`failed_preflight`) gets no case at all (its one
+    preflight result says so).
     A check that cannot judge ``impl`` (:func:`~.capabilities.inapplicable`), and a strategy
     ``impl`` does not offer, are planned as not applicable, with the reason.
     """
     catalogue = load_catalogue()
+    from .checks._traits import traits_of  # the record the checks' `requires` are judged on
+
     wanted = None if checks is None else set(checks)
     if wanted is not None:
         unknown = sorted(wanted - set(catalogue))
         if unknown:
             raise KeyError(f"unknown check id(s) {unknown}; see `offload-ref check --list`")
     allowed = None if strategies is None else set(strategy_names(strategies, "strategies"))
+    selected = [(info, inapplicable(info.id, info.section, impl.capabilities))
+                for info in sorted(catalogue.values(), key=lambda i: i.id)
+                if wanted is None or info.id in wanted]
+    # Per strategy, every trait a selected check that judges ``impl`` requires: each
+    # (spec, strategy) is probed once for them all, and for nothing else.
+    required: dict[str, set[str]] = {}
+    for info, cannot_judge in selected:
+        if info.scope != "global" and not cannot_judge:
+            for strategy in info.strategies:
+                required.setdefault(strategy, set()).update(required_traits(info.requires))
+
+    def traits(spec: PipelineSpec, strategy: str) -> Any:
+        return traits_of(spec, strategy, required.get(strategy, ()))
+
     cases = []
     failed = failed_preflight(specs)  # reported once per spec by run_checks / check_params
-    for info in sorted(catalogue.values(), key=lambda i: i.id):
-        if wanted is not None and info.id not in wanted:
-            continue
-        cannot_judge = inapplicable(info.id, info.section, impl.capabilities)
+    for info, cannot_judge in selected:
         if info.scope == "global":
             if include_global:
                 cases.append(PlannedCase(info, None, None, cannot_judge))
             continue
         for spec in sorted(specs, key=lambda s: s.name):
-            if spec in failed:  # its `applies` would build the pipeline, and crash
+            if spec in failed:  # its traits would build the pipeline, and crash
                 continue
             for strategy in info.strategies:
                 if allowed is not None and strategy not in allowed:
@@ -149,7 +165,7 @@ def plan_cases(
                         f"(preflight-{spec.name}-{strategy} says why)")))
                     continue
                 try:
-                    reason = applicability(info, spec, strategy)
+                    reason = applicability(info, spec, strategy, traits)
                 except Exception as exc:  # noqa: BLE001 - the pipeline broke the kit's probe
                     cases.append(PlannedCase(info, spec, strategy, planning_error=(
                         f"deciding whether {info.id} applies to {spec.name} (it needs "

@@ -18,6 +18,7 @@ from offload_ref.discovery import discover_components, get_submodule_path
 from offload_ref.hooks import HOOKS_ATTR
 
 from ..registry import NotApplicable, fail
+from ..traits import needs_of, unmet
 
 __all__ = [
     "Snapshot",
@@ -261,36 +262,33 @@ def first_dit(pipeline: nn.Module) -> tuple[str, nn.Module]:
     return found.dits[0]
 
 
-def has_role(role: str) -> Callable[[Any, str], bool]:
-    """``applies`` predicate: the spec's pipeline declares a component of ``role``."""
-    cache: dict[str, bool] = {}
-
-    def applies(spec: Any, strategy: str) -> bool:
-        if spec.name not in cache:
-            found = discover_components(spec.build())
-            cache[spec.name] = bool(getattr(found, role))
-        return cache[spec.name]
-
-    return applies
+def dit_block_count(pipeline: Any, found: Any = None) -> tuple[str | None, int | None]:
+    """``(path, number of blocks)`` of the first DiT, its blocks those its declared block
+    containers hold; ``(None, None)`` when the pipeline has no DiT.  ``found``: the pipeline's
+    ``discover_components``, if the caller has it."""
+    dits = (found if found is not None else discover_components(pipeline)).dits
+    return (dits[0][0], len(dit_blocks(pipeline, *dits[0]))) if dits else (None, None)
 
 
-def dit_has_blocks(at_least: int = 2) -> Callable[[Any, str], bool]:
-    """``applies`` predicate: the first DiT's declared block containers hold ``at_least`` blocks.
+def dit_has_blocks(at_least: int = 2) -> Callable[[Any, str], Any]:
+    """An ``applies`` predicate, for checks registered outside the kit with ``applies=``: the
+    first DiT's declared block containers hold ``at_least`` blocks (the kit's own checks say
+    ``requires=("dit_blocks>=N",)``, judged by the same rule, :mod:`..traits`).
 
     Checks that copy, split or alias the author's blocks need blocks to work on; on a DiT with
     fewer (none, one, or undeclared containers) they do not apply.  A layer strategy on such a
-    DiT still fails, through the checks that resolve it and report the resolver's error.
+    DiT still fails, through the checks that resolve it and report the resolver's error.  No
+    DiT at all: the predicate holds, and the check says so (first_dit fails naming the class).
     """
-    cache: dict[str, bool] = {}
+    cache: dict[str, Any] = {}
+    requirement = (f"dit_blocks>={at_least}",)
 
-    def applies(spec: Any, strategy: str) -> bool:
+    def applies(spec: Any, strategy: str) -> Any:
         if spec.name not in cache:
-            pipeline = spec.build()
-            dits = discover_components(pipeline).dits
-            # No DiT at all: let the check say so (first_dit fails naming the pipeline class).
-            count = len(dit_blocks(pipeline, *dits[0])) if dits else at_least
-            cache[spec.name] = True if count >= at_least else NotApplicable(
-                f"needs a DiT with {at_least} or more declared blocks; {dits[0][0]} has {count}")
+            path, count = dit_block_count(spec.build())
+            reason = unmet({"dit_path": path, "dit_blocks": count}, requirement,
+                           needs_of(requirement))
+            cache[spec.name] = True if reason is None else NotApplicable(reason)
         return cache[spec.name]
 
     return applies

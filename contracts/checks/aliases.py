@@ -79,7 +79,14 @@ def check_block_alias_follows_its_block(case) -> None:
 
 
 def _tie_candidates(case: Any, pipeline: Any) -> tuple[Any, str, str] | None:
-    for stack in _rings(case, pipeline):
+    return tie_candidate_in(_rings(case, pipeline))
+
+
+def tie_candidate_in(rings: list[Any]) -> tuple[Any, str, str] | None:
+    """The first ring whose second streamed block holds a parameter with a twin (same name,
+    shape and dtype, another tensor) in its first: (ring, parameter name, its path in the
+    second block); None when no ring has one."""
+    for stack in rings:
         blocks = stack.streamed_blocks
         first = dict(blocks[0].named_parameters())
         for name, p in blocks[1].named_parameters():
@@ -87,17 +94,6 @@ def _tie_candidates(case: Any, pipeline: Any) -> tuple[Any, str, str] | None:
             if q is not None and q is not p and q.shape == p.shape and q.dtype == p.dtype:
                 return stack, name, f"{stack.block_paths[stack.resident_head + 1]}.{name}"
     return None
-
-
-def _has_tie_candidate(spec: Any, strategy: str) -> bool:
-    from offload_ref.contracts.case import CheckCase
-    from offload_ref.config import OffloadStrategy
-
-    case = CheckCase(spec, OffloadStrategy(strategy))
-    try:
-        return _tie_candidates(case, spec.build()) is not None
-    except ValueError:
-        return False
 
 
 def _tie(stack: Any, name: str) -> None:
@@ -108,8 +104,7 @@ def _tie(stack: Any, name: str) -> None:
     setattr(module, leaf, shared)
 
 
-@check("D.2", strategies=LAYER_BACKENDS, applies=_has_tie_candidate,
-       needs="two streamed blocks holding a parameter of the same name, shape and dtype (to tie)")
+@check("D.2", strategies=LAYER_BACKENDS, requires=("tie_candidate",))
 def check_parameter_shared_by_two_blocks_is_never_copied_twice(case) -> None:
     """A Parameter shared by two streamed blocks either streams from one master (parity, and
     host bytes count it once) or is rejected before mutation with a message naming both paths."""

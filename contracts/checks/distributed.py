@@ -30,7 +30,7 @@ from torch import nn
 from offload_ref.config import OffloadStrategy
 
 from ..case import DEFAULT_IMPLEMENTATION, CheckCase, move_to_device
-from ..registry import NotApplicable, check, fail
+from ..registry import check, fail
 from ..spec import load_object
 from ._observe import compare_outputs
 from ._util import module_view, values_equal
@@ -44,6 +44,9 @@ BATCH_TIMEOUT_S = 240.0
 #: implementation) raises after this, so the batch still reports every scenario.
 COLLECTIVE_TIMEOUT_S = 20.0
 DLO = ("distributed_layer_wise",)
+#: Spawned ranks rebuild the pipeline from its ``module:attr`` references, and the checks judge
+#: a ring: a DiT streaming two or more blocks.
+_REQUIRES = ("importable", "streams_blocks")
 
 _RESULTS: dict[tuple[Any, str], list[dict[str, Any]]] = {}
 
@@ -53,34 +56,6 @@ class InjectedRankFault(RuntimeError):
 
 
 # -- the batch --------------------------------------------------------------------------------
-
-
-def _streams(spec: Any, strategy: str) -> bool:
-    """Whether the spec's DiT streams (a ring of at least two blocks) under layerwise."""
-    try:
-        case = CheckCase(spec, OffloadStrategy.DISTRIBUTED_LAYER_WISE)
-        plan = case.resolve(case.build(), case.config())
-    except Exception:  # noqa: BLE001 - resolution checks report this pipeline's problems
-        return False
-    return any(len(s.streamed_blocks) >= 2 for c in plan.dits for s in c.stacks)
-
-
-def _importable(spec: Any) -> bool:
-    return isinstance(spec.factory, str) and isinstance(spec.inputs, str)
-
-
-_NEEDS = ("an importable factory and inputs (module:attr, so that spawned ranks can rebuild the "
-          "pipeline) and a DiT ring streaming two or more blocks")
-
-
-def _applies(spec: Any, strategy: str) -> Any:
-    if not _importable(spec):
-        return NotApplicable("needs the factory and inputs as importable module:attr strings "
-                             "(spawned ranks rebuild the pipeline from them), not callables")
-    if not _streams(spec, strategy):
-        return NotApplicable("needs a DiT ring streaming two or more blocks under "
-                             "distributed_layer_wise")
-    return True
 
 
 def observations(case: Any) -> list[dict[str, Any]]:
@@ -466,8 +441,7 @@ def _scenario(case: Any, name: str) -> list[dict[str, Any]]:
     return [obs[name] for obs in ranks]
 
 
-@check("H.1", strategies=DLO, applies=_applies,
-       needs=_NEEDS)
+@check("H.1", strategies=DLO, requires=_REQUIRES)
 def check_allgather_outputs_match_each_ranks_reference(case) -> None:
     """With AllGather across two ranks, each running its own request, every rank's output equals
     the single-process reference of its request, bit for bit, in two enable/disable cycles."""
@@ -479,8 +453,7 @@ def check_allgather_outputs_match_each_ranks_reference(case) -> None:
                         obs["reference"])
 
 
-@check("H.1", strategies=DLO, applies=_applies,
-       needs=_NEEDS)
+@check("H.1", strategies=DLO, requires=_REQUIRES)
 def check_allgather_host_bytes_per_rank_are_one_over_world(case) -> None:
     """Each rank's host bytes for the streamed blocks are at most 1/world of the block bytes +
     5% (alignment padding included), and the ranks together hold every block byte once."""
@@ -497,8 +470,7 @@ def check_allgather_host_bytes_per_rank_are_one_over_world(case) -> None:
              f"have {total} (a byte lost or held twice)")
 
 
-@check("H.1", strategies=DLO, applies=_applies,
-       needs=_NEEDS)
+@check("H.1", strategies=DLO, requires=_REQUIRES)
 def check_allgather_keeps_two_slots_per_rank(case) -> None:
     """Every AllGather ring holds exactly two device slots per rank, and each rank's peak device
     bytes equal the plan's prediction (non-block state + two gathered slots)."""
@@ -513,8 +485,7 @@ def check_allgather_keeps_two_slots_per_rank(case) -> None:
                  f"{obs['predicted_device_bytes']}")
 
 
-@check("H.1", strategies=DLO, applies=_applies,
-       needs=_NEEDS)
+@check("H.1", strategies=DLO, requires=_REQUIRES)
 def check_allgather_shards_are_zero_padded(case) -> None:
     """Past a block's bytes, each rank's shard is zero (a gathered slot never carries stale or
     uninitialized host memory)."""
@@ -524,8 +495,7 @@ def check_allgather_shards_are_zero_padded(case) -> None:
                  "(block: non-zero bytes); zero-pad each shard past the block's image")
 
 
-@check("H.1", strategies=DLO, applies=_applies,
-       needs=_NEEDS)
+@check("H.1", strategies=DLO, requires=_REQUIRES)
 def check_no_collective_at_enable(case) -> None:
     """Enable issues no collective and materializes no block: the first gather is issued by the
     first forward, in the same order on every rank."""
@@ -538,8 +508,7 @@ def check_no_collective_at_enable(case) -> None:
             fail(f"rank {rank}: a generation issued no collective; AllGather was not used")
 
 
-@check("H.2", strategies=DLO, applies=_applies,
-       needs=_NEEDS)
+@check("H.2", strategies=DLO, requires=_REQUIRES)
 def check_distributed_cycles_restore_every_rank(case) -> None:
     """After disable, on every rank, every tensor equals a fresh build and is off the device, in
     both AllGather cycles and in rank-local mode."""
@@ -554,8 +523,7 @@ def check_distributed_cycles_restore_every_rank(case) -> None:
             fail(f"rank {rank} (rank-local): after disable {obs['restore_problems'][:5]}")
 
 
-@check("H.3", strategies=DLO, applies=_applies,
-       needs=_NEEDS)
+@check("H.3", strategies=DLO, requires=_REQUIRES)
 def check_rank_local_outputs_match_each_ranks_reference(case) -> None:
     """Rank-local mode (and resident head layers where the pipeline declares a resident DiT):
     every rank matches its own reference bit for bit, without any collective, each rank holding
@@ -572,8 +540,7 @@ def check_rank_local_outputs_match_each_ranks_reference(case) -> None:
             fail(f"rank {rank}: resident head layers {obs['heads_resident']} are not on the device")
 
 
-@check("H.4", strategies=DLO, applies=_applies,
-       needs=_NEEDS)
+@check("H.4", strategies=DLO, requires=_REQUIRES)
 def check_wave_with_unequal_steps_is_rejected_before_any_collective(case) -> None:
     """A wave whose requests state different or missing num_inference_steps is rejected on every
     rank, naming each rank's value, before the pipeline runs (so before any collective); an
@@ -597,8 +564,7 @@ def check_wave_with_unequal_steps_is_rejected_before_any_collective(case) -> Non
         compare_outputs(f"rank {rank} (wave)", obs["equal_output"], obs["reference"])
 
 
-@check("H.5", strategies=DLO, applies=_applies,
-       needs=_NEEDS)
+@check("H.5", strategies=DLO, requires=_REQUIRES)
 def check_failed_rank_makes_every_rank_raise_naming_it(case) -> None:
     """A fault injected into one rank's enable makes every rank's enable raise promptly (well
     within the timeout), the others naming the failed rank and its error; every rank is rolled
@@ -621,8 +587,7 @@ def check_failed_rank_makes_every_rank_raise_naming_it(case) -> None:
                      f"{FAIL_TIMEOUT_S} s); a failed rank must tell the others at once")
 
 
-@check("H.6", strategies=DLO, applies=_applies,
-       needs=_NEEDS)
+@check("H.6", strategies=DLO, requires=_REQUIRES)
 def check_mmap_loaded_weights_keep_non_persistent_buffers(case) -> None:
     """DiT weights loaded as mmap views of safetensors files keep every non-persistent buffer
     exact, and rank-local streaming of the file-backed blocks matches the un-offloaded loaded
@@ -641,8 +606,7 @@ __all__ = [name for name in dir() if name.startswith("check_")] + [
     "observations", "streamed_block_bytes"]
 
 
-@check("H.5", strategies=DLO, applies=_applies,
-       needs=_NEEDS)
+@check("H.5", strategies=DLO, requires=_REQUIRES)
 def check_rank_whose_plan_is_skipped_makes_every_rank_raise(case) -> None:
     """One rank's plan is skipped (it declares no DiT, under a legacy config) while the other's
     streams: every rank raises, each naming the skipped rank and its skip reason,
@@ -663,8 +627,7 @@ def check_rank_whose_plan_is_skipped_makes_every_rank_raise(case) -> None:
             fail(f"rank {rank}: {obs['device_bytes']} device bytes stay allocated")
 
 
-@check("H.7", strategies=DLO, applies=_applies,
-       needs=_NEEDS)
+@check("H.7", strategies=DLO, requires=_REQUIRES)
 def check_allgather_generation_after_an_interrupt_is_exact(case) -> None:
     """A KeyboardInterrupt inside a streamed block of an AllGather ring (the same block on
     both ranks, race amplifier on) leaves a state the next generations recover from: each

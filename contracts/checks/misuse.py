@@ -48,13 +48,6 @@ def _same_state(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.T
              "placeholders")
 
 
-def _guarded(spec: Any, strategy: str) -> bool:
-    """Split models delegate model level to their own ComponentGroups (one thread per model)."""
-    pipeline = spec.build()
-    return not (strategy == "model_level" and callable(
-        getattr(pipeline, "enable_omni_model_cpu_offload", None)))
-
-
 @check("J.3", strategies=BACKENDS)
 def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
     """Weights edited inside ``backend.edit_weights()`` (``load_state_dict`` of scaled weights and
@@ -283,7 +276,8 @@ def _input_grads(module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Ten
     return [None if t.grad is None else t.grad.detach().clone() for t in inputs]
 
 
-@check("J.5", strategies=BACKENDS, applies=_guarded,
+# Split models delegate model level to their own ComponentGroups (one thread per model).
+@check("J.5", strategies=BACKENDS, requires=("not delegates_model_level",),
        needs="a pipeline that does not delegate model level to its own component groups")
 def check_backward_is_exact_or_refused_at_forward(case) -> None:
     """Calling an offloaded component (each DiT and encoder, with the arguments the pipeline

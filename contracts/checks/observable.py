@@ -358,10 +358,6 @@ def _restored(what: str, pipeline: Any, backend: Any, before: Any,
 # -- §D: shared storage, judged while enabled --------------------------------------------------
 
 
-def _has_shared_storage(spec: Any, strategy: str) -> bool:
-    return bool(storage_groups(spec.build()))
-
-
 def _split_groups(pipeline: Any, groups: list[tuple[str, ...]]) -> list[str]:
     """The groups of names (sharing one storage as built) whose tensors no longer share one."""
     tensors = dict(_named_tensors(pipeline))
@@ -374,8 +370,7 @@ def _split_groups(pipeline: Any, groups: list[tuple[str, ...]]) -> list[str]:
     return split
 
 
-@check("D", strategies=BACKENDS, applies=_has_shared_storage,
-       needs="tensors that share storage (a tied weight, views or aliases of one weight)")
+@check("D", strategies=BACKENDS, requires=("shares_storage",))
 def check_shared_storage_stays_shared_while_enabled(case) -> None:
     """Tensors that share one storage as built (a Parameter reached by two paths, views and
     aliases of one weight) share one storage while enabled -- after enable, around every

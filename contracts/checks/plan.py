@@ -18,15 +18,12 @@ from ._util import (
     count_forward_calls,
     dit_blocks,
     dit_containers,
-    dit_has_blocks,
     expect_error,
     first_dit,
-    has_role,
     snapshot,
 )
 
 LAYER = ("layer_wise", "distributed_layer_wise")
-_TWO_BLOCKS = dit_has_blocks(2)
 
 
 def _with_plan(pipeline: Any, **changes: Any) -> None:
@@ -62,12 +59,6 @@ def _plan_signature(plan: Any) -> Any:
     return (str(plan.strategy), plan.skip_reason, plan.delegated, tuple(comps))
 
 
-def _not_delegated(spec: Any, strategy: str) -> bool:
-    pipeline = spec.build()
-    return not (strategy == "model_level" and callable(
-        getattr(pipeline, "enable_omni_model_cpu_offload", None)))
-
-
 @check("A.1")
 def check_plan_resolution_is_pure(case) -> None:
     """Resolving moves no tensor, adds no attribute or hook, runs no forward, touches no
@@ -95,8 +86,7 @@ def check_plan_resolution_is_repeatable(case) -> None:
         fail("two resolutions have equal contents but do not compare equal")
 
 
-@check("A.3", strategies=LAYER, applies=_TWO_BLOCKS,
-       needs="a DiT with two or more declared blocks")
+@check("A.3", strategies=LAYER, requires=("dit_blocks>=2",))
 def check_plan_block_attrs_beat_class_attributes(case) -> None:
     """OffloadPlan.block_attrs wins over the DiT's _layerwise_offload_blocks_attrs."""
     pipeline = case.build()
@@ -125,8 +115,7 @@ def check_plan_block_attrs_beat_class_attributes(case) -> None:
              f"{list(stacks[0].container_paths)}")
 
 
-@check("A.3", applies=_not_delegated,
-       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
+@check("A.3", requires=("not delegates_model_level",))
 def check_declared_components_beat_attribute_scan(case) -> None:
     """Declared components are used as declared; a well-known but undeclared name is ignored."""
     pipeline = case.build()
@@ -149,8 +138,7 @@ def check_declared_components_beat_attribute_scan(case) -> None:
              "which declares its components")
 
 
-@check("A.3", strategies=("model_level", "layer_wise"), applies=_not_delegated,
-       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
+@check("A.3", strategies=("model_level", "layer_wise"), requires=("not delegates_model_level",))
 def check_attribute_scan_warns_once_per_pipeline_class(case) -> None:
     """A pipeline without declarations is scanned by name, with one warning per class."""
     source = case.build()
@@ -227,8 +215,7 @@ def check_dotted_paths_resolve_nested_components(case) -> None:
              f"{[g[0] for g in got]} (or different modules/blocks)")
 
 
-@check("A.5", strategies=("model_level",), applies=_not_delegated,
-       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
+@check("A.5", strategies=("model_level",), requires=("not delegates_model_level",))
 def check_model_level_without_dit_is_rejected(case) -> None:
     """An explicit model-level selection on a pipeline with no DiT fails before mutation."""
     pipeline = case.build()
@@ -237,8 +224,7 @@ def check_model_level_without_dit_is_rejected(case) -> None:
                                   ("_dit_modules",))
 
 
-@check("A.5", strategies=("model_level",), applies=_not_delegated,
-       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
+@check("A.5", strategies=("model_level",), requires=("not delegates_model_level",))
 def check_model_level_without_encoder_is_rejected(case) -> None:
     """An explicit model-level selection with no encoder stage to swap against fails."""
     pipeline = case.build()
@@ -268,8 +254,7 @@ def check_missing_block_container_is_rejected(case) -> None:
                                   (f"{path}.kit_missing_blocks",))
 
 
-@check("A.5", strategies=LAYER, applies=_TWO_BLOCKS,
-       needs="a DiT with two or more declared blocks")
+@check("A.5", strategies=LAYER, requires=("dit_blocks>=2",))
 def check_block_claimed_by_two_components_is_rejected(case) -> None:
     """One block reachable from two components is rejected ("claimed by both")."""
     pipeline = case.build()
@@ -285,8 +270,7 @@ def check_block_claimed_by_two_components_is_rejected(case) -> None:
         "the check adds (at 'kit_twin')", ("claimed by both", "kit_twin"))
 
 
-@check("A.5", strategies=LAYER, applies=has_role("vaes"),
-       needs="a declared VAE")
+@check("A.5", strategies=LAYER, requires=("has_vae",))
 def check_on_demand_component_without_lifecycle_is_rejected(case) -> None:
     """An on-demand component must implement load_to_device() and offload_to_cpu()."""
     pipeline = case.build()
@@ -299,10 +283,6 @@ def check_on_demand_component_without_lifecycle_is_rejected(case) -> None:
                                   "a lifecycle", (path, "load_to_device", "offload_to_cpu"))
 
 
-def _encoder_with_block_list(spec: Any, strategy: str) -> bool:
-    return _encoder_block_list(spec.build()) is not None
-
-
 def _encoder_block_list(pipeline: Any) -> tuple[str, str] | None:
     for path, module in discover_components(pipeline).encoders:
         for name, sub in module.named_modules():
@@ -311,8 +291,7 @@ def _encoder_block_list(pipeline: Any) -> tuple[str, str] | None:
     return None
 
 
-@check("A.5", strategies=("distributed_layer_wise",), applies=_encoder_with_block_list,
-       needs="an encoder holding a block list (an nn.ModuleList of two or more)")
+@check("A.5", strategies=("distributed_layer_wise",), requires=("encoder_block_list",))
 def check_encoder_allgather_requires_declared_replication(case) -> None:
     """Encoder AllGather (world > 1) needs OffloadPlan.encoder_dlo_weight_replication."""
     pipeline = case.build()
@@ -342,8 +321,7 @@ def check_resident_layers_need_a_resident_dit_path(case) -> None:
                                   (path, "resident_dit_paths"))
 
 
-@check("A.5", strategies=("distributed_layer_wise",), applies=_TWO_BLOCKS,
-       needs="a DiT with two or more declared blocks")
+@check("A.5", strategies=("distributed_layer_wise",), requires=("dit_blocks>=2",))
 def check_resident_layers_leaving_one_streaming_block_are_rejected(case) -> None:
     """resident_layers that leave exactly one streaming block are rejected."""
     pipeline = case.build()
@@ -355,8 +333,7 @@ def check_resident_layers_leaving_one_streaming_block_are_rejected(case) -> None
                                   (path, "only one streaming block"))
 
 
-@check("A.6", strategies=("model_level", "layer_wise"), applies=_not_delegated,
-       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
+@check("A.6", strategies=("model_level", "layer_wise"), requires=("not delegates_model_level",))
 def check_legacy_topology_without_dit_is_a_recorded_noop(case) -> None:
     """Legacy flags on a pipeline without a DiT: skip_reason recorded, nothing placed."""
     pipeline = case.build()
@@ -379,8 +356,7 @@ def check_legacy_topology_without_dit_is_a_recorded_noop(case) -> None:
              f"{platform.memory_allocated()}, changes={problems[:5]}")
 
 
-@check("A.7", strategies=LAYER, applies=_TWO_BLOCKS,
-       needs="a DiT with two or more declared blocks")
+@check("A.7", strategies=LAYER, requires=("dit_blocks>=2",))
 def check_tensors_aliasing_a_block_belong_to_its_ring(case) -> None:
     """A DiT tensor outside the blocks that shares storage with a block tensor is a ring alias
     (placement by identity, not by attribute name)."""
@@ -438,8 +414,7 @@ def check_resident_inside_a_streamed_block_is_rejected(case) -> None:
                                   (path, block_path, "_resident_modules"))
 
 
-@check("A.5", strategies=("model_level",), applies=_not_delegated,
-       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
+@check("A.5", strategies=("model_level",), requires=("not delegates_model_level",))
 def check_tensor_in_two_model_level_groups_is_rejected(case) -> None:
     """Model level moves each DiT, each encoder and the resident state separately: pipeline
     state sharing storage with a swapped DiT is rejected by the resolver, naming both."""
@@ -457,11 +432,7 @@ def check_tensor_in_two_model_level_groups_is_rejected(case) -> None:
                                   ("_kit_tied", path, "one offload group"))
 
 
-_has_vae = has_role("vaes")
-
-
-@check("A.5", applies=lambda spec, strategy: _has_vae(spec, strategy)
-       and _not_delegated(spec, strategy),
+@check("A.5", requires=("has_vae", "not delegates_model_level"),
        needs="a declared VAE in a pipeline that does not delegate model level")
 def check_vae_selection_without_lifecycle_is_rejected(case) -> None:
     """Selecting "vae" without a declared pipeline-managed lifecycle is rejected, naming the
@@ -595,7 +566,7 @@ def check_auto_mode_measured_peak_never_exceeds_the_budget(case) -> None:
         fail(f"{what}: the pipeline changed although enable was rejected: {problems[:5]}")
 
 
-@check("A.8", strategies=("layer_wise",), applies=dit_has_blocks(3),
+@check("A.8", strategies=("layer_wise",), requires=("dit_blocks>=3",),
        needs="a DiT with three or more declared blocks (a head of one leaves two streaming)")
 def check_auto_mode_fills_the_budget_with_a_resident_head(case) -> None:
     """``strategy="auto"`` with a budget between layerwise's peak and the next coarser

@@ -9,12 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload_ref.config import OffloadConfig
 from offload_ref.discovery import get_submodule_path
-from offload_ref.plan import resolve_offload_plan
 
 from ..case import move_to_device
-from ..registry import NotApplicable, check, fail
+from ..registry import check, fail
 from ._observe import (
     CopySpy,
     tensor_bytes,
@@ -24,14 +22,10 @@ from ._observe import (
     observe,
     tensors_of,
 )
-from ._util import dit_blocks, dit_has_blocks, first_dit, module_view
+from ._util import dit_blocks, first_dit, module_view
 from .lifecycle import BACKENDS
 
 LAYER_BACKENDS = ("layer_wise",)
-
-
-def _not_delegated(spec: Any, strategy: str) -> bool:
-    return not callable(getattr(spec.build(), "enable_omni_model_cpu_offload", None))
 
 
 # -- F.3 parity -------------------------------------------------------------------------------
@@ -171,8 +165,7 @@ def _none_resident(platform: Any, tensors: list[torch.Tensor]) -> bool:
     return not any(platform.is_resident(t) for t in tensors)
 
 
-@check("F.1", strategies=("model_level",), applies=_not_delegated,
-       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
+@check("F.1", strategies=("model_level",), requires=("not delegates_model_level",))
 def check_model_level_keeps_one_group_resident(case) -> None:
     """While an encoder runs every swapped DiT is on the host; while a DiT runs the swapped
     encoders and the other DiTs are on the host; VAEs, residents (also those declared inside a
@@ -218,8 +211,7 @@ def check_model_level_keeps_one_group_resident(case) -> None:
         fail(f"model-level residency violated: {sorted(set(problems))[:6]}")
 
 
-@check("F.1", strategies=("model_level",), applies=_not_delegated,
-       needs="a pipeline that does not delegate model level (SupportsModelCpuOffload)")
+@check("F.1", strategies=("model_level",), requires=("not delegates_model_level",))
 def check_model_level_swaps_move_component_bytes_host_to_device_only(case) -> None:
     """Each swap moves exactly the loaded component's own bytes host -> device (observed at the
     component's forward, before it runs); nothing moves device -> host."""
@@ -283,7 +275,11 @@ def check_model_level_swaps_move_component_bytes_host_to_device_only(case) -> No
 
 
 def _rings(case: Any, pipeline: Any) -> list[Any]:
-    plan = case.resolve(pipeline)
+    return ring_stacks(case.resolve(pipeline))
+
+
+def ring_stacks(plan: Any) -> list[Any]:
+    """The block stacks of ``plan`` that stream (a ring: two or more streamed blocks)."""
     return [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
 
 
@@ -494,40 +490,7 @@ def _skip(container: nn.ModuleList, index: int) -> None:
     container.__dict__["_kit_skip"] = index
 
 
-def _can_skip(spec: Any, strategy: str) -> Any:
-    pipeline = spec.build()
-    try:
-        plan = resolve_offload_plan(pipeline, OffloadConfig(strategy=strategy))
-    except ValueError:
-        return NotApplicable("needs a pipeline whose layerwise plan resolves (the plan checks "
-                             "report why it does not)")
-    for stack in plan.stacks:
-        for path in stack.container_paths:
-            c = get_submodule_path(pipeline, path)
-            if isinstance(c, nn.ModuleList) and len(c) >= 3:
-                calls = []
-                victim = c[len(c) // 2]
-                h = victim.register_forward_pre_hook(lambda m, a: calls.append(1))
-                _skip(c, len(c) // 2)
-                try:
-                    with torch.inference_mode():
-                        pipeline(**spec.make_inputs())
-                except Exception as exc:  # noqa: BLE001 - skipping this block breaks the model
-                    return NotApplicable(
-                        f"needs a block that can be skipped; skipping {path}[{len(c) // 2}] "
-                        f"makes the pipeline raise {type(exc).__name__}")
-                finally:
-                    h.remove()
-                if calls:
-                    return NotApplicable(
-                        f"needs a pipeline that iterates its block list; {path} is called by "
-                        f"index (a skipped entry still ran)")
-                return True
-    return NotApplicable("needs a streamed nn.ModuleList of three or more blocks")
-
-
-@check("F.4", strategies=LAYER_BACKENDS, applies=_can_skip,
-       needs="a streamed nn.ModuleList of three or more blocks that the pipeline iterates (so one can be skipped)")
+@check("F.4", strategies=LAYER_BACKENDS, requires=("skippable_block",))
 def check_skipped_block_is_recovered(case) -> None:
     """A caller that skips a block (as cache systems do) still gets the right output (the
     reference with the same skip), the ring stays bounded, and a skip-free pass afterwards
@@ -666,7 +629,7 @@ def _head_sizes(n: int) -> list[int]:
     return sorted({1, n - 2})
 
 
-@check("F.7", strategies=LAYER_BACKENDS, applies=dit_has_blocks(3),
+@check("F.7", strategies=LAYER_BACKENDS, requires=("dit_blocks>=3",),
        needs="a DiT with three or more declared blocks (a head of one leaves two streaming)")
 def check_resident_head_stays_put_unhooked_and_within_the_prediction(case) -> None:
     """A resident head declared in ``OffloadPlan.layerwise_resident_layers`` (one block, and the

@@ -17,24 +17,6 @@ from ._observe import is_offloaded, is_resident
 from ._util import expect_error, hook_residue, module_view, offload_attributes, snapshot
 
 
-def _delegates(spec: Any, strategy: str) -> bool:
-    """The pipeline implements SupportsModelCpuOffload: the delegation checks apply."""
-    return callable(getattr(spec.build(), "enable_omni_model_cpu_offload", None))
-
-
-def _is_split(spec: Any, strategy: str) -> bool:
-    """A delegating pipeline whose phases are ComponentGroups the kit can observe."""
-    pipeline = spec.build()
-    return callable(getattr(pipeline, "enable_omni_model_cpu_offload", None)) and bool(
-        _groups(pipeline))
-
-
-def _reasoner_and_generator(spec: Any, strategy: str) -> bool:
-    """The Cosmos3 phase names, whose once / every-step pattern is part of the contract."""
-    return _is_split(spec, strategy) and any(
-        {"reasoner", "generator"} <= set(g.names) for _, g in _groups(spec.build()))
-
-
 def _groups(pipeline: nn.Module) -> list[tuple[nn.Module, ComponentGroups]]:
     """(module with _offload_context, its ComponentGroups) pairs."""
     out = []
@@ -69,8 +51,7 @@ def _members(groups: ComponentGroups) -> dict[str, list[nn.Module]]:
     return {name: list(mods) for name, mods in groups._groups.items()}
 
 
-@check("E", strategies=("model_level",), applies=_is_split,
-       needs="a split model (SupportsModelCpuOffload) whose phases are component groups")
+@check("E", strategies=("model_level",), requires=("split_model",))
 def check_split_model_keeps_exactly_one_component_resident(case) -> None:
     """While a component's phase runs it is device-resident and every other component is on
     the host; modules the pipeline pins (the VAE) stay on the device."""
@@ -103,8 +84,7 @@ def check_split_model_keeps_exactly_one_component_resident(case) -> None:
         fail(sorted(set(problems))[0])
 
 
-@check("E", strategies=("model_level",), applies=_reasoner_and_generator,
-       needs="a split model with 'reasoner' and 'generator' phases")
+@check("E", strategies=("model_level",), requires=("reasoner_and_generator",))
 def check_split_model_runs_reasoner_once_and_generator_every_step(case) -> None:
     """Per generation the reasoner phase runs once and the generator phase every step."""
     pipeline = case.build()
@@ -120,8 +100,7 @@ def check_split_model_runs_reasoner_once_and_generator_every_step(case) -> None:
     backend.disable()
 
 
-@check("E", strategies=("model_level",), applies=_is_split,
-       needs="a split model (SupportsModelCpuOffload) whose phases are component groups")
+@check("E", strategies=("model_level",), requires=("split_model",))
 def check_split_model_rejects_unknown_component(case) -> None:
     """_offload_context with an unknown name raises ValueError, enabled or not."""
     pipeline = case.build()
@@ -139,8 +118,7 @@ def check_split_model_rejects_unknown_component(case) -> None:
     backend.disable()
 
 
-@check("E", strategies=("model_level",), applies=_is_split,
-       needs="a split model (SupportsModelCpuOffload) whose phases are component groups")
+@check("E", strategies=("model_level",), requires=("split_model",))
 def check_split_model_context_is_a_noop_when_offload_is_off(case) -> None:
     """With offload disabled, entering a component context moves nothing."""
     pipeline = case.build()
@@ -185,8 +163,7 @@ def _unspy(pipeline: nn.Module) -> None:
     pipeline.__dict__.pop("disable_omni_model_cpu_offload", None)
 
 
-@check("E", strategies=("model_level",), applies=_delegates,
-       needs="a pipeline implementing SupportsModelCpuOffload")
+@check("E", strategies=("model_level",), requires=("delegates_model_level",))
 def check_split_model_enable_and_disable_are_delegated(case) -> None:
     """The backend calls the pipeline's enable_omni_model_cpu_offload once with device,
     pin_memory and (when its signature takes it) the component selection, and its disable
@@ -211,8 +188,7 @@ def check_split_model_enable_and_disable_are_delegated(case) -> None:
         fail("pin_memory was not passed through")
 
 
-@check("E", strategies=("model_level",), applies=_delegates,
-       needs="a pipeline implementing SupportsModelCpuOffload")
+@check("E", strategies=("model_level",), requires=("delegates_model_level",))
 def check_split_model_failed_enable_calls_disable(case) -> None:
     """A failure inside the pipeline's enable calls its disable, leaves the backend disabled and
     the pipeline restored, and chains the cause; a retry works."""
