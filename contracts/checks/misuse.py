@@ -157,7 +157,7 @@ def check_reads_through_data_are_true_or_refused(case) -> None:
         view = module_view(pipeline)
         bad, refused = [], 0
         # Parameters: buffers keep their class while enabled (Note [Rebind guard] in
-        # backends/guard.py: torch.compile rejects Tensor subclasses other than Parameters).
+        # backends/rebind_guard.py: torch.compile rejects Tensor subclasses other than Parameters).
         for name, t in view.named_parameters(remove_duplicate=False):
             if t is None or name not in want:
                 continue
