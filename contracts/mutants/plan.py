@@ -128,6 +128,25 @@ declare(
 )
 
 
+#: The checks that a topology the resolver must reject is rejected, with a message naming the
+#: path and the fix: a resolver that skips such topologies fails them all, and so does one whose
+#: messages name neither.
+_TOPOLOGY_REJECTIONS = {
+    "check_block_claimed_by_two_components_is_rejected",
+    "check_encoder_allgather_requires_declared_replication",
+    "check_missing_block_container_is_rejected",
+    "check_model_level_without_dit_is_rejected",
+    "check_model_level_without_encoder_is_rejected",
+    "check_on_demand_component_without_lifecycle_is_rejected",
+    "check_resident_inside_a_streamed_block_is_rejected",
+    "check_resident_layers_leaving_one_streaming_block_are_rejected",
+    "check_resident_layers_need_a_resident_dit_path",
+    "check_single_block_dit_is_rejected",
+    "check_tensor_in_two_model_level_groups_is_rejected",
+    "check_vae_selection_without_lifecycle_is_rejected",
+}
+
+
 def _swallow_topology_errors(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     try:
         return resolve_offload_plan(pipeline, config)
@@ -138,20 +157,7 @@ def _swallow_topology_errors(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
 declare(
     "swallows_topology_errors", "invalid topologies are skipped instead of rejected", RESOLVER,
     resolve_offload_plan=_swallow_topology_errors,
-    kills={
-        "check_block_claimed_by_two_components_is_rejected",
-        "check_encoder_allgather_requires_declared_replication",
-        "check_missing_block_container_is_rejected",
-        "check_model_level_without_dit_is_rejected",
-        "check_model_level_without_encoder_is_rejected",
-        "check_on_demand_component_without_lifecycle_is_rejected",
-        "check_resident_inside_a_streamed_block_is_rejected",
-        "check_resident_layers_leaving_one_streaming_block_are_rejected",
-        "check_resident_layers_need_a_resident_dit_path",
-        "check_single_block_dit_is_rejected",
-        "check_tensor_in_two_model_level_groups_is_rejected",
-        "check_vae_selection_without_lifecycle_is_rejected",
-    },
+    kills=_TOPOLOGY_REJECTIONS,
 )
 
 
@@ -165,20 +171,7 @@ def _vague_topology_errors(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
 declare(
     "vague_topology_errors", "topology errors name no path and no fix", RESOLVER,
     resolve_offload_plan=_vague_topology_errors,
-    kills={
-        "check_block_claimed_by_two_components_is_rejected",
-        "check_encoder_allgather_requires_declared_replication",
-        "check_missing_block_container_is_rejected",
-        "check_model_level_without_dit_is_rejected",
-        "check_model_level_without_encoder_is_rejected",
-        "check_on_demand_component_without_lifecycle_is_rejected",
-        "check_resident_inside_a_streamed_block_is_rejected",
-        "check_resident_layers_leaving_one_streaming_block_are_rejected",
-        "check_resident_layers_need_a_resident_dit_path",
-        "check_single_block_dit_is_rejected",
-        "check_tensor_in_two_model_level_groups_is_rejected",
-        "check_vae_selection_without_lifecycle_is_rejected",
-    },
+    kills=_TOPOLOGY_REJECTIONS,
 )
 
 
