@@ -63,7 +63,7 @@ _MISUSE_CHECKS = {
 def test_the_misuse_checks_run_on_a_plain_object_pipeline_and_catch_their_mutants() -> None:
     """§J.3-§J.6 and §J.8 see a diffusers pipeline through its nn.Module attributes: they run
     (not "not applicable") and each fails against the mutant it is meant to catch."""
-        import warnings
+    import warnings
 
     from offload_ref.contracts.mutants import MUTANTS
 
