@@ -211,12 +211,19 @@ def hook_name(hook: Any) -> str:
     return f"{module}.{name}"
 
 
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """The storage ``t`` views, as the kit tells storages apart: its device and address (the kit
+    keeps its own, apart from the library's ``offload_ref.host.storage_key``, so that its
+    expectations stay an independent oracle)."""
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
 def storage_groups(pipeline: nn.Module) -> list[tuple[str, ...]]:
     """Names of tensors grouped by shared storage (groups of two or more)."""
     groups: dict[tuple, list[str]] = {}
     for name, t in _named_tensors(pipeline):
         if not isinstance(t, nn.parameter.UninitializedTensorMixin) and t.numel():
-            groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(name)
+            groups.setdefault(storage_key(t), []).append(name)
     return sorted(tuple(sorted(g)) for g in groups.values() if len(g) > 1)
 
 

@@ -12,7 +12,14 @@ from offload_ref.discovery import get_submodule_path
 from ..case import move_to_device
 from ..registry import check, fail
 from ._observe import observe
-from ._util import first_dit, module_view, snapshot, storage_groups, values_equal
+from ._util import (
+    first_dit,
+    module_view,
+    snapshot,
+    storage_groups,
+    storage_key,
+    values_equal,
+)
 from .lifecycle import BACKENDS
 from .residency import LAYER_BACKENDS, _rings
 
@@ -29,7 +36,7 @@ def _add_kit_alias(case: Any, pipeline: Any) -> tuple[str, torch.Tensor, torch.T
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    return storage_key(a) == storage_key(b)
 
 
 @check("D.1", strategies=LAYER_BACKENDS)
@@ -121,7 +128,7 @@ def check_parameter_shared_by_two_blocks_is_never_copied_twice(case) -> None:
     for s in _rings(case, pipeline):
         for b in s.streamed_blocks:
             for t in list(b.parameters()) + list(b.buffers()):
-                unique[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                unique[storage_key(t)] = t.untyped_storage().nbytes()
     platform = case.platform()
     backend = case.backend(platform=platform)
     try:

@@ -23,7 +23,7 @@ from offload_ref.plan import owned_tensors, resolve_offload_plan
 
 from ..registry import CheckNotApplicable, check, fail, not_applicable
 from ._observe import module_bytes, observe, tensor_bytes
-from ._util import _named_tensors, module_view, snapshot, storage_groups
+from ._util import _named_tensors, module_view, snapshot, storage_groups, storage_key
 from .lifecycle import BACKENDS, _interrupt_targets, _interrupted
 from .misuse import _edit, _same_state
 
@@ -363,7 +363,7 @@ def _split_groups(pipeline: Any, groups: list[tuple[str, ...]]) -> list[str]:
     tensors = dict(_named_tensors(pipeline))
     split = []
     for names in groups:
-        places = {(str(t.device), t.untyped_storage().data_ptr()) for n in names
+        places = {storage_key(t) for n in names
                   if (t := tensors.get(n)) is not None and t.numel() and not t.is_meta}
         if len(places) > 1:
             split.append(f"{'/'.join(names)} in {len(places)} storages")

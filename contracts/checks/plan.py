@@ -21,6 +21,7 @@ from ._util import (
     expect_error,
     first_dit,
     snapshot,
+    storage_key,
 )
 
 LAYER = ("layer_wise", "distributed_layer_wise")
@@ -387,8 +388,8 @@ def check_tensors_aliasing_a_block_belong_to_its_ring(case) -> None:
             dit.named_buffers(remove_duplicate=False)):
         if t is None or not t.numel() or any(name.startswith(f"{c}.") for c in containers):
             continue
-        ptr = t.untyped_storage().data_ptr()
-        if any(ptr == b.untyped_storage().data_ptr() for blk in blocks
+        key = storage_key(t)
+        if any(key == storage_key(b) for blk in blocks
                for b in list(blk.parameters()) + list(blk.buffers())):
             if f"{path}.{name}" not in aliases:
                 fail(f"{path}.{name} shares storage with a block tensor but is not a ring alias")

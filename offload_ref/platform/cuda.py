@@ -42,7 +42,7 @@ def page_aligned_buffer(numel: int, dtype: torch.dtype,
     """A host tensor of ``numel`` elements starting on a page boundary, inside a private
     allocation that also owns every page the tensor touches.  Returns ``(tensor, first page
     address, bytes of whole pages)``: the range to page-lock without touching a neighbour."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     nbytes = numel * itemsize
     span = -(-nbytes // page) * page
     backing = torch.empty(span + page, dtype=torch.uint8)
