@@ -65,7 +65,7 @@ from ..config import OffloadStrategy, WeightTransfer
 from ..plan import OffloadTopologyError, ResolvedOffloadPlan, RingPlan, shard_bytes
 from .groups import TensorGroup
 from .layerwise import LayerWiseOffloadBackend
-from .slots import Slot
+from .slots import RingStreams, Slot
 from .transaction import Transaction
 from .transports import RankLocalTransport, Transport
 
@@ -150,12 +150,10 @@ class AllGatherTransport(Transport):
     collective = True
     restores_through_slots = True
 
-    def __init__(self, group: Any, rank: int, world: int, comm_stream: Any,
-                 alignment: int) -> None:
+    def __init__(self, group: Any, rank: int, world: int, alignment: int) -> None:
         self.group = group
         self.rank = rank
         self.world = world
-        self.comm_stream = comm_stream
         self.alignment = alignment
         self.shards: list[torch.Tensor] = []
         self.shard_bytes: list[int] = []
@@ -205,6 +203,17 @@ class AllGatherTransport(Transport):
         return self.world * shard_bytes(image_bytes, self.world, self.alignment)
 
     # -- fills ----------------------------------------------------------------------------------
+
+    def bind(self, streams, stats, label, *, pin, predict_after) -> None:
+        if streams.comm is None:
+            raise RuntimeError(f"ring {label}: an AllGather transport gathers on the communication "
+                               "stream of its RingStreams, and none was given")
+        super().bind(streams, stats, label, pin=pin, predict_after=predict_after)
+
+    @property
+    def comm_stream(self) -> Any:
+        """The communication stream the gathers run on (the rings' ``RingStreams.comm``)."""
+        return self.streams.comm
 
     def slot_views(self, slot: Slot, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ``k``'s whole image in ``slot`` and this rank's shard of it (the gather's
@@ -412,10 +421,15 @@ class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
     def transport_for(self, stack: RingPlan) -> Transport | None:
         if stack.transfer is not WeightTransfer.ALLGATHER or self.world == 1:
             return RankLocalTransport()
-        if self._comm_stream is None:
-            self._comm_stream = self.platform.Stream()
         return self.allgather_transport_class(self.process_group, self.rank, self.world,
-                                              self._comm_stream, self.platform.alignment)
+                                              self.platform.alignment)
+
+    def ring_streams(self) -> RingStreams:
+        """The copy stream, and with more than one rank the communication stream AllGather rings
+        gather on (created at the first enable that can gather, reused by every later one)."""
+        if self.world > 1 and self._comm_stream is None:
+            self._comm_stream = self.platform.Stream()
+        return RingStreams(self.platform, self._copy_stream, self._comm_stream)
 
     def schedule(self) -> list[dict[str, Any]]:
         """What every rank must agree on: each ring's blocks, transport and shard sizes."""

@@ -544,7 +544,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
                 self._copy_stream = None
         if self._copy_stream is None:  # one per backend, reused by every enable
             self._copy_stream = self.platform.Stream()
-        streams = RingStreams(self.platform, self._copy_stream)  # Note [Ring streams]
+        streams = self.ring_streams()  # Note [Ring streams] (slots.py)
         # Pipeline-managed (on-demand) components stream their declared rings too; only their
         # non-block residency is left to their load_to_device / offload_to_cpu.
         streamed = [c for c in plan.components if c.selected]
@@ -631,6 +631,11 @@ class LayerWiseOffloadBackend(OffloadBackend):
     def transport_for(self, stack: Any) -> Transport | None:
         """The transport of ``stack``'s ring (None: rank-local host masters)."""
         return None
+
+    def ring_streams(self) -> RingStreams:
+        """The streams this enable's rings share (Note [Ring streams] in slots.py): the backend's
+        copy stream."""
+        return RingStreams(self.platform, self._copy_stream)
 
     def _staging_pool(self, txn: Transaction) -> StagingPool | None:
         """The pinned staging pool of the rings served from file pages, if they use one (Note

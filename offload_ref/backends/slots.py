@@ -22,9 +22,10 @@ Note [Slots]
     (Note [Fast path] in ring.py).
 
 Note [Ring streams]
-    The streams a backend's rings share live in one :class:`RingStreams`: every ring's copies run
-    on its ``copy`` stream (one per backend, reused by every enable).  A transport that gathers
-    (AllGather) brings its communication stream on top (backends/distributed.py).
+    The streams a backend's rings share live in one :class:`RingStreams`, passed to every ring and
+    bound into every transport: every ring's copies run on its ``copy`` stream, and AllGather
+    fills gather on its ``comm`` stream (backends/distributed.py; None where no ring of the
+    backend can gather).  Both are one per backend, reused by every enable.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ __all__ = ["RingStreams", "Slot"]
 
 @dataclass(frozen=True)
 class RingStreams:
-    """The platform and the copy stream the rings of one backend share (Note [Ring streams])."""
+    """The platform and the streams the rings of one backend share (Note [Ring streams])."""
 
     platform: Any
     copy: Any
+    comm: Any = None
 
 
 class Slot:
