@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,17 +26,38 @@ from .spec import PipelineSpec
 #: Generations a case remembers for a diagnosis (a check compares the latest ones).
 _KEPT_RUNS = 16
 
-__all__ = ["CheckCase", "Implementation", "DEFAULT_IMPLEMENTATION", "kit_device",
-           "move_to_device"]
+__all__ = ["CheckCase", "GRAD_MODES", "Implementation", "DEFAULT_IMPLEMENTATION", "kit_device",
+           "move_to_device", "on_device_index"]
+
+#: The accelerator index :func:`kit_device` answers (:func:`on_device_index` changes it for a
+#: block: the checks that run an offloader on ``hpu:1``).
+_DEVICE_INDEX: contextvars.ContextVar[int] = contextvars.ContextVar("kit_device_index",
+                                                                     default=0)
 
 
 def kit_device() -> torch.device:
     """The device the kit computes on: the simulated accelerator's ``hpu:0`` when it is available
     (host and device differ, as on a GPU), else the CPU (single-device mode:
-    ``OFFLOAD_REF_SIM=0`` or ``offload-ref check --single-device``)."""
+    ``OFFLOAD_REF_SIM=0`` or ``offload-ref check --single-device``).  Inside
+    :func:`on_device_index` the accelerator's device of that index (``hpu:1``)."""
     from offload_ref.platform import simulated
 
-    return simulated.device(0) if simulated.available() else torch.device("cpu")
+    return simulated.device(_DEVICE_INDEX.get()) if simulated.available() else \
+        torch.device("cpu")
+
+
+@contextlib.contextmanager
+def on_device_index(index: int) -> Iterator[torch.device]:
+    """Within the block, :func:`kit_device` is the accelerator's device ``index``: the device the
+    kit hands offload-ref's platform (``Implementation.make_platform``) and an offloader's factory
+    (``factory(device, strategy)``), and where a :class:`CheckCase` made inside computes.  So an
+    offloader that ignores the index it is given (it moves to device 0, or to the bare device
+    type) puts its tensors on another device than the pipeline computes on."""
+    token = _DEVICE_INDEX.set(index)
+    try:
+        yield kit_device()
+    finally:
+        _DEVICE_INDEX.reset(token)
 
 
 def on_kit_device(pipeline: Any) -> Any:
@@ -55,7 +78,7 @@ def move_to_device(pipeline: Any, device: torch.device) -> Any:
     if device.type == "cpu":
         return pipeline
     view = module_view(pipeline)
-    moved: dict[tuple[str, int], torch.UntypedStorage] = {}
+    moved: dict[tuple[str, int], tuple[torch.UntypedStorage, int]] = {}
     with torch.no_grad():
         for module in view.modules():
             for registry in (module._parameters, module._buffers):
@@ -84,7 +107,7 @@ def _make_backend(config: OffloadConfig, platform: Any) -> Any:
 
 
 def _make_platform() -> Any:
-    return CpuPlatform(race_amplifier=True)
+    return CpuPlatform(device=kit_device(), race_amplifier=True)
 
 
 def _load_safetensors(module: Any, paths: Any, **kwargs: Any) -> Any:
@@ -136,6 +159,22 @@ class Implementation:
 DEFAULT_IMPLEMENTATION = Implementation()
 
 
+def _own_grad_mode() -> contextlib.AbstractContextManager:
+    """Grad mode as a user's plain call has it: on, and outside inference mode."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.enable_grad())
+    return stack
+
+
+#: The grad modes :meth:`CheckCase.run` runs a generation in.
+GRAD_MODES: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "inference": torch.inference_mode,
+    "no_grad": torch.no_grad,
+    "own": _own_grad_mode,
+}
+
+
 @dataclass
 class CheckCase:
     """One (check, pipeline spec, strategy) instance.  Resources it creates are closed by
@@ -180,10 +219,19 @@ class CheckCase:
         assert self.spec is not None
         return self.spec.make_inputs()
 
-    def run(self, pipeline: Any, inputs: dict[str, Any] | None = None) -> torch.Tensor:
-        """One generation under ``torch.inference_mode()``; remembered (the pipeline weakly) for
-        the diagnosis of a failed :meth:`compare`."""
-        with torch.inference_mode():
+    def run(self, pipeline: Any, inputs: dict[str, Any] | None = None, *,
+            grad_mode: str = "inference") -> torch.Tensor:
+        """One generation, remembered (the pipeline weakly) for the diagnosis of a failed
+        :meth:`compare`.  ``grad_mode`` (:data:`GRAD_MODES`): under ``torch.inference_mode()``
+        (the default: how an engine such as vLLM-Omni runs a pipeline), under ``torch.no_grad()``
+        (a user who goes on to edit or fine-tune the weights: every tensor the pipeline makes
+        during the generation is an ordinary tensor, as the pipeline's own ``@torch.no_grad()``
+        makes it, where inference mode would make it an inference tensor that nobody can edit or
+        train, offloaded or not), or ``"own"``: as a user's plain call runs it, grad mode on and
+        the pipeline's own ``no_grad`` (or none) deciding."""
+        if grad_mode not in GRAD_MODES:
+            raise ValueError(f"grad_mode={grad_mode!r}: expected one of {', '.join(GRAD_MODES)}")
+        with GRAD_MODES[grad_mode]():
             output = pipeline(**(inputs if inputs is not None else self.inputs()))
         self._runs.append(Run.of(output, pipeline, inputs))
         del self._runs[:-_KEPT_RUNS]

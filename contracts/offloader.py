@@ -11,6 +11,11 @@ and ``strategy`` one of :data:`STRATEGIES`.  It returns an object with the seeds
 * ``disable()``: remove it, leaving the pipeline as it was built;
 * ``is_enabled() -> bool``.
 
+The device is ``hpu:0`` (or the CPU in single-device mode) for every check but
+``check_offloader_keeps_to_the_device_index_it_was_given``, which calls the factory with
+``hpu:1`` and fails an offloader that puts a tensor on another device than the one it was given
+(the bare device type, or index 0).
+
 A factory that does not offer a strategy raises ``NotImplementedError`` when called with it:
 that strategy's cases are not applicable, with the reason.  A bad reference, a factory with the
 wrong signature, or an object missing a method is an :class:`OffloaderError` (one line) before
@@ -98,7 +103,9 @@ class _Backends:
 
     factory: Callable[..., Any]
     name: str
-    #: None: the kit's device when the backend is made (:func:`~.case.kit_device`)
+    #: None: the kit's device when the backend is made (:func:`~.case.kit_device`: ``hpu:0``,
+    #: or ``hpu:1`` for the checks that vary the device index, so that an offloader that ignores
+    #: the index it is given is caught)
     device: torch.device | None
 
     def __call__(self, config: Any, platform: Any) -> ProtocolBackend:
@@ -133,7 +140,7 @@ def offloader_implementation(factory: Callable[..., Any], name: str | None = Non
         raise OffloaderError(f"{name!r} is a {type(factory).__name__}, not a factory: expected a "
                              "callable factory(device, strategy) returning an object with "
                              "enable(pipeline), disable() and is_enabled()")
-    device = device if device is not None else kit_device()
+    given, device = device, device if device is not None else kit_device()
     try:
         inspect.signature(factory).bind(device, STRATEGIES[0])
     except TypeError as exc:
@@ -163,6 +170,6 @@ def offloader_implementation(factory: Callable[..., Any], name: str | None = Non
     if len(unsupported) == len(STRATEGIES):
         raise OffloaderError(f"{name} offers no strategy: {'; '.join(unsupported.values())}")
     unsupported["distributed_layer_wise"] = _NO_DLO
-    return Implementation(name=name, make_backend=_Backends(factory, name, device),
+    return Implementation(name=name, make_backend=_Backends(factory, name, given),
                           capabilities=PROTOCOL,
                           unsupported_strategies=tuple(sorted(unsupported.items())))

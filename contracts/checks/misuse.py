@@ -358,6 +358,117 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
     backend.disable()
 
 
+class _GraphWatch:
+    """What autograd records during one generation: the tensors it saves for a backward (their
+    count and bytes, each tensor once, by the component that was running), the components whose output requires
+    grad, and the component that was running last (where a refusal came from)."""
+
+    def __init__(self, components: list[tuple[str, nn.Module]], device: torch.device) -> None:
+        self.components, self.device = components, device
+        self.saved: dict[str, list[int]] = {}  # component -> [count, bytes, device bytes]
+        self.recording: list[str] = []  # components whose output requires grad, in call order
+        self.running: list[str] = []  # the components entered and not yet left
+        self.last: str | None = None  # the component entered last
+        self._seen: set[tuple[Any, ...]] = set()  # the tensors saved so far (they stay alive)
+
+    def _enter(self, path: str) -> None:
+        self.running.append(path)
+        self.last = path
+
+    def _leave(self, path: str, out: Any) -> None:
+        if self.running and self.running[-1] == path:
+            self.running.pop()
+        if path not in self.recording and any(t.requires_grad for t in _leaves(out)):
+            self.recording.append(path)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = (str(t.device), t.data_ptr() if t.numel() else id(t), t.numel(), t.dtype)
+        if key in self._seen:  # saved again (a weight at every step): held once
+            return t
+        self._seen.add(key)
+        where = self.running[-1] if self.running else "the pipeline's own code"
+        entry = self.saved.setdefault(where, [0, 0, 0])
+        nbytes = t.numel() * t.element_size()
+        entry[0] += 1
+        entry[1] += nbytes
+        entry[2] += nbytes if t.device == self.device else 0
+        return t
+
+    def __enter__(self) -> _GraphWatch:
+        self._handles = []
+        for path, module in self.components:
+            self._handles.append(module.register_forward_pre_hook(  # before an offloader's
+                lambda m, args, path=path: self._enter(path), prepend=True))
+            self._handles.append(module.register_forward_hook(
+                lambda m, args, out, path=path: self._leave(path, out), always_call=True))
+        self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saving.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._saving.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+
+    def cost(self) -> str:
+        """What the recorded graph holds for a backward, by component (empty: nothing)."""
+        parts = [f"{where}: {n} distinct tensor(s), {total} bytes ({on_device} on the device)"
+                 for where, (n, total, on_device) in self.saved.items()]
+        return "; ".join(parts)
+
+
+@check("J.5", strategies=BACKENDS)
+def check_generation_in_the_pipelines_own_grad_mode_records_no_graph(case) -> None:
+    """A generation run as a user's plain call runs it -- grad mode on, no ``torch.no_grad()`` or
+    ``torch.inference_mode()`` from the caller, so that the pipeline's own ``@torch.no_grad()``
+    (diffusers' pipelines have one on ``__call__``) decides -- records no autograd graph while
+    offloaded: it is not refused, saves no tensor for a backward, returns no output that requires
+    grad, and equals the reference.  A pipeline that forgot ``no_grad`` while its weights require
+    grad fails, naming the component and what it costs: offload-ref's
+    ``OffloadAutogradError`` (another offloader's refusal), or the bytes held for a backward."""
+    pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    components = list(module_view(pipeline).named_children())
+    watch = _GraphWatch(components, case.device)
+    fix = ("run the generation under torch.no_grad() inside the pipeline: decorate its "
+           "__call__ (or forward) with @torch.no_grad(), as diffusers' pipelines do, or "
+           "freeze its weights with requires_grad_(False)")
+    got, error = None, None
+    try:
+        try:
+            with watch:
+                got = case.run(pipeline, grad_mode="own")
+        except Exception as exc:  # noqa: BLE001 - judged below, once the frames are gone
+            error = exc
+        if error is not None:
+            where = f" inside {watch.last}" if watch.last else ""
+            trainable = [n for n, p in module_view(pipeline).named_parameters()
+                         if p.requires_grad]
+            why = (f"; {len(trainable)} of its weights require grad (e.g. {trainable[:2]})"
+                   if trainable else "")
+            fail(f"a generation in the pipeline's own grad mode (a plain call: grad mode on, no "
+                 f"torch.no_grad() around it) raised{where} {type(error).__name__}: {error}"
+                 f"{why}.  A user calling the pipeline gets this refusal; {fix}")
+        held = [p for p, t in _output_leaves(got) if t.requires_grad]
+        if watch.saved or held or watch.recording:
+            fail(f"a generation in the pipeline's own grad mode (a plain call: grad mode on, no "
+                 f"torch.no_grad() around it) recorded an autograd graph"
+                 f"{' in ' + ', '.join(watch.recording) if watch.recording else ''}: it holds "
+                 f"{watch.cost() or 'no saved tensor'} for a backward nobody runs"
+                 f"{f', and its output requires grad ({held[:3]})' if held else ''}, until the "
+                 f"output is dropped.  {fix[0].upper()}{fix[1:]}")
+        case.compare("a generation in the pipeline's own grad mode", got, case.reference())
+    finally:
+        backend.disable()
+
+
+def _output_leaves(out: Any) -> list[tuple[str, torch.Tensor]]:
+    from ..outputs import leaves
+
+    return [(p, t) for p, t in leaves(out) if isinstance(t, torch.Tensor)]
+
+
 def _pause_point(case: Any, pipeline: Any) -> tuple[str, nn.Module]:
     """Where the first thread waits: inside the last streamed block, at its last submodule that
     holds weights (layerwise: the block's own hooks and its parts' have run, its forward is under

@@ -460,6 +460,78 @@ def check_peak_device_bytes_stay_within_the_plan_bound(case) -> None:
              "are on it")
 
 
+# -- §F: the device index the offloader was given ----------------------------------------------
+
+
+def _another_index(device: torch.device) -> torch.device:
+    """A device of ``device``'s type with another index (``hpu:1`` for ``hpu:0``); not applicable
+    where the accelerator has one device."""
+    count = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+    if count < 2:
+        not_applicable(f"{device.type} has {count} device(s) here: the kit cannot hand the "
+                       "offloader a device index other than 0 (set OFFLOAD_REF_SIM_DEVICES=2, or "
+                       "run on a machine with two GPUs)")
+    return torch.device(device.type, 0 if (device.index or 0) else 1)
+
+
+@check("F", strategies=BACKENDS)
+def check_offloader_keeps_to_the_device_index_it_was_given(case) -> None:
+    """Given device 1 (``hpu:1``, or ``cuda:1``) instead of device 0, the offloader places every
+    tensor it moves on device 1 -- after enable, before and after each module's forward during a
+    generation, and after it -- and the generation equals the un-offloaded pipeline run on device
+    1: an offloader that ignores the index it is given (moves to device 0, or to the bare device
+    type, which is device 0) fails, naming the tensor."""
+    from ..case import on_device_index
+
+    other = _another_index(_device_memory(case))
+    with on_device_index(other.index):
+        case._device = other  # the reference, and every device bytes count, on device 1
+        reference = case.reference()
+        pipeline = case.build()
+        backend = case.backend()
+        wrong: dict[str, tuple[str, str]] = {}  # tensor -> (device, when first seen there)
+
+        def look(when: str, tensors: Any) -> None:
+            for name, t in tensors:
+                if (t is not None and t.device.type == other.type and t.device != other
+                        and name not in wrong):
+                    wrong[name] = (str(t.device), when)
+
+        def own(path: str, module: nn.Module) -> list[tuple[str, Any]]:
+            """The module's own parameters and buffers (its children are looked at in theirs)."""
+            prefix = f"{path}." if path else ""
+            return [(f"{prefix}{n}", t) for registry in (module._parameters, module._buffers)
+                    for n, t in registry.items()]
+
+        backend.enable(pipeline)
+        error = None
+        try:
+            look("after enable", _named_tensors(pipeline))
+            modules = list(module_view(pipeline).named_modules())
+            with observe(modules,
+                         lambda p, m: look(f"before {p or '<root>'}.forward", own(p, m)),
+                         lambda p, m: look(f"after {p or '<root>'}.forward", own(p, m))):
+                try:
+                    got = case.run(pipeline)
+                except Exception as exc:  # noqa: BLE001 - reported after the placement
+                    error = exc
+            look("after a generation", _named_tensors(pipeline))
+        finally:
+            backend.disable()
+    if wrong:
+        lines = [f"{name} landed on {where} instead of {other} ({when})"
+                 for name, (where, when) in list(wrong.items())[:4]]
+        more = f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""
+        fail(f"the offloader was given {other} and put {len(wrong)} tensor(s) on another device: "
+             f"{'; '.join(lines)}{more}.  Move to the device the offloader was given, index "
+             f"included (not {other.type!r}, which means device 0)"
+             + (f"; the generation then raised {type(error).__name__}: {error}"
+                if error is not None else ""))
+    if error is not None:
+        raise error
+    case.compare(f"a generation with the offloader on {other}", got, reference)
+
+
 # -- §J: interrupts and edits ------------------------------------------------------------------
 
 

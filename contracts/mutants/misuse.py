@@ -220,3 +220,36 @@ declare(
         ModelLevelOffloadBackend=_refusing(_CopiesAllowed, ModelLevelOffloadBackend)),
     kills={"check_copies_of_an_enabled_pipeline_are_refused_or_exact"},
 )
+
+
+# -- §J.5: a pipeline that forgot torch.no_grad() ---------------------------------------------
+
+
+def _forgets_no_grad() -> type:
+    """flux2's pipeline class with its ``forward`` undecorated: no ``@torch.no_grad()``."""
+    from offload_ref.fixtures._common import FlowMatchPipeline
+    from offload_ref.fixtures.flux2 import Flux2Pipeline
+
+    return type("Flux2PipelineWithoutNoGrad", (Flux2Pipeline,),
+                {"forward": FlowMatchPipeline.forward.__wrapped__,
+                 "__module__": __name__})
+
+
+def flux2_without_no_grad(seed: int = 0) -> Any:
+    """flux2 as an author who forgot ``@torch.no_grad()`` builds it: its ``__call__`` runs in the
+    caller's grad mode, and its weights require grad (as ``from_pretrained`` leaves them)."""
+    from offload_ref.fixtures.flux2 import build_pipeline
+
+    pipeline = build_pipeline(seed)
+    pipeline.__class__ = _forgets_no_grad()
+    return pipeline.requires_grad_(True)
+
+
+declare(
+    "pipeline_without_no_grad",
+    "the pipeline's __call__ has no @torch.no_grad() and its weights require grad: a plain call "
+    "records an autograd graph through the offloaded components",
+    dict(pipelines=("flux2",), sections=("J.5",), strategies=("model_level", "layer_wise")),
+    factory=flux2_without_no_grad,
+    kills={"check_generation_in_the_pipelines_own_grad_mode_records_no_graph"},
+)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
+
 from .. import simple_offloader
 from ..offloader import offloader_implementation
 from ._declare import PROTOCOL, declare
@@ -77,4 +79,28 @@ _protocol(
 _protocol(
     "simple_interrupt_leak",
     kills={"check_generation_after_an_interrupt_is_exact"},
+)
+
+
+class _IgnoresTheDeviceIndex(simple_offloader.SimpleOffloader):
+    """Moves to the bare device type it was given (``hpu``, ``cuda``), which torch takes for
+    device 0: right on device 0, wrong wherever the offloader is given another index."""
+
+    def __init__(self, device, strategy: str) -> None:
+        super().__init__(device, strategy)
+        self.device = torch.device(self.device.type)
+
+
+def ignores_the_device_index(device, strategy: str) -> simple_offloader.SimpleOffloader:
+    """``factory(device, strategy)`` of an offloader that drops the device index."""
+    return _IgnoresTheDeviceIndex(device, strategy)
+
+
+declare(
+    "simple_ignores_the_device_index",
+    "moves every tensor to the bare device type (device 0), whatever index it was given",
+    dict(pipelines=("flux2",), sections=("F",), strategies=("model_level", "layer_wise")),
+    kills={"check_offloader_keeps_to_the_device_index_it_was_given"},
+    impl=offloader_implementation(ignores_the_device_index,
+                                  name=f"{__name__}:ignores_the_device_index", validate=False),
 )
