@@ -78,7 +78,7 @@ def move_to_device(pipeline: Any, device: torch.device) -> Any:
     if device.type == "cpu":
         return pipeline
     view = module_view(pipeline)
-    moved: dict[tuple[str, int], tuple[torch.UntypedStorage, int]] = {}
+    moved: dict[tuple[str, int], torch.UntypedStorage] = {}
     with torch.no_grad():
         for module in view.modules():
             for registry in (module._parameters, module._buffers):
