@@ -69,16 +69,19 @@ def on_kit_device(pipeline: Any) -> Any:
 def move_to_device(pipeline: Any, device: torch.device) -> Any:
     """Move every parameter and buffer of ``pipeline`` (an ``nn.Module`` or a plain object holding
     modules) to ``device`` in place, storage by storage: tensors that share a storage still share
-    one, and each keeps its storage offset, so its address phase (Note [Aligned layout] in
-    offload_ref/host.py) is the host's, as in an offloaded run.  (``Module.to`` would copy each
-    tensor to a fresh, fully aligned allocation: another kernel path for a weight stored off
-    alignment, and so other last bits.)  Parameter objects are kept; returns ``pipeline``."""
+    one, and each keeps its address phase (Note [Aligned layout] in offload_ref/host.py: its
+    address modulo 64), as in an offloaded run: its storage offset, and the phase of the storage
+    itself, which is not 0 for a storage that does not start on a 64-byte boundary (a
+    safetensors mmap view, ``torch.frombuffer``); see :func:`_device_storage`.  (``Module.to``
+    would copy each tensor to a fresh, fully aligned allocation: another kernel path for a
+    weight stored off alignment, and so other last bits.)  Parameter objects are kept; returns
+    ``pipeline``."""
     from .checks._util import module_view
 
     if device.type == "cpu":
         return pipeline
     view = module_view(pipeline)
-    moved: dict[tuple[str, int], torch.UntypedStorage] = {}
+    moved: dict[tuple[str, int], tuple[torch.UntypedStorage, int]] = {}
     with torch.no_grad():
         for module in view.modules():
             for registry in (module._parameters, module._buffers):
@@ -87,17 +90,33 @@ def move_to_device(pipeline: Any, device: torch.device) -> Any:
                         continue
                     storage = tensor.untyped_storage()
                     key = (str(tensor.device), storage.data_ptr())
-                    target = moved.get(key)
-                    if target is None:
-                        target = storage.to(device=device)
-                        moved[key] = target
+                    if key not in moved:
+                        moved[key] = _device_storage(storage, device)
+                    target, phase = moved[key]
+                    if phase % tensor.element_size():  # a view reinterpreting the storage
+                        target, phase = storage.to(device=device), 0
                     placed = torch.empty(0, dtype=tensor.dtype, device=device).set_(
-                        target, tensor.storage_offset(), tensor.size(), tensor.stride())
+                        target, tensor.storage_offset() + phase // tensor.element_size(),
+                        tensor.size(), tensor.stride())
                     if isinstance(tensor, nn.Parameter):
                         tensor.data = placed
                     else:
                         registry[name] = placed
     return pipeline
+
+
+def _device_storage(storage: torch.UntypedStorage,
+                    device: torch.device) -> tuple[torch.UntypedStorage, int]:
+    """A copy of ``storage`` on ``device`` and the bytes it starts past its allocation's start:
+    the host storage's address modulo 64, so that every tensor over the copy keeps its address
+    modulo 64.  (``storage.to(device)`` starts on a fresh 64-byte boundary: a safetensors mmap
+    view 4 bytes past one would then be computed on at another alignment than an offloader,
+    which keeps the phase, computes on it, and MKL's GEMV gives other last bits on AMD EPYC.)"""
+    phase = storage.data_ptr() % 64
+    flat = torch.empty(phase + storage.nbytes(), dtype=torch.uint8, device=device)
+    host = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    flat[phase:].copy_(host)
+    return flat.untyped_storage(), phase
 
 
 def _make_backend(config: OffloadConfig, platform: Any) -> Any:

@@ -22,8 +22,10 @@ import torch
 
 from .registry import AREAS
 from .runner import CheckResult, run_checks
+from .severity import Severity, judge
 
-__all__ = ["AREAS_JUDGED", "Cell", "PeerRow", "judge_peer", "measure_peer", "render_markdown"]
+__all__ = ["AREAS_JUDGED", "Cell", "PeerRow", "judge_peer", "level_of", "measure_peer",
+           "render_markdown"]
 
 #: The areas a protocol offloader is judged in (the others test offload-ref's own resolver,
 #: config parser, split-model delegation and distributed backend: :mod:`.capabilities`).
@@ -46,6 +48,22 @@ class Cell:
         if self.failed:
             return "fail"
         return "pass" if self.passed else "n/a"
+
+    @property
+    def worst(self) -> CheckResult | None:
+        """The failing case the cell shows: the first (by case id) of the worst severity."""
+        if not self.failed:
+            return None
+        return min(self.failed, key=lambda r: (level_of(r).rank, str(r.id)))
+
+
+def level_of(result: CheckResult) -> Severity:
+    """A failing case's severity: the one its run recorded, else judged from its check and
+    message (:mod:`.severity`)."""
+    recorded = getattr(result, "severity", None)
+    if recorded:
+        return Severity.of(recorded)
+    return judge(result.id.check, result.outcome, result.message) or Severity.WRONG_OUTPUT
 
 
 @dataclass
@@ -231,8 +249,12 @@ def render_markdown(rows: Sequence[PeerRow], *, header: dict[str, Any], command:
         "(model-authors.md#9-judge-your-own-offloader)) on the built-in fixtures and the real "
         f"diffusers pipelines ({', '.join(pipelines)}), under each strategy it offers.  A cell folds one contract "
         "area over every pipeline and strategy: **pass** (every case that applies passed; the "
-        "count), **fail** (the first failing check, linked to its cases below, and its cause in "
-        "one line), **n/a** (nothing applied: the offloader's API refuses these pipelines, or the "
+        "count), **fail: SEVERITY** (the worst failure found there, worst first: *wrong output* "
+        "(a generation or a weight read differs from the un-offloaded truth), *error* (an "
+        "exception raised into the user's generation, enable() or disable()), *memory* (memory "
+        "not returned or held beyond the plan), *trace* (a leftover attribute or hook that "
+        "changes nothing computed); then the first failing check of that severity, linked to its "
+        "cases below, and its cause in one line), **n/a** (nothing applied: the offloader's API refuses these pipelines, or the "
         "area judges offload-ref's internals).  Areas A (plan), E (split models), G (config) and "
         "H (distributed) judge offload-ref's own resolver, config parser and backends: they "
         "are not applicable through the protocol (contracts/capabilities.py says why, check by "
@@ -248,10 +270,11 @@ def render_markdown(rows: Sequence[PeerRow], *, header: dict[str, Any], command:
         for area in AREAS_JUDGED:
             cell = row.cells[area]
             if cell.failed:
-                first = sorted(cell.failed, key=lambda r: str(r.id))[0]
+                first = cell.worst
                 checks = sorted({r.id.check for r in cell.failed})
                 more = f" (+{len(checks) - 1} more)" if len(checks) > 1 else ""
-                cells.append(f"**fail** [{first.id.check}](#{_anchor(row.name, first.id.check)})"
+                cells.append(f"**fail: {level_of(first)}** "
+                             f"[{first.id.check}](#{_anchor(row.name, first.id.check)})"
                              f"{more}: {cause_of(first.message, 150)}")
             elif cell.passed:
                 cells.append(f"pass ({cell.passed})")
@@ -301,7 +324,8 @@ def render_markdown(rows: Sequence[PeerRow], *, header: dict[str, Any], command:
                     ""]
             cases = sorted(cases, key=lambda r: str(r.id))
             for r in cases[:_SHOWN]:
-                out.append(f"- {r.id.spec} / {r.id.strategy}: {r.outcome}: {cause_of(r.message)}  ")
+                out.append(f"- {r.id.spec} / {r.id.strategy}: {r.outcome} ({level_of(r)}): "
+                           f"{cause_of(r.message)}  ")
                 out.append(f"  `{r.id.repro()}`")
             if len(cases) > _SHOWN:
                 out.append(f"- and {len(cases) - _SHOWN} more: "

@@ -18,11 +18,23 @@ __all__ = ["ALL_STRATEGIES", "AREAS", "CATALOGUE", "DOCS", "CheckFailure", "Chec
 
 
 class CheckFailure(AssertionError):
-    """A contract does not hold.  The message names the check, the object and both values."""
+    """A contract does not hold.  The message names the check, the object and both values;
+    ``severity`` (a :class:`~.severity.Severity` or its name), when the failure site gives one,
+    says how bad what it found is (else the check's default: :mod:`.severity`)."""
+
+    def __init__(self, message: str = "", severity: Any = None) -> None:
+        super().__init__(message)
+        if severity is not None:
+            from .severity import Severity
+
+            severity = Severity.of(severity)
+        self.severity = severity
 
 
-def fail(message: str) -> None:
-    raise CheckFailure(message)
+def fail(message: str, severity: Any = None) -> None:
+    """Raise :class:`CheckFailure`; ``severity`` overrides the check's default level
+    (``"wrong output"``, ``"error"``, ``"memory"``, ``"trace"``: :mod:`.severity`)."""
+    raise CheckFailure(message, severity)
 
 
 class CheckNotApplicable(Exception):
@@ -150,6 +162,9 @@ class CheckInfo:
     title: str = ""
     needs: str = ""
     requires: tuple[str, ...] = ()
+    #: the level of a failure whose site says none (None: :data:`.severity.DEFAULTS`, else
+    #: ``wrong output``)
+    severity: Any = None
 
     @property
     def area(self) -> str:
@@ -170,6 +185,7 @@ def check(
     requires: Iterable[str] = (),
     applies: Callable[[Any, str], bool] | None = None,
     needs: str = "",
+    severity: Any = None,
 ) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
     """Register a check function; its name is its public id (``check_<subject>_<behaviour>``).
 
@@ -178,6 +194,8 @@ def check(
     here.  ``needs`` says what a pipeline must have (the reason printed when it does not); it
     defaults to the required traits' texts.  ``applies(spec, strategy)``, a predicate, is kept
     for checks registered outside the kit; a check with ``applies`` must state ``needs``.
+    ``severity`` is the level of its failures where the failure site gives none
+    (:mod:`.severity`; default: the kit's table, else ``"wrong output"``).
     """
     if isinstance(requires, (str, bytes)):
         raise ValueError(f"requires: expected a tuple of requirements, got the string "
@@ -185,6 +203,10 @@ def check(
     requires = tuple(requires)
     if applies is not None and not needs:
         raise ValueError("a check with applies= must say what it needs (needs=...)")
+    if severity is not None:
+        from .severity import Severity
+
+        severity = Severity.of(severity)
 
     def register(func: Callable[[Any], None]) -> Callable[[Any], None]:
         name = func.__name__
@@ -201,7 +223,7 @@ def check(
                              f"and {known.func.__module__}.{known.func.__qualname__}")
         CATALOGUE[name] = CheckInfo(name, func, section, scope, tuple(strategies), applies,
                                     first_sentence(func.__doc__ or ""),
-                                    needs or _traits.needs_of(requires), requires)
+                                    needs or _traits.needs_of(requires), requires, severity)
         return func
 
     return register

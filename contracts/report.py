@@ -6,7 +6,8 @@ same content as data (``offload-ref check --json PATH``).
 
 Reading a cell: ``ok 5`` (5 cases, all passed or failed as expected), ``FAIL 2/5`` (2 of 5
 failed), ``n/a`` (no case of that area applies to that pipeline; the reasons are listed under
-the matrix), ``-`` (the area has no check for that strategy).
+the matrix), ``-`` (the area has no check for that strategy).  Each failure carries its severity
+(:mod:`.severity`: wrong output, error, memory, trace); the JSON's matrix cells carry the worst.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from .registry import AREAS, doc_for
+from .severity import Severity, judge, worst
 
 __all__ = ["Row", "header", "kit_device_line", "render", "rows_from_results", "summary", "to_json"]
 
@@ -40,6 +42,18 @@ class Row:
     repro: str = ""
     seconds: float = 0.0
     title: str = ""
+    #: how bad a failure is (:mod:`.severity`); None: judged from the check and the message
+    severity: str | None = None
+
+    @property
+    def level(self) -> Severity | None:
+        """The failure's severity (None for an outcome that is no failure): the one the run
+        recorded, else the check's default refined by its message (the pytest route)."""
+        if self.outcome not in ("failed", "error"):
+            return None
+        if self.severity:
+            return Severity.of(self.severity)
+        return judge(self.check, self.outcome, self.message)
 
     @property
     def area(self) -> str:
@@ -66,7 +80,7 @@ def rows_from_results(results: Iterable[Any]) -> list[Row]:
         info = catalogue.get(r.id.check)
         rows.append(Row(r.id.check, info.section if info else "", r.id.spec, r.id.strategy,
                         r.outcome, r.message, r.id.repro(), r.seconds,
-                        info.title if info else ""))
+                        info.title if info else "", getattr(r, "severity", None)))
     return rows
 
 
@@ -216,6 +230,8 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
         r = group[0]
         w(f"\n{r.outcome.upper()} {_case_id(r)}\n  pipeline {r.pipeline or '-'} · strategy "
           f"{r.strategy or '-'} · {_area_text(r)} · {r.doc}\n")
+        if r.level is not None:
+            w(f"  severity: {r.level} ({LEVEL_TEXT[r.level]})\n")
         if r.title:
             w(f"  contract: {r.title}\n")
         for line in r.message.strip().splitlines() or ["(no message)"]:
@@ -226,6 +242,12 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
             others = ", ".join(_case_id(o) for o in group[1:])
             same = "diagnosis" if isinstance(cause, tuple) else r.outcome
             w(f"  the same {same} in {len(group) - 1} more case(s): {others}\n")
+    levels = [r.level for r in rows if r.level is not None]
+    if levels:
+        counts = [f"{sum(v is level for v in levels)} {level}" for level in Severity
+                  if any(v is level for v in levels)]
+        w(f"\nseverity of the failures (worst first): {', '.join(counts)} "
+          f"({SEVERITY_DOC})\n")
     s = summary(rows)
     parts = [f"{s['passed']} passed", f"{s['failed'] + s['error']} failed"]
     if s["error"]:
@@ -240,6 +262,17 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
         parts.append(f"{s['skipped']} skipped")
     tail = f" in {seconds:.1f} s" if seconds is not None else ""
     w(f"\n{', '.join(parts)} ({s['total']} cases{tail})\n")
+
+
+#: What each severity means, in the report's words.
+LEVEL_TEXT = {
+    Severity.WRONG_OUTPUT: "a generation or a value the user reads differs from the "
+                           "un-offloaded truth",
+    Severity.ERROR: "an error raised into the user's generation, enable() or disable()",
+    Severity.MEMORY: "memory not returned, or held beyond the contract",
+    Severity.TRACE: "a leftover trace that changes nothing computed",
+}
+SEVERITY_DOC = "docs/model-authors.md#reading-the-report"
 
 
 def _area_text(r: Row) -> str:
@@ -259,8 +292,10 @@ def to_json(rows: Sequence[Row], head: Mapping[str, Any] | None = None,
             group = by_area.get(area, [])
             if group:
                 counts = summary(group)
+                level = worst(r.level for r in group)
                 matrix.append({"pipeline": pipeline, "strategy": strategy, "area": area,
                                "area_title": AREAS.get(area, ""), "cell": _cell(group),
+                               "severity": None if level is None else level.value,
                                **{k: v for k, v in counts.items() if v}})
     return {
         "format": "offload-ref-check/1",
@@ -269,6 +304,8 @@ def to_json(rows: Sequence[Row], head: Mapping[str, Any] | None = None,
         "seconds": seconds,
         "matrix": matrix,
         "results": [{"check": r.check, "section": r.section, "pipeline": r.pipeline,
-                     "strategy": r.strategy, "outcome": r.outcome, "message": r.message,
-                     "reproduce": r.repro, "seconds": round(r.seconds, 4)} for r in rows],
+                     "strategy": r.strategy, "outcome": r.outcome,
+                     "severity": None if r.level is None else r.level.value,
+                     "message": r.message, "reproduce": r.repro,
+                     "seconds": round(r.seconds, 4)} for r in rows],
     }

@@ -14,6 +14,7 @@ from .capabilities import inapplicable
 from .case import DEFAULT_IMPLEMENTATION, CheckCase, Implementation
 from .placement import diagnose_device_error, is_device_error
 from .preflight import failed_preflight, unresolved_strategies
+from .severity import judge as judge_severity
 from .registry import (CATALOGUE, CheckFailure, CheckInfo, CheckNotApplicable, applicability,
                        closest, strategy_names)
 from .spec import PipelineSpec
@@ -75,6 +76,8 @@ class CheckResult:
     outcome: str
     message: str = ""
     seconds: float = 0.0
+    #: how bad a failure or error is (contracts/severity.py); None for any other outcome
+    severity: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -319,6 +322,8 @@ def run_checks(
             continue
         xfail = expected.get(str(cid), expected.get(info.id))
         start = time.perf_counter()
+        stated = None  # the severity a CheckFailure's site gave (not the exception: its frames
+        # hold tensors the next case's memory checks must not see)
         try:
             run_case(info, spec, strategy, impl)
         except CheckNotApplicable as exc:
@@ -326,13 +331,16 @@ def run_checks(
         except CheckFailure as exc:
             outcome, message = (("xfailed", f"expected: {xfail}") if xfail else
                                 ("failed", message_of(exc)))
+            stated = getattr(exc, "severity", None)
         except Exception as exc:  # an error is a failure too, never an expected one
             tb = "".join(traceback.format_tb(exc.__traceback__)[-2:])
             outcome, message = "error", f"{type(exc).__name__}: {message_of(exc)}\n{tb}"
         else:
             outcome, message = ("xpassed", f"expected to fail: {xfail}") if xfail else (
                 "passed", "")
-        results.append(CheckResult(cid, outcome, message, time.perf_counter() - start))
+        level = judge_severity(info.id, outcome, message, stated)
+        results.append(CheckResult(cid, outcome, message, time.perf_counter() - start,
+                                   None if level is None else level.value))
         if progress is not None:
             progress(len(results), total, results[-1])
     return results

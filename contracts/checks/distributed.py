@@ -32,7 +32,7 @@ from offload_ref.config import OffloadStrategy
 from ..case import DEFAULT_IMPLEMENTATION, CheckCase, move_to_device
 from ..registry import check, fail
 from ..spec import load_object
-from ._observe import compare_outputs
+from ._observe import compare_outputs, observe
 from ._util import module_view, values_equal
 
 WORLD = 2
@@ -295,36 +295,150 @@ def _rank_failure(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str
 
 
 def _mmap(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
-    from safetensors.torch import save_file
-
+    """Note [Both alignment phases]: the DiT files put every other tensor 64-byte aligned and
+    the rest off a 16-byte boundary, and the scenario records the address of every tensor each
+    module computes with, in the reference and in the offloaded run."""
     request = _request(case, rank)
     source = case.build()
     plan = case.resolve(source, case.config())
     files = {}
     for comp in plan.dits:
         path = tmp / f"{comp.path}-rank{rank}.safetensors"
-        save_file(_unique_contiguous(comp.module.state_dict()), str(path))
+        write_safetensors_at_phases(_unique_contiguous(comp.module.state_dict()), path,
+                                    prefix=MMAP_PREFIX)
         files[comp.path] = path
 
-    def loaded() -> nn.Module:
+    def loaded() -> tuple[nn.Module, list[str]]:
         pipeline = case.build()
+        paths = []
         for comp in case.resolve(pipeline, case.config()).dits:
-            case.impl.load_safetensors(comp.module, files[comp.path])
-        return pipeline
+            case.impl.load_safetensors(comp.module, files[comp.path], prefix=MMAP_PREFIX)
+            paths.append(comp.path)
+        return pipeline, paths
 
     fresh = case.build()
-    pipeline = loaded()
-    obs: dict[str, Any] = {"buffers": _non_persistent_differences(pipeline, fresh)}
-    reference = case.run(move_to_device(loaded(), case.device), request)
+    pipeline, dits = loaded()
+    obs: dict[str, Any] = {"buffers": _non_persistent_differences(pipeline, fresh),
+                           "file_phases": _dit_phases(pipeline, dits)}
+    resident, _ = loaded()
+    obs["reference_phases"], reference = _phases_while_running(
+        case, move_to_device(resident, case.device), request)
     platform = case.platform()
     backend = case.backend(_config(case, "rank-local", world), platform)
     backend.enable(pipeline)
-    obs["output"] = case.run(pipeline, request)
+    obs["phases"], obs["output"] = _phases_while_running(case, pipeline, request)
     obs["stats"] = _stats(backend)
     backend.disable()
     obs["buffers_after_disable"] = _non_persistent_differences(pipeline, fresh)
     obs["reference"] = reference
     return obs
+
+
+# Note [Both alignment phases]
+#     Kernels pick their path by a weight's address: on AMD EPYC, MKL's matrix-vector product gives
+#     other last bits for a weight that is not 16-byte aligned than for an aligned one (not on
+#     Intel).  safetensors packs tensors back to back, so an mmap view sits wherever the file put
+#     it; a reference computed on an aligned copy and an offloaded run on the file's phase (or the
+#     other way round) then differ by an ulp on one machine and agree on the next.  So the kit
+#     does not rely on the outputs alone: its files put tensors at both phases deliberately
+#     (:func:`write_safetensors_at_phases`), and the alignment check compares the address modulo
+#     64 of every tensor each module computes with, reference against offloaded run, which
+#     differs on every machine when one side realigns.  The reference keeps each storage's
+#     address modulo 64 on the device (``move_to_device``, as an offloader keeps it: Note
+#     [Aligned layout] in offload_ref/host.py).
+
+#: The key prefix of the mmap scenario's DiT tensors; the padding entries that place them
+#: (:func:`write_safetensors_at_phases`) are outside it, so the loader ignores them.
+MMAP_PREFIX = "dit."
+_PAD_PREFIX = "kit_padding."
+_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+                torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+                torch.complex64: "C64"}
+
+
+def unaligned_phase(itemsize: int) -> int:
+    """The phase (bytes past a 64-byte boundary) :func:`write_safetensors_at_phases` gives every
+    other tensor: one element, so the tensor is off every 16-byte boundary (an element of 16
+    bytes or more: 0, there is no unaligned phase to give)."""
+    return itemsize if itemsize < 16 else 0
+
+
+def write_safetensors_at_phases(state: dict[str, torch.Tensor], path: Path | str, *,
+                                prefix: str = MMAP_PREFIX) -> dict[str, int]:
+    """Write ``state`` as a safetensors file (keys ``prefix + name``) whose data section starts
+    64-byte aligned and places the tensors, in ``state``'s order, alternately 64-byte aligned
+    and :func:`unaligned_phase` bytes past a 64-byte boundary: uint8 padding entries (keys
+    outside ``prefix``) fill the gaps, since safetensors allows no holes.  A file is mapped at a
+    page boundary, so a view's address modulo 64 is its offset's.  Returns each name's phase
+    (Note [Both alignment phases])."""
+    import json
+    import struct
+
+    entries: list[tuple[str, str, list[int], bytes]] = []
+    phases: dict[str, int] = {}
+    offset = 0
+    for i, (name, t) in enumerate(state.items()):
+        t = t.detach().cpu().contiguous()
+        if t.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"the kit's mmap scenario cannot write {name!r} of dtype {t.dtype}; "
+                             f"it writes {sorted(map(str, _DTYPE_NAMES))}")
+        want = 0 if i % 2 == 0 else unaligned_phase(t.element_size())
+        gap = (want - offset) % 64
+        if gap:
+            entries.append((f"{_PAD_PREFIX}{i}", "U8", [gap], bytes(gap)))
+            offset += gap
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        entries.append((prefix + name, _DTYPE_NAMES[t.dtype], list(t.shape), data))
+        phases[name] = offset % 64
+        offset += len(data)
+    header: dict[str, Any] = {}
+    start = 0
+    for key, dtype, shape, data in entries:
+        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [start, start + len(data)]}
+        start += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((-(8 + len(text))) % 64)  # the data section starts 64-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for _, _, _, data in entries:
+            f.write(data)
+    return phases
+
+
+def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = list(module.named_parameters(recurse=False))
+    named += [(n, b) for n, b in module.named_buffers(recurse=False) if b is not None]
+    return [(n, t) for n, t in named if t.numel()]
+
+
+def _dit_phases(pipeline: Any, dits: list[str]) -> dict[str, int]:
+    """Address modulo 64 of every tensor of the DiTs ``dits`` (dotted paths in the pipeline)."""
+    out = {}
+    for path, module in module_view(pipeline).named_modules(remove_duplicate=False):
+        if any(path == d or path.startswith(d + ".") for d in dits):
+            for name, t in _own_tensors(module):
+                out[f"{path}.{name}"] = t.data_ptr() % 64
+    return out
+
+
+def _phases_while_running(case: CheckCase, pipeline: Any,
+                          request: dict[str, Any]) -> tuple[dict[str, int], Any]:
+    """(address modulo 64 of every tensor each module holds when its forward starts, after the
+    offloader's hooks: the tensors it computes with; the output of one generation)."""
+    seen: dict[str, int] = {}
+
+    def look(path: str, module: nn.Module) -> None:
+        for name, t in _own_tensors(module):
+            if t.stride() and not all(t.stride()):
+                continue  # a placeholder (stride 0) of a block in no slot
+            seen.setdefault(f"{path}.{name}" if path else name, t.data_ptr() % 64)
+
+    modules = list(module_view(pipeline).named_modules(remove_duplicate=False))
+    with observe(modules, look):
+        output = case.run(pipeline, request)
+    return seen, output
 
 
 def _unique_contiguous(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -602,8 +716,41 @@ def check_mmap_loaded_weights_keep_non_persistent_buffers(case) -> None:
                  f"(file_backed_bytes 0, host bytes {obs['stats']['host_bytes']})")
 
 
+@check("H.6", strategies=DLO, requires=_REQUIRES)
+def check_mmap_loaded_weights_keep_their_alignment(case) -> None:
+    """Rank-local streaming of DiT weights loaded as mmap views computes with every tensor at
+    the address modulo 64 the un-offloaded loaded pipeline computes with it, for files that put
+    tensors both 64-byte aligned and off a 16-byte boundary: kernels pick their path by address
+    (MKL's GEMV on AMD EPYC), so an offloader that realigns a file's tensors, or keeps the file's
+    phase where the reference realigns, matches bit for bit on some CPUs only (Note [Both
+    alignment phases])."""
+    for rank, obs in enumerate(_scenario(case, "mmap")):
+        file_phases = obs["file_phases"]
+        unaligned = [n for n, p in file_phases.items() if p % 16]
+        if not unaligned or len(unaligned) == len(file_phases):
+            fail(f"rank {rank}: precondition: the loaded DiT tensors sit at phases "
+                 f"{sorted(set(file_phases.values()))} (address modulo 64); the kit's file puts "
+                 "them both 64-byte aligned and off a 16-byte boundary, so the loader "
+                 "(Implementation.load_safetensors) did not hand back views of the file")
+        ref, got = obs["reference_phases"], obs["phases"]
+        compared = [n for n in ref if n in got]
+        if not any(n in compared for n in unaligned):
+            fail(f"rank {rank}: precondition: no tensor the file puts off a 16-byte boundary "
+                 f"({unaligned[:3]}) was seen in a forward of both runs")
+        moved = [f"{n}: {got[n]} bytes past a 64-byte boundary offloaded, {ref[n]} in the "
+                 "un-offloaded reference" for n in compared if got[n] != ref[n]]
+        if moved:
+            fail(f"rank {rank}: {len(moved)} of {len(compared)} tensor(s) are computed with at "
+                 f"another address modulo 64 than in the reference: {moved[:4]}.  Kernels pick "
+                 "their path by alignment (MKL's matrix-vector product on AMD EPYC gives other "
+                 "last bits for a weight off a 16-byte boundary), so equal outputs here are "
+                 "this CPU's luck: keep every tensor's address modulo 64 in host masters, "
+                 "device copies and slots (Note [Aligned layout] in offload_ref/host.py)")
+
+
 __all__ = [name for name in dir() if name.startswith("check_")] + [
-    "observations", "streamed_block_bytes"]
+    "MMAP_PREFIX", "observations", "streamed_block_bytes", "unaligned_phase",
+    "write_safetensors_at_phases"]
 
 
 @check("H.5", strategies=DLO, requires=_REQUIRES)
