@@ -10,6 +10,7 @@ import difflib
 import re
 from collections.abc import Iterable
 
+from . import severity as _severity
 from . import traits as _traits
 
 __all__ = ["ALL_STRATEGIES", "AREAS", "CATALOGUE", "DOCS", "CheckFailure", "CheckInfo",
@@ -24,11 +25,7 @@ class CheckFailure(AssertionError):
 
     def __init__(self, message: str = "", severity: Any = None) -> None:
         super().__init__(message)
-        if severity is not None:
-            from .severity import Severity
-
-            severity = Severity.of(severity)
-        self.severity = severity
+        self.severity = None if severity is None else _severity.Severity.of(severity)
 
 
 def fail(message: str, severity: Any = None) -> None:
@@ -204,9 +201,7 @@ def check(
     if applies is not None and not needs:
         raise ValueError("a check with applies= must say what it needs (needs=...)")
     if severity is not None:
-        from .severity import Severity
-
-        severity = Severity.of(severity)
+        severity = _severity.Severity.of(severity)
 
     def register(func: Callable[[Any], None]) -> Callable[[Any], None]:
         name = func.__name__
@@ -224,6 +219,7 @@ def check(
         CATALOGUE[name] = CheckInfo(name, func, section, scope, tuple(strategies), applies,
                                     first_sentence(func.__doc__ or ""),
                                     needs or _traits.needs_of(requires), requires, severity)
+        _severity.declare(name, severity)
         return func
 
     return register

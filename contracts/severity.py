@@ -41,7 +41,8 @@ import re
 from collections.abc import Iterable
 from enum import Enum
 
-__all__ = ["DEFAULTS", "Severity", "default_for", "judge", "of_problems", "worst"]
+__all__ = ["DECLARED", "DEFAULTS", "Severity", "declare", "default_for", "judge", "of_problems",
+           "worst"]
 
 
 class Severity(str, Enum):
@@ -240,16 +241,22 @@ def worst(levels: Iterable[Severity | str | None]) -> Severity | None:
     return min(known, key=lambda s: s.rank) if known else None
 
 
+#: check id -> the ``severity=`` it was registered with (:func:`~.registry.check` records it)
+DECLARED: dict[str, Severity] = {}
+
+
+def declare(check_id: str, level: Severity | str | None) -> None:
+    """Record the level ``check_id`` was registered with (None: forget it)."""
+    if level is None:
+        DECLARED.pop(check_id, None)
+    else:
+        DECLARED[check_id] = Severity.of(level)
+
+
 def default_for(check_id: str) -> Severity:
     """What a failure of ``check_id`` is when its site says nothing: the ``severity=`` it was
     registered with, else :data:`DEFAULTS`, else ``wrong output``."""
-    from .registry import CATALOGUE
-
-    info = CATALOGUE.get(check_id)
-    declared = getattr(info, "severity", None) if info is not None else None
-    if declared is not None:
-        return Severity.of(declared)
-    return DEFAULTS.get(check_id, Severity.WRONG_OUTPUT)
+    return DECLARED.get(check_id) or DEFAULTS.get(check_id, Severity.WRONG_OUTPUT)
 
 
 def judge(check_id: str, outcome: str, message: str = "",

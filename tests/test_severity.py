@@ -139,3 +139,19 @@ def test_the_conformance_table_shows_the_worst_severity_per_cell() -> None:
     assert c.startswith("**fail: wrong output** [check_enable_disable_cycles_match_the_"
                         "reference]") and "(+1 more)" in c, c
     assert "- a / layer_wise: failed (trace): disable left traces" in text
+
+
+def test_a_check_registered_outside_the_kit_gives_its_own_default(monkeypatch) -> None:
+    from offload_ref.contracts import registry, severity
+
+    monkeypatch.setattr(registry, "CATALOGUE", dict(registry.CATALOGUE))
+    monkeypatch.setattr(severity, "DECLARED", {})
+
+    @registry.check("J", severity="trace")
+    def check_my_cache_is_cleared(case) -> None:
+        """My cache is cleared."""
+
+    assert registry.CATALOGUE["check_my_cache_is_cleared"].severity is Severity.TRACE
+    assert judge("check_my_cache_is_cleared", "failed", "left") is Severity.TRACE
+    with pytest.raises(ValueError, match="unknown severity 'minor'"):
+        registry.check("J", severity="minor")
