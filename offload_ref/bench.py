@@ -53,13 +53,14 @@ Note [Bench device]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform as pyplatform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -395,6 +396,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # -- an author's own pipeline (issue 23) -----------------------------------------------------------
 
+class BenchSpecError(Exception):
+    """A pipeline ``bench --spec`` cannot measure, in one line naming the pipeline, the step and
+    the cause (the CLI prints it as ``offload-ref bench: error: ...`` and exits 1)."""
+
+
 def _cmd_bench_spec(args: argparse.Namespace) -> int:
     from .contracts.refs import RefError, resolve, specs_from
 
@@ -403,55 +409,95 @@ def _cmd_bench_spec(args: argparse.Namespace) -> int:
     except RefError as exc:
         print(f"offload-ref bench: error: --spec {exc}", file=sys.stderr)
         return 2
+    try:
+        results = [run_spec_bench(spec, repeats=args.repeats, device=args.device)
+                   for spec in specs]
+    except BenchSpecError as exc:
+        print(f"offload-ref bench: error: {exc}", file=sys.stderr)
+        return 1
     out = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "device": args.device},
-           "pipelines": [run_spec_bench(spec, repeats=args.repeats, device=args.device)
-                         for spec in specs]}
+           "pipelines": results}
     print(json.dumps(out, indent=2) if args.json else
           "\n\n".join(format_spec_bench(r) for r in out["pipelines"]))
     return 0
 
 
+@contextlib.contextmanager
+def _step(spec: Any, what: str) -> Iterator[None]:
+    """Turn a failure of ``what`` (the author's code, or a strategy refusing the pipeline) into
+    a :class:`BenchSpecError` naming the pipeline and the step; a factory's ``SystemExit`` too,
+    which would otherwise end the benchmark with its exit code and no word."""
+    try:
+        yield
+    except BenchSpecError:
+        raise
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported in one line, chained
+        text = " ".join(str(exc).split()) or "(no message)"
+        if len(text) > 400:
+            text = text[:397] + "..."
+        raise BenchSpecError(f"{spec.name}: {what} raised {type(exc).__name__}: {text}") from exc
+
+
 def run_spec_bench(spec: Any, *, repeats: int = 7, device: str = "cpu") -> dict[str, Any]:
     """One pipeline under each strategy it claims (model level, layerwise), against the whole
     pipeline on the device: median generation seconds (interleaved, one run), layerwise extra
-    time per streamed block call, and median ``enable()`` seconds of a host-built pipeline."""
+    time per streamed block call, and median ``enable()`` seconds of a host-built pipeline.
+
+    Takes any pipeline the kit takes: an ``nn.Module``, a diffusers pipeline or a plain object
+    holding modules (the strategies find its components and blocks as ``enable()`` does, and
+    the block calls are counted on the layerwise backend's own rings).  A step that raises (the
+    factory, the inputs, a strategy's ``enable()``, a generation) raises
+    :class:`BenchSpecError` naming the pipeline and the step."""
     from .backends import get_offload_backend
     from .contracts.case import move_to_device
-    from .plan import resolve_offload_plan, selectable_components
-
     from .contracts.preflight import unresolved_strategies
+    from .plan import selectable_components
 
     platform = _bench_platform(device)
-    inputs = spec.make_inputs()
-    skipped = {s: why for s, why in unresolved_strategies(spec).items()
-               if s in ("model_level", "layer_wise")}
+
+    def build(why: str) -> Any:
+        with _step(spec, f"its factory ({why})"):
+            return spec.build()
+
+    def config(pipe: Any, strategy: str) -> OffloadConfig:
+        with _step(spec, f"choosing its components for {strategy}"):
+            return OffloadConfig(strategy=strategy,
+                                 components=selectable_components(pipe, strategy))
+
+    resident = build("the resident pipeline")
+    with _step(spec, "its inputs (make_inputs)"):
+        inputs = spec.make_inputs()
+    with _step(spec, "checking which strategies resolve"):
+        skipped = {s: why for s, why in unresolved_strategies(spec).items()
+                   if s in ("model_level", "layer_wise")}
     strategies = [s for s in ("model_level", "layer_wise")
                   if spec.supports(s) and s not in skipped]
-    pipes: dict[str, Any] = {"resident": move_to_device(spec.build(), platform.device)}
+    with _step(spec, f"moving it whole to {platform.device}"):
+        pipes: dict[str, Any] = {"resident": move_to_device(resident, platform.device)}
     backends: dict[str, Any] = {}
     block_calls = 0
     try:
         for strategy in strategies:
-            pipe = spec.build()
-            config = OffloadConfig(strategy=strategy,
-                                   components=selectable_components(pipe, strategy))
-            backends[strategy] = get_offload_backend(config, platform=platform)
-            backends[strategy].enable(pipe)
+            pipe = build(strategy)
+            with _step(spec, f"enable() under {strategy}"):
+                backend = get_offload_backend(config(pipe, strategy), platform=platform)
+                backend.enable(pipe)
+            backends[strategy] = backend
             pipes[strategy] = pipe
         if "layer_wise" in pipes:
-            plan = resolve_offload_plan(spec.build(), OffloadConfig(
-                strategy="layer_wise", components=selectable_components(spec.build(),
-                                                                        "layer_wise")))
-            streamed = {p for s in plan.stacks for p in s.block_paths[s.resident_head:]}
-            calls: list[str] = []
-            handles = [m.register_forward_pre_hook(lambda *a, p=p: calls.append(p))
-                       for p, m in pipes["layer_wise"].named_modules() if p in streamed]
-            with torch.inference_mode():
-                pipes["layer_wise"](**inputs)
-            for h in handles:
-                h.remove()
+            calls: list[int] = []
+            handles = [block.register_forward_pre_hook(lambda *a: calls.append(1))
+                       for ring in backends["layer_wise"].plan.stacks
+                       for block in ring.streamed_blocks]
+            try:
+                with _step(spec, "a generation under layer_wise"), torch.inference_mode():
+                    pipes["layer_wise"](**inputs)
+            finally:
+                for h in handles:
+                    h.remove()
             block_calls = len(calls)
-        with torch.inference_mode():
+        with _step(spec, f"a generation ({', '.join(pipes)}, interleaved)"), \
+                torch.inference_mode():
             gen = _interleaved({n: (lambda p=p: p(**inputs)) for n, p in pipes.items()},
                                repeats, platform.synchronize)
     finally:
@@ -459,10 +505,10 @@ def run_spec_bench(spec: Any, *, repeats: int = 7, device: str = "cpu") -> dict[
             backend.disable()
     enable: dict[str, float] = {}
     for strategy in strategies:
-        pipe = spec.build()
-        config = OffloadConfig(strategy=strategy, components=selectable_components(pipe, strategy))
-        enable[strategy] = _median_enable_s(get_offload_backend(config, platform=platform),
-                                            pipe, platform, repeats)[0]
+        pipe = build(f"enable() timing under {strategy}")
+        with _step(spec, f"enable() under {strategy}"):
+            backend = get_offload_backend(config(pipe, strategy), platform=platform)
+            enable[strategy] = _median_enable_s(backend, pipe, platform, repeats)[0]
     result: dict[str, Any] = {"pipeline": spec.name, "repeats": repeats, "not_run": skipped,
                               "generation_s": gen, "enable_s": enable,
                               "ratio_to_resident": {n: gen[n] / gen["resident"] for n in gen}}

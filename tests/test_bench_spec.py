@@ -1,0 +1,140 @@
+"""`offload-ref bench --spec` takes any pipeline the kit takes (an nn.Module, a diffusers pipeline,
+a plain object holding modules), counts layerwise block calls on the backend's own rings, and
+reports a pipeline it cannot measure in one `error:` line with exit status 1 (a bad reference:
+2, as `offload-ref check` does)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from offload_ref.bench import BenchSpecError, run_spec_bench
+from offload_ref.cli import main
+from offload_ref.contracts import PipelineSpec
+
+DIM, BLOCKS = 16, 3
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.proj(x))
+
+
+class _Transformer(nn.Module):
+    _layerwise_offload_blocks_attrs = ["blocks"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(BLOCKS))
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+class PlainPipeline:
+    """A diffusers-style pipeline: a plain object, its components attributes (no named_modules)."""
+
+    _dit_modules = ["transformer"]
+    _encoder_modules = ["text_encoder"]
+    _vae_modules: list[str] = []
+
+    def __init__(self) -> None:
+        self.text_encoder = nn.Linear(DIM, DIM).eval().requires_grad_(False)
+        self.transformer = _Transformer().eval().requires_grad_(False)
+
+    def __call__(self, *, x: torch.Tensor, steps: int) -> torch.Tensor:
+        x = self.text_encoder(x.to(self.text_encoder.weight.device))
+        x = x.to(self.transformer.out.weight.device)
+        for _ in range(steps):
+            x = self.transformer(x)
+        return x
+
+
+def plain(seed: int = 0) -> PlainPipeline:
+    torch.manual_seed(seed)
+    return PlainPipeline()
+
+
+def inputs(seed: int = 0) -> dict:
+    return {"x": torch.randn(2, DIM, generator=torch.Generator().manual_seed(seed)), "steps": 2}
+
+
+def factory_raises(seed: int = 0) -> PlainPipeline:
+    raise ValueError("no checkpoint at /nowhere")
+
+
+def factory_exits(seed: int = 0) -> PlainPipeline:
+    raise SystemExit(0)
+
+
+def inputs_break_the_call(seed: int = 0) -> dict:
+    return {"x": torch.randn(2, DIM + 1), "steps": 1}
+
+
+PLAIN = PipelineSpec("plain", f"{__name__}:plain", f"{__name__}:inputs")
+
+
+def test_a_plain_object_pipeline_is_measured_under_both_strategies() -> None:
+    result = run_spec_bench(PLAIN, repeats=1)
+    assert set(result["generation_s"]) == {"resident", "model_level", "layer_wise"}
+    assert result["not_run"] == {}
+    # two steps through a three-block ring: every streamed block call is counted
+    assert result["layerwise_block_calls"] == 2 * BLOCKS
+    assert all(s > 0 for s in result["enable_s"].values())
+
+
+def test_the_repositorys_diffusers_sd3_spec_is_measured(capsys: pytest.CaptureFixture) -> None:
+    rc = main(["bench", "--spec", "offload_ref.fixtures.diffusers_dit:SD3_SPEC", "--repeats", "1",
+               "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    [result] = json.loads(captured.out)["pipelines"]
+    assert result["pipeline"] == "diffusers_sd3"
+    assert set(result["generation_s"]) == {"resident", "model_level", "layer_wise"}
+    assert result["layerwise_block_calls"] > 0
+
+
+@pytest.mark.parametrize("factory,inputs_ref,needles", [
+    ("factory_raises", "inputs", ["its factory", "ValueError: no checkpoint at /nowhere"]),
+    ("factory_exits", "inputs", ["its factory", "SystemExit: 0"]),
+    ("plain", "inputs_break_the_call", ["a generation", "RuntimeError"]),
+], ids=["raises", "system_exit", "generation_fails"])
+def test_a_pipeline_that_cannot_be_measured_is_one_error_line(
+        capsys: pytest.CaptureFixture, factory: str, inputs_ref: str, needles: list[str]) -> None:
+    spec = PipelineSpec("broken", f"{__name__}:{factory}", f"{__name__}:{inputs_ref}")
+    with pytest.raises(BenchSpecError) as info:
+        run_spec_bench(spec, repeats=1)
+    message = str(info.value)
+    assert message.startswith("broken: ") and "\n" not in message
+    for needle in needles:
+        assert needle in message, message
+    module = sys.modules[__name__]
+    module.BROKEN = spec
+    try:
+        rc = main(["bench", "--spec", f"{__name__}:BROKEN", "--repeats", "1"])
+    finally:
+        del module.BROKEN
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert lines == [f"offload-ref bench: error: {message}"], captured.err
+
+
+def test_a_reference_that_does_not_resolve_exits_2(capsys: pytest.CaptureFixture) -> None:
+    rc = main(["bench", "--spec", f"{__name__}:NO_SUCH_SPEC"])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert captured.err.startswith("offload-ref bench: error: --spec ")
+    assert len(captured.err.strip().splitlines()) == 1
