@@ -38,6 +38,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .blame import Installed, hook_cause, observe_enable, offloader_cause, running_hook
+
 __all__ = ["ModuleWindows", "Owners", "PlacementWatch", "Read", "cached_tensors", "code_line",
            "entry_point",
            "diagnose_device_error", "is_device_error", "named_modules", "named_tensors",
@@ -231,10 +233,19 @@ def code_line(own: bool = False) -> str:
     if own:
         mine = frame
         while mine is not None and (_is_library(mine) or _installed(mine)):
+            if _the_kit(mine):  # the kit called the pipeline: no frame of the author's own
+                mine = None
+                break
             mine = mine.f_back
         if mine is not None:
             return _where(mine)
     return _where(frame)
+
+
+def _the_kit(frame: FrameType) -> bool:
+    """A frame of the kit (what calls the pipeline: nothing above it is pipeline code)."""
+    name = frame.f_globals.get("__name__", "") or ""
+    return name.startswith("offload_ref.contracts") or name.startswith("_pytest")
 
 
 def _installed(frame: FrameType) -> bool:
@@ -275,7 +286,7 @@ def entry_point(module: nn.Module) -> tuple[str, str] | None:
     frame: FrameType | None = sys._getframe(1)
     frames: list[FrameType] = []
     while frame is not None:
-        if frame.f_locals.get("self") is module:
+        if frame.f_locals.get("self") is module and not _machinery(frame):
             frames.append(frame)
         frame = frame.f_back
     if not frames:
@@ -289,6 +300,13 @@ def entry_point(module: nn.Module) -> tuple[str, str] | None:
     while caller is not None and (_is_library(caller) or caller.f_locals.get("self") is module):
         caller = caller.f_back  # past torch, offload-ref and the module's own decorators
     return name, (_where(caller) if caller is not None else "?")
+
+
+def _machinery(frame: FrameType) -> bool:
+    """A frame of torch's own module call (``_wrapped_call_impl``, ``_call_impl`` and its
+    ``inner``): a module inside its ``__call__``, not a method the caller named."""
+    return frame.f_globals.get("__name__") == "torch.nn.modules.module" and \
+        frame.f_code.co_name in ("_wrapped_call_impl", "_call_impl", "inner", "__call__")
 
 
 # -- what the watch records ---------------------------------------------------------------------
@@ -459,6 +477,9 @@ class PlacementWatch(TorchFunctionMode):
         self._added_cache: dict[int, str] | None = None
         #: whether an offloader owns the pipeline now (None: unknown, assumed)
         self.enabled: Callable[[], bool] | None = None
+        #: what the offloader's enable() did, seen from outside (hooks added, tensors moved);
+        #: None: not observed (the parity diagnosis)
+        self.installed: Installed | None = None
 
     # -- the mode ---------------------------------------------------------------------------------
 
@@ -509,6 +530,9 @@ class PlacementWatch(TorchFunctionMode):
             if self.device is not None and t.device != self.device:
                 return f"on {t.device}: offload was disabled, the pipeline's own placement"
             return "on the device"
+        if self._foreign():
+            return (f"off the device, on {t.device}, with {self.installed.name} enabled"
+                    if self.installed is not None else f"off the device, on {t.device}")
         block = self.owners.block(path)
         if block is not None:
             return f"a placeholder: block {block} was not loaded"
@@ -516,6 +540,11 @@ class PlacementWatch(TorchFunctionMode):
         if comp in self.owners.swapped:
             return f"parked on the host: {comp} was not loaded"
         return f"on {t.device}, not on the device"
+
+    def _foreign(self) -> bool:
+        """An offloader the kit knows from outside only (no plan of offload-ref's): where its
+        tensors are is all the kit can say, not which blocks or components it swaps."""
+        return self.installed is not None and not self.owners.components
 
     def _device_read(self, t: Any) -> None:
         path = self.tensors.get(id(t))
@@ -677,6 +706,16 @@ class PlacementWatch(TorchFunctionMode):
 
     def _weight_cause(self, path: str, t: torch.Tensor, where: tuple[str, int],
                       line: str) -> str:
+        name = self.installed.name if self.installed is not None else "the offloader"
+        hook = running_hook(self.windows.active, self.installed)
+        if hook is not None:
+            state = (f"on {t.device}, not on {self.device}" if self._foreign() else
+                     self._state(path, t))
+            return hook_cause(hook, path, self.modules, state, name)
+        if self._foreign():
+            return offloader_cause(path, t, where[0], line, installed=self.installed,
+                                   modules=self.modules, active=self.windows.active,
+                                   entry_point=entry_point, generation=self.generation)
         reader_path = where[0]
         block = self.owners.block(path)
         if block is not None:
@@ -690,8 +729,15 @@ class PlacementWatch(TorchFunctionMode):
                     how = (f"{block} was run through its method {entry[0]}() (called at "
                            f"{entry[1]}), not through {block}(...)")
                 elif reader_path and _within(reader_path, block):
-                    how = (f"its part {reader_path} was called on its own, outside a call of "
-                           f"{block} (for example after the block loop)")
+                    return (f"the hooks of block {block} did not run: its part {reader_path} "
+                            f"was called on its own (through its __call__), outside a call of "
+                            f"{block} (for example after the block loop), and {name} loads "
+                            f"the block only in the block's own hooks, so {path} was read as a "
+                            f"placeholder: the offloader did not load it for that call (an "
+                            f"offloader defect: offload-ref serves a part called on its own "
+                            f"through the part's hooks, Note [Block parts]). Workaround in the "
+                            f"pipeline: call the block itself, {block}(...), and compute with "
+                            f"its parts only inside its forward")
                 else:
                     how = (f"it was read by {self._reader(where)} at {line}, outside any call "
                            f"of {block}")
@@ -781,36 +827,53 @@ class PlacementWatch(TorchFunctionMode):
                 + " (recompute it when its device differs from the input's)")
 
     def _input_cause(self, found: list[torch.Tensor]) -> str:
+        """The cause when no weight was off its place and no kept tensor is to blame: a tensor
+        the pipeline made or kept on the other side of the weights it met."""
         weights = [t for t in found if id(t) in self.tensors]
+        others = [t for t in found if id(t) not in self.tensors]
         disabled = self.enabled is not None and not self.enabled()
-        if self.device is not None and (disabled or (weights and all(
-                t.device != self.device for t in weights))):
-            # offload disabled: the weights are home on the host, a device tensor is stale
-            stale = [t for t in found if id(t) not in self.tensors and t.device == self.device]
-            made = [o for o in map(self.origin, stale) if o is not None]
-            where = "; ".join(f"{o.what} at {o.line} in generation {o.generation}" for o in made)
-            home = weights[0].device if weights else "the host"
-            return (f"after disable() the weights are back on {home}, but the "
-                    f"pipeline used a tensor on {self.device} "
-                    f"({where or 'kept from an earlier call'}): a tensor kept across calls (a "
-                    "cache on the pipeline or a module) "
-                    "from while offload was enabled. Fix: key such caches by device, or clear "
-                    "them when the placement changes")
-        host = [t for t in found if self.device is not None and t.device != self.device
-                and id(t) not in self.tensors]
-        made = [self.origin(t) for t in host]
-        where = "; ".join(f"{o.what} on {o.device} at {o.line}" for o in made if o is not None)
-        text = (f"the pipeline made {'its tensor' if len(host) == 1 else 'tensors'} on the "
-                f"host ({where or 'an input it did not move'}) while the weights computing on "
-                f"it were on the device")
-        if self.device_reads:
-            reads = "; ".join(f"{r.line} read {r.tensor}.device -> {r.device} ({r.state})"
-                              for r in self.device_reads[:3])
-            text += (f". Its device came from a weight the offloader had moved off the device: "
-                     f"{reads}")
-        return (text + ". Fix: take the execution device from offload_ref.execution_device("
-                "pipeline) or from a component the strategy keeps resident (the VAE), and move "
-                "every input, noise and timestep there")
+        dev = self.device
+        if dev is not None and disabled:
+            # offload disabled: the pipeline computes where it keeps its weights without
+            # offload; a device tensor made by an earlier generation (while enabled) is stale
+            stale = [t for t in others if t.device == dev and (
+                (o := self.origin(t)) is None or o.generation < self.generation)]
+            homes = sorted({str(t.device) for t in found if t.device != dev})
+            if stale and homes:
+                made = [o for o in map(self.origin, stale) if o is not None]
+                where = "; ".join(f"{o.what} at {o.line} in generation {o.generation}"
+                                  for o in made)
+                return (f"after disable() the pipeline computes on {', '.join(homes)} (where it "
+                        f"keeps its weights without offload), but it used a tensor on {dev} "
+                        f"({where or 'kept from an earlier call'}): a tensor kept across calls "
+                        "(a cache on the pipeline, a module or a module-level object) from "
+                        "while offload was enabled. Fix: key such caches by device, or clear "
+                        "them when the placement changes")
+        host = [t for t in others if dev is not None and t.device != dev]
+        if host and all(t.device == dev for t in weights):
+            made = [self.origin(t) for t in host]
+            where = "; ".join(f"{o.what} on {o.device} at {o.line}" for o in made
+                              if o is not None)
+            text = (f"the pipeline made {'its tensor' if len(host) == 1 else 'tensors'} on "
+                    f"{host[0].device} ({where or 'an input it did not move'}) while "
+                    + ("the weights computing on it were on the device" if weights else
+                       f"the tensors it met were on {dev}")
+                    + (" (offload disabled: the pipeline's own placement)" if disabled else ""))
+            if self.device_reads:
+                reads = "; ".join(f"{r.line} read {r.tensor}.device -> {r.device} ({r.state})"
+                                  for r in self.device_reads[:3])
+                text += (f". Its device came from a weight the offloader had moved off the "
+                         f"device: {reads}")
+            return (text + ". Fix: take the execution device from offload_ref.execution_device("
+                    "pipeline) or from a component the strategy keeps resident (the VAE), and "
+                    "move every input, noise and timestep there")
+        sides = "; ".join(
+            f"{self.tensors.get(id(t)) or 'a tensor the pipeline made'} on {t.device}"
+            for t in dict.fromkeys(found))
+        return (f"the operation mixed {sides}, with offload "
+                f"{'disabled' if disabled else 'enabled'}; no weight was off where the "
+                "offloader keeps it and the kit saw no tensor kept across calls, so it cannot "
+                "tell which party placed them")
 
 
 # -- the error path: rerun until the device error reproduces ------------------------------------
@@ -833,19 +896,36 @@ def diagnose_device_error(case: Any) -> str:
     except Exception as exc:  # noqa: BLE001 - the failure itself is already established
         return f"\n  diagnosis: not run: building the pipeline raised {type(exc).__name__}: {exc}"
     done: list[str] = []
+    name = getattr(getattr(case, "impl", None), "name", None) or type(backend).__name__
+    device = case.device
+
+    def enabled() -> bool:
+        # the offloader's own word: a foreign offloader is not offload-ref's backend_of()
+        return bool(backend.is_enabled())
+
+    def observed(ignore: frozenset[int] = frozenset()) -> Installed:
+        return observe_enable(pipeline, lambda: backend.enable(pipeline), name=name,
+                              is_enabled=enabled, device=device, ignore=ignore)
+
     try:
-        backend.enable(pipeline)
-        owners = Owners.of(getattr(backend, "plan", None))
+        installed = observed()
+        plan = getattr(backend, "plan", None)
+        owners = Owners.of(plan)
+        own = backend_of(pipeline) is not None  # offload-ref's: its platform knows its storage
 
         def resident(t: torch.Tensor) -> bool:
-            return backend_of(pipeline) is None or platform.is_resident(t)
+            if not enabled():
+                return True  # the pipeline's own placement
+            return platform.is_resident(t) if own else t.device == device
 
         with ModuleWindows(pipeline) as windows:
-            watch = PlacementWatch(pipeline, windows, resident, owners, case.device)
-            watch.enabled = lambda: backend_of(pipeline) is not None
+            watch = PlacementWatch(pipeline, windows, resident, owners, device)
+            watch.enabled = enabled
+            watch.installed = installed
+            kit_hooks = frozenset(h.id for h in windows._handles)  # not the offloader's
             for step, label in _SCENARIO:
                 if step == "enable":
-                    backend.enable(pipeline)
+                    watch.installed = observed(kit_hooks)
                 elif step == "disable":
                     backend.disable()
                 else:
