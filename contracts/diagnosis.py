@@ -262,9 +262,10 @@ def diagnose(got: Run, want: Run, *, rebuild: Callable[[], Any],
                 "else")
     if not _outputs_differ(got_out, want_out):
         if not watching:
-            return ("\n  diagnosis: not run: the pipeline under test was no longer offloaded "
-                    "when the difference was found (the check had disabled it), and a rerun "
-                    "without offload matched the reference, so no module is named")
+            return ("\n  diagnosis: not run: no offload-ref backend owned the pipeline under "
+                    "test when the difference was found (the check had disabled it, or a "
+                    "foreign offloader offloads it, whose reads this rerun does not watch), and "
+                    "the rerun matched the reference, so no module is named")
         outside = [r for r in got_watch.reads if "outside its block's call" in r.state]
         if outside:
             return ("\n  diagnosis: a rerun of the pipeline under test matched the reference, "
