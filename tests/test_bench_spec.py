@@ -47,18 +47,19 @@ class PlainPipeline:
 
     _dit_modules = ["transformer"]
     _encoder_modules = ["text_encoder"]
-    _vae_modules: list[str] = []
+    _vae_modules = ["vae"]
 
     def __init__(self) -> None:
         self.text_encoder = nn.Linear(DIM, DIM).eval().requires_grad_(False)
         self.transformer = _Transformer().eval().requires_grad_(False)
+        self.vae = nn.Linear(DIM, DIM).eval().requires_grad_(False)
 
     def __call__(self, *, x: torch.Tensor, steps: int) -> torch.Tensor:
-        x = self.text_encoder(x.to(self.text_encoder.weight.device))
-        x = x.to(self.transformer.out.weight.device)
+        # the VAE stays on the device under every strategy: where the pipeline computes
+        x = self.text_encoder(x.to(self.vae.weight.device))
         for _ in range(steps):
             x = self.transformer(x)
-        return x
+        return self.vae(x)
 
 
 def plain(seed: int = 0) -> PlainPipeline:

@@ -24,7 +24,13 @@ from ..config import OffloadStrategy
 from ..discovery import get_submodule_path
 from ..hooks import ModelHook, runs_after_offload
 from ..host import storage_key
-from ..plan import OffloadTopologyError, ResolvedOffloadPlan, pipeline_state, staging_budget_error
+from ..plan import (
+    OffloadTopologyError,
+    ResolvedOffloadPlan,
+    named_tensors,
+    pipeline_state,
+    staging_budget_error,
+)
 from .base import OffloadBackend
 from .call_guard import _INNER_CODE, CallGuard, _on_stack, call_frame
 from .groups import ComponentSwapper
@@ -563,9 +569,19 @@ class LayerWiseOffloadBackend(OffloadBackend):
         # Non-block state is placed by storage identity, so a tensor aliasing a streamed block
         # stays with its ring (Note [Ownership by identity]); pipeline-managed components are
         # left to the pipeline.
+        # The tree, then each placed component by its resolved path: a plain-object pipeline
+        # may reach a component through a non-module attribute (a dotted path the tree walk
+        # does not follow), and its non-block state and resident head belong on the device all
+        # the same (the plan predicts them there).
         on_demand = [c.module for c in plan.components if c.on_demand]
-        rest = [(n, t) for n, t in pipeline_state(pipeline, on_demand)
-                if not t.numel() or storage_key(t) not in ring_storage]
+        placed = pipeline_state(pipeline, on_demand)
+        seen = {id(t) for _, t in placed}
+        for comp in plan.components:
+            if not comp.on_demand:
+                placed += [(n, t) for n, t in named_tensors(comp.module, comp.path)
+                           if id(t) not in seen]
+                seen.update(id(t) for _, t in placed)
+        rest = [(n, t) for n, t in placed if not t.numel() or storage_key(t) not in ring_storage]
         resident = ComponentSwapper(self.platform, self._stats)
         self._resident = resident
         resident.prepare(txn, [], [("<resident>", rest)], pin=False)

@@ -19,7 +19,7 @@ from .resolved import (
     _streamed_tensors,
     owned_tensors,
 )
-from .tree import _tensors
+from .tree import _tensors, pipeline_state
 
 
 def predict_device_bytes(plan: ResolvedOffloadPlan) -> int:
@@ -97,13 +97,20 @@ def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent],
                        alignment: int) -> int:
     """Span bytes of the pipeline's tensors reachable from no component (they stay on the
     device whatever the strategy); a view into a component's storage adds only what it touches
-    beyond that storage's span."""
-    if not isinstance(pipeline, nn.Module):
-        return 0
+    beyond that storage's span.  A plain-object pipeline's are those of its undeclared module
+    attributes (:func:`~offload_ref.plan.tree.pipeline_state`, the walk the backends place
+    the pipeline's own state by)."""
     mine = _tensors(*(c.module for c in components))
     # The same distinct tensors as _tensors(pipeline, *modules), without walking the components
     # twice (a span total does not depend on the order).
     seen = {id(t) for t in mine}
     everything = list(mine)
-    everything += [t for t in _tensors(pipeline) if id(t) not in seen]
+    if isinstance(pipeline, nn.Module):
+        everything += [t for t in _tensors(pipeline) if id(t) not in seen]
+    else:
+        modules = [c.module for c in components if isinstance(c.module, nn.Module)]
+        for _, t in pipeline_state(pipeline, modules):
+            if id(t) not in seen:
+                seen.add(id(t))
+                everything.append(t)
     return _span_bytes(everything, alignment) - _span_bytes(mine, alignment)
