@@ -16,8 +16,13 @@ Note [Aligned layout]
     prefer 256-byte alignment.  So every tensor an offloader rebinds keeps its *alignment phase*,
     ``phase(t) = t.data_ptr() % min(A, 64)``, and is placed at an address congruent to that phase
     modulo ``A``, the platform's ``alignment`` (64 bytes on the CPU platform, 256 on CUDA); 64 is
-    the alignment every torch allocator gives a fresh storage.  On the CPU platform the address
-    modulo 64 is therefore unchanged, which is what makes bitwise parity hold on every CPU.  On
+    the alignment every torch allocator gives a fresh storage.  The phase is the address's, the
+    storage's own start included: a safetensors mmap view sits wherever its file put it (a
+    storage 4 bytes past a boundary keeps those 4 bytes), and the kit's un-offloaded reference
+    keeps it too (``move_to_device`` in contracts/case.py), so the two compute at one alignment
+    (Note [Both alignment phases] in contracts/checks/distributed.py).  On the CPU platform the
+    address modulo 64 is therefore unchanged, which is what makes bitwise parity hold on every
+    CPU.  On
     CUDA a tensor keeps its address modulo 64 and never loses alignment: a host tensor that sits
     64 bytes into some 256-byte window (allocator chance) gets a 256-byte aligned device copy.
 

@@ -16,7 +16,9 @@ Note [File-backed weights]
     (MKL's matrix-vector product: 4- and 8-byte aligned weights give other last bits than 16-byte
     aligned ones) can therefore differ in the last bits from the same weights in a freshly
     allocated (64-byte aligned) tensor.  Matrix-matrix products were bit-identical in our
-    measurements.
+    measurements.  Offloading keeps each view's address modulo 64 in its slots and device copies
+    (Note [Aligned layout] in host.py), so an offloaded run of a loaded module computes at the
+    alignment the un-offloaded one does; ``Module.to(device)`` copies start aligned instead.
 
 Note [Load transaction]
     Everything is validated before the first mutation: the arguments, the module's tensors, every

@@ -120,3 +120,20 @@ def test_layerwise_computes_with_the_references_phases(tmp_path: Path, rule) -> 
 def test_the_check_is_proven_by_a_mutant() -> None:
     killers = [m for m in MUTANTS if "check_mmap_loaded_weights_keep_their_alignment" in m.kills]
     assert [m.name for m in killers] == ["mmap_views_realigned_on_the_device"]
+
+
+def test_the_mmap_twin_file_is_aligned_like_the_twin(tmp_path: Path) -> None:
+    """tests/test_staging.py and the distributed selftest compare a run of the loaded DiT with a
+    run of its freshly allocated twin bit for bit: both must compute at one alignment."""
+    from offload_ref.distributed._backend_selftest import MmapPipeline, mmap_twin, save_mmap_twin
+
+    path = tmp_path / "twin.safetensors"
+    save_mmap_twin(str(path), 4)
+    with torch.device("meta"):
+        loaded = MmapPipeline(4)
+    load_safetensors(loaded.transformer, path)
+    twin = mmap_twin(4)
+    for (name, t), w in zip(loaded.transformer.state_dict().items(),
+                            twin.transformer.state_dict().values()):
+        assert is_file_backed(t) and torch.equal(t, w), name
+        assert t.data_ptr() % 64 == w.data_ptr() % 64 == 0, name

@@ -608,9 +608,32 @@ def mmap_input() -> torch.Tensor:
 
 
 def save_mmap_twin(path: str, n_blocks: int = MMAP_BLOCKS) -> None:
-    from safetensors.torch import save_file
+    """The twin's DiT as a safetensors file whose every tensor starts 64-byte aligned, as the
+    twin's own (freshly allocated) tensors do: the tests compare a run of the loaded DiT with a
+    run of the twin bit for bit, and kernels pick their path by a weight's address (MKL's GEMV
+    on AMD EPYC), so both must compute at the same alignment on every machine.  safetensors'
+    own writer pads the header to 8 bytes only, which would put every tensor at one phase that
+    is not 16-byte aligned (Note [File-backed weights] in loading.py)."""
+    import json
+    import struct
 
-    save_file(dict(mmap_twin(n_blocks).transformer.state_dict()), path)
+    state = mmap_twin(n_blocks).transformer.state_dict()
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in state.items():
+        assert t.dtype == torch.float32 and t.is_contiguous(), name
+        nbytes = t.numel() * t.element_size()
+        assert nbytes % 64 == 0, f"{name}: {nbytes} bytes would misalign the next tensor"
+        header[name] = {"dtype": "F32", "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((-(8 + len(text))) % 64)  # the data section starts 64-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for t in state.values():
+            f.write(t.numpy().tobytes())
 
 
 def mmap_weight_bytes(n_blocks: int = MMAP_BLOCKS) -> tuple[int, int]:
