@@ -30,7 +30,9 @@ Where the level comes from, first match:
    values changed, bytes held: ``contracts/checks/_util.py`` and ``observable.py`` word them)
    is as bad as the worst problem it lists (:func:`of_problems`);
 4. the check's default (:data:`DEFAULTS`, by what the check asserts), or the ``severity=`` a
-   check registered outside the kit gives :func:`~.registry.check`;
+   check registered outside the kit gives :func:`~.registry.check`; but a failure that
+   reports an exception out of the user's generation, ``enable()`` or ``disable()`` ("the
+   first thread's generation failed: IndexError: ...") is an ``error``, whatever the check;
 5. otherwise ``wrong output``: a check that says nothing of its failures is never taken for a
    lesser one.
 """
@@ -144,6 +146,11 @@ _PROBLEMS: tuple[tuple[re.Pattern[str], Severity], ...] = tuple(
         (r"^torch\.distributed initialization state changed", Severity.TRACE),
         (r"^is_enabled\(\) is True", Severity.TRACE),
     ))
+
+#: A failure whose first line reports an exception out of the user's own call (a generation,
+#: enable() or disable()), which a check that compares outputs caught before any output.
+_RAISED = re.compile(r"\b(generation|enable\(\)|disable\(\))[^:;]*\b(failed|raised):? "
+                     r"[A-Z]\w*(Error|Exception|Interrupt|Exit)\b")
 
 #: A failure message listing problems: ``...: ['problem', "problem", ...]`` (a Python list, as
 #: the checks print ``problems[:6]``).
@@ -275,4 +282,7 @@ def judge(check_id: str, outcome: str, message: str = "",
         level = of_problems(problems)
         if level is not None:
             return level
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    if _RAISED.search(first):
+        return Severity.ERROR  # it found an exception in the user's call, not an output
     return default_for(check_id)

@@ -155,3 +155,17 @@ def test_a_check_registered_outside_the_kit_gives_its_own_default(monkeypatch) -
     assert judge("check_my_cache_is_cleared", "failed", "left") is Severity.TRACE
     with pytest.raises(ValueError, match="unknown severity 'minor'"):
         registry.check("J", severity="minor")
+
+
+def test_an_exception_out_of_the_users_call_caught_by_an_output_check_is_an_error() -> None:
+    j6 = "check_second_thread_gets_a_clear_error_or_exact_output"
+    assert judge(j6, "failed", "the first thread's generation failed: IndexError: index 3 is "
+                 "out of bounds") is Severity.ERROR
+    assert judge(j6, "failed", "the first thread's output differs: 3 of 8 elements") is \
+        Severity.WRONG_OUTPUT
+    # whatever the check asserts: the user's call stopped with an exception
+    assert judge("check_cycles_do_not_grow_memory", "failed",
+                 "after cycle 2 enable() raised RuntimeError: x") is Severity.ERROR
+    assert judge("check_cycles_do_not_grow_memory", "failed",
+                 "after cycle 2: (device, pinned, host) bytes (8, 0, 0) != baseline (0, 0, 0)") \
+        is Severity.MEMORY
