@@ -909,14 +909,17 @@ def diagnose_device_error(case: Any) -> str:
 
     try:
         installed = observed()
-        plan = getattr(backend, "plan", None)
+        inner = backend_of(pipeline)  # offload-ref's own backend, also behind the protocol
+        plan = getattr(backend, "plan", None) or getattr(inner, "plan", None)
         owners = Owners.of(plan)
-        own = backend_of(pipeline) is not None  # offload-ref's: its platform knows its storage
 
         def resident(t: torch.Tensor) -> bool:
             if not enabled():
                 return True  # the pipeline's own placement
-            return platform.is_resident(t) if own else t.device == device
+            now = backend_of(pipeline)  # offload-ref's platform knows its own storage
+            if now is not None:
+                return getattr(now, "platform", platform).is_resident(t)
+            return t.device == device
 
         with ModuleWindows(pipeline) as windows:
             watch = PlacementWatch(pipeline, windows, resident, owners, device)
