@@ -13,9 +13,9 @@ from torch import nn
 
 from offload_ref.discovery import get_submodule_path
 
-from ..registry import check, fail
+from ..registry import check, fail, not_applicable
 from ._observe import observe
-from ._util import first_dit, module_view, values_equal
+from ._util import _same_values, first_dit, module_view, values_equal
 from .lifecycle import BACKENDS
 
 _EDIT_SCALE = 1.25  # a power-of-two-free factor: every edited weight changes
@@ -36,6 +36,23 @@ def _edit(pipeline: nn.Module) -> None:
             first.mul_(2.0)
 
 
+#: The grad mode of the generations around a weight edit: ``torch.no_grad()``, as a user who
+#: edits weights (or fine-tunes) runs a pipeline; under ``torch.inference_mode()`` every tensor
+#: the pipeline makes during a generation would be an inference tensor that no edit can touch,
+#: offloaded or not (``CheckCase.run``).
+_EDITING = "no_grad"
+
+
+def _edited_after_a_generation(case: Any, edit: Any) -> Any:
+    """An un-offloaded pipeline on the device that has run one generation and then had ``edit``
+    applied: the reference of a check that edits an offloaded pipeline after a generation (what
+    the pipeline makes during a generation, it has made here too)."""
+    reference = case.build_resident()
+    case.run(reference, grad_mode=_EDITING)
+    edit(module_view(reference))
+    return reference
+
+
 def _same_state(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     if set(got) != set(want):
         fail(f"{what}: state_dict keys differ: {sorted(set(got) ^ set(want))[:4]}")
@@ -52,22 +69,23 @@ def _same_state(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.T
 def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
     """Weights edited inside ``backend.edit_weights()`` (``load_state_dict`` of scaled weights and
     an in-place ``mul_``) take effect exactly: the next generation equals an un-offloaded
-    pipeline with the same edit, bit for bit, and ``disable()`` leaves the edited weights."""
-    edited_reference = case.build_resident()
-    _edit(module_view(edited_reference))
-    want = case.run(edited_reference)
+    pipeline taken through the same steps (a generation, the edit, a generation), bit for bit,
+    and ``disable()`` leaves the edited weights."""
+    edited_reference = _edited_after_a_generation(case, _edit)
+    want = case.run(edited_reference, grad_mode=_EDITING)
     want_state = module_view(edited_reference).state_dict()
     pipeline = case.build()
     backend = case.backend()
     backend.enable(pipeline)
-    case.run(pipeline)  # edit a pipeline that has run (prefetched blocks, a loaded component)
+    case.run(pipeline, grad_mode=_EDITING)  # edit a pipeline that has run (prefetched blocks,
+    # a loaded component)
     with backend.edit_weights() as pipe:
         if pipe is not pipeline:
             fail("edit_weights() must yield the pipeline it edits")
         _edit(module_view(pipe))
     if not backend.is_enabled():
         fail("the backend is not enabled again after edit_weights()")
-    case.compare("after edit_weights", case.run(pipeline), want)
+    case.compare("after edit_weights", case.run(pipeline, grad_mode=_EDITING), want)
     backend.disable()
     _same_state("after disable", module_view(pipeline).state_dict(), want_state)
 
@@ -108,14 +126,15 @@ def check_edits_through_data_are_exact_or_refused(case) -> None:
     refusals = case.impl.capabilities.refusals
     original = case.reference()
     for how in ("in place", "assigned"):
-        edited_reference = case.build_resident()
-        _edit_through_data(module_view(edited_reference), how, ())
-        want = case.run(edited_reference)
+        edited_reference = _edited_after_a_generation(
+            case, lambda m, how=how: _edit_through_data(m, how, ()))
+        want = case.run(edited_reference, grad_mode=_EDITING)
         pipeline = case.build()
         backend = case.backend()
         backend.enable(pipeline)
         try:
-            case.run(pipeline)  # edit a pipeline that has run (prefetched blocks, a loaded one)
+            case.run(pipeline, grad_mode=_EDITING)  # edit a pipeline that has run (prefetched
+            # blocks, a loaded one)
             edited, refused, torch_refused = _edit_through_data(module_view(pipeline), how,
                                                                 refusals)
             if not refused and not torch_refused:
@@ -125,7 +144,7 @@ def check_edits_through_data_are_exact_or_refused(case) -> None:
             else:  # applied in part: only a refusal is right
                 expected, what = None, ""
             try:
-                got = case.run(pipeline)
+                got = case.run(pipeline, grad_mode=_EDITING)
             except refusals:
                 continue  # refused loudly
             if expected is None:
@@ -187,12 +206,19 @@ def check_state_dict_while_enabled_returns_true_weights(case) -> None:
     is the model, not placeholders)."""
     reference = case.build()
     want = module_view(reference).state_dict()
+    # After a generation, what an un-offloaded pipeline holds after one (a model may make
+    # tensors on its first call).
+    generated = case.build()
+    case.run(generated)
+    case.forget_runs()
+    want_after = module_view(generated).state_dict()
     pipeline = case.build()
     backend = case.backend()
     backend.enable(pipeline)
     _same_state("after enable", module_view(pipeline).state_dict(), want)
     case.run(pipeline)
-    _same_state("after a generation", module_view(pipeline).state_dict(), want)
+    _same_state("after a generation", module_view(pipeline).state_dict(), want_after)
+    want = want_after
     for name, child in module_view(pipeline).named_children():
         prefix = f"{name}."
         _same_state(f"{name}.state_dict()", child.state_dict(),
@@ -233,7 +259,9 @@ def _fresh(tree: Any) -> Any:
 
 
 def _first_calls(case: Any, pipeline: Any, paths: list[str]) -> dict[str, tuple]:
-    """The arguments of the first call of each module at ``paths`` during one generation."""
+    """The arguments of the first call of each module at ``paths`` during one generation (under
+    ``torch.no_grad()``: what the pipeline makes in it stays ordinary tensors, which a user who
+    goes on to fine-tune can unfreeze)."""
     from offload_ref.discovery import get_submodule_path
 
     calls: dict[str, tuple] = {}
@@ -246,7 +274,7 @@ def _first_calls(case: Any, pipeline: Any, paths: list[str]) -> dict[str, tuple]
         handles.append(get_submodule_path(pipeline, path).register_forward_pre_hook(
             grab, with_kwargs=True))
     try:
-        case.run(pipeline)
+        case.run(pipeline, grad_mode="no_grad")
     finally:
         for h in handles:
             h.remove()
@@ -300,20 +328,26 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
         _backward(module, args, kwargs)
         want[path] = _grads(module)
     pipeline = case.build()
+    built = {id(p) for p in module_view(pipeline).parameters() if not p.is_inference()}
     backend = case.backend()
     backend.enable(pipeline)
-    case.run(pipeline)  # steady state: prefetched blocks, a loaded component
-    try:
-        module_view(pipeline).requires_grad_(True)
-    except RuntimeError as exc:
-        inference = [n for n, p in module_view(pipeline).named_parameters() if p.is_inference()]
-        if not inference:
-            raise
+    # Steady state (prefetched blocks, a loaded component): a first call makes what the pipeline
+    # makes on one (under no_grad: ordinary tensors, as the reference's), then a generation under
+    # inference mode, as an engine runs one.
+    case.run(pipeline, grad_mode="no_grad")
+    case.run(pipeline)
+    named = list(module_view(pipeline).named_parameters())
+    inference = [n for n, p in named if p.is_inference() and id(p) in built]
+    if inference:
         backend.disable()
         fail(f"after a generation under torch.inference_mode() the enabled pipeline's weights "
              f"are inference tensors ({len(inference)}, e.g. {inference[:3]}; the model was "
-             f"built with ordinary ones): unfreezing them for fine-tuning raises {exc}; "
-             "rebind device copies made during inference mode as ordinary tensors")
+             f"built with ordinary ones): unfreezing them for fine-tuning raises 'Setting "
+             "requires_grad=True on inference tensor outside InferenceMode'; rebind device "
+             "copies made during inference mode as ordinary tensors")
+    for _, p in named:  # a fine-tuning user unfreezes them; a parameter the pipeline made anew
+        if not p.is_inference():  # in the kit's inference-mode generation is the pipeline's
+            p.requires_grad_(True)  # own (it makes it again when called)
     for path, (args, kwargs) in calls.items():
         module = get_submodule_path(pipeline, path)
         try:
@@ -624,21 +658,36 @@ def check_copies_of_an_enabled_pipeline_are_refused_or_exact(case) -> None:
 
     from offload_ref import OffloadWeightEditError
 
-    reference = module_view(case.build())
+    # Judged against the un-offloaded pipeline's own behaviour, after a generation as the
+    # enabled one is copied after one: models change themselves on a first call (transformers
+    # installs its output-capturing hooks, local functions pickle cannot store, lazily).
+    plain_pipeline = case.build()
+    case.run(plain_pipeline, grad_mode="no_grad")
+    case.forget_runs()
+    reference = module_view(plain_pipeline)
     want = reference.state_dict()
     routes = (("copy.deepcopy", copy.deepcopy),
               ("pickle", lambda m: pickle.loads(pickle.dumps(m))),
               ("torch.save", lambda m: _torch_round_trip(m, io)))
-    # A route that fails on the un-offloaded pipeline too (a class pickle cannot find, say) is
-    # the model's own limit, not the offloader's: it is not tried.
+    # A route that fails on the un-offloaded pipeline too (a class pickle cannot find, a local
+    # function) is the model's own limit, not the offloader's: it is not tried.
     plain: set[tuple[str, str]] = set()
+    limits: list[str] = []
     for name, module in [("", reference), *reference.named_children()]:
         for how, make in routes:
             try:
                 make(module)
-            except Exception:  # noqa: BLE001 - any failure rules the route out
+            except Exception as exc:  # noqa: BLE001 - any failure rules the route out
+                limits.append(f"{how} of {name or 'the pipeline'}: {type(exc).__name__}: "
+                              f"{str(exc)[:160]}")
                 continue
             plain.add((name, how))
+    del plain_pipeline, reference
+    if not plain:
+        not_applicable(f"the un-offloaded pipeline cannot be copied either, after a generation "
+                       f"({'; '.join(limits[:3])}"
+                       f"{f'; and {len(limits) - 3} more' if len(limits) > 3 else ''}): there is "
+                       "no copy to judge the offloader's against")
     pipeline = case.build()
     backend = case.backend()
     backend.enable(pipeline)
@@ -680,23 +729,25 @@ def check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_chang
     parameter of the DiT in turn (a hand-written LoRA fuse, a rescale) either edits every one
     or is refused at the first, before any weight changed, with an exception that says what to
     do (``OffloadWeightEditError`` for offload-ref).  Never a mix: the next generation equals the
-    edited reference or the original one (or is refused), and after ``disable()`` the DiT holds
-    all of the edit or none of it."""
+    un-offloaded pipeline taken through the same steps (a generation, the same edit or none, a
+    generation) or is refused, and after ``disable()`` the DiT holds what that pipeline holds,
+    weight by weight (a weight the pipeline itself makes anew during a generation holds the
+    edit in neither)."""
     refusals = case.impl.capabilities.refusals
-    probe = case.build()
-    path, _ = first_dit(probe)
-    original = {n: t.detach().cpu().clone() for n, t in _dit_weights(probe, path)}
-    scaled = {n: t * _EDIT_SCALE for n, t in original.items()}
-    edited_reference = case.build_resident()
-    with torch.no_grad():
-        for _, t in _dit_weights(edited_reference, path):
-            t.mul_(_EDIT_SCALE)
+    path, _ = first_dit(case.build())
+    # The un-offloaded pipeline through the same steps, edited: what the edit must give.
+    edited_reference, edited_output = _edited_in_place(case, path, edit=True)
     pipeline = case.build()
     backend = case.backend()
+    built = {id(p) for _, p in _dit_weights(pipeline, path)}
     backend.enable(pipeline)
     try:
-        case.run(pipeline)  # edit a pipeline that has run (prefetched blocks, a loaded one)
+        case.run(pipeline, grad_mode="no_grad")  # a pipeline that has run (prefetched blocks)
+        # The weights the offloader was given first; then any the pipeline made itself during
+        # the generation (no offloader knows them, so none can refuse their edit).
         weights = _dit_weights(pipeline, path)
+        weights = ([(n, t) for n, t in weights if id(t) in built]
+                   + [(n, t) for n, t in weights if id(t) not in built])
         done, stopped = 0, None
         with torch.no_grad():
             for name, t in weights:
@@ -719,34 +770,73 @@ def check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_chang
                 fail(f"p.mul_({_EDIT_SCALE}) on {name} raised {type(exc).__name__}: {exc}; a "
                      f"refusal must say what to do ({', '.join(r.__name__ for r in refusals)} "
                      "naming edit_weights())")
-        expected, what = (original, "unedited") if stopped else (scaled, "edited")
+        # The un-offloaded pipeline through the same steps, unedited: what a refused edit keeps.
+        unedited, unedited_output = _edited_in_place(case, path, edit=False)
+        what = "unedited" if stopped else "edited"
+        step = 1  # the reference's state after the edit and the next generation
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # a refused edit is reported with a warning
-                got = case.run(pipeline)
+                got = case.run(pipeline, grad_mode="no_grad")
         except refusals:
-            pass  # refused loudly
+            step = 0  # refused loudly: the generation did not run, so is not taken into account
         else:
             case.compare(f"after an in-place edit of every DiT weight ({what})", got,
-                         case.reference() if stopped else case.run(edited_reference))
+                         unedited_output if stopped else edited_output)
     finally:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # disable() may say what it restored
             backend.disable()
-    from offload_ref.discovery import get_submodule_path
-
-    # By the names of the pipeline as built: an offloader that broke a tie would list more.
-    after = {n: get_submodule_path(pipeline, n).detach().cpu() for n in original}
-    holds = [n for n in after if torch.equal(after[n], scaled[n])]
-    kept = [n for n in after if torch.equal(after[n], original[n])]
-    if len(holds) != len(after) and len(kept) != len(after):
-        fail(f"after disable(), DiT {path!r} holds the in-place edit in {len(holds)} of its "
-             f"{len(after)} weights (e.g. {holds[:2]}) and not in {len(kept)} (e.g. "
-             f"{kept[:2]}): a mix.  The edit must stay whole or be refused before any weight "
-             "changes")
-    if len(holds) != len(after) and expected is scaled:
+    edited_state, unedited = edited_reference[step], unedited[step]
+    expected = unedited if stopped else edited_state
+    after = dict(_dit_weights(pipeline, path))
+    names = [n for n in expected if n in after]
+    wrong = [n for n in names if not _same_values(after[n].detach().cpu(), expected[n])]
+    if not wrong:
+        return
+    # Each weight against the un-offloaded pipeline's, edited and not: only a weight that holds
+    # the edit there and not here (or the other way round) is named.
+    holds = [n for n in wrong if _same_values(after[n].detach().cpu(), edited_state[n])]
+    kept = [n for n in wrong if _same_values(after[n].detach().cpu(), unedited[n])]
+    if stopped is not None:
+        fail(f"the in-place edit of DiT {path!r} was refused, and after disable() {len(holds)} "
+             f"of its weights hold it (e.g. {holds[:2]}) where the un-offloaded pipeline holds "
+             f"none of it; {len(wrong) - len(holds)} more differ from it (e.g. "
+             f"{sorted(set(wrong) - set(holds))[:2]}): the edit must stay whole or be refused "
+             "before any weight changes")
+    if kept:
         fail(f"every weight of DiT {path!r} was edited in place, and disable() dropped the "
-             f"edit of {len(after) - len(holds)} (e.g. {sorted(set(after) - set(holds))[:2]})")
+             f"edit of {len(kept)} (e.g. {kept[:2]}) that the un-offloaded pipeline holds after "
+             "the same steps"
+             + (f"; {len(wrong) - len(kept)} more differ from it otherwise (e.g. "
+                f"{sorted(set(wrong) - set(kept))[:2]})" if len(wrong) > len(kept) else ""))
+    fail(f"after an in-place edit of every weight of DiT {path!r} and disable(), {len(wrong)} of "
+         f"its weights (e.g. {wrong[:2]}) hold neither the edited nor the unedited values of the "
+         "un-offloaded pipeline taken through the same steps")
+
+
+def _edited_in_place(case: Any, path: str, *, edit: bool
+                     ) -> tuple[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], Any]:
+    """An un-offloaded pipeline (on the device) taken through the steps of the in-place edit
+    check: a generation, ``p.mul_`` on each floating DiT weight (``edit``), a generation.  Its
+    DiT weights on the host by name before and after the last generation, and its output.  Not
+    applicable when the un-offloaded pipeline refuses the edit itself (the offloader cannot be
+    asked to do better)."""
+    reference = case.build_resident()
+    case.run(reference, grad_mode="no_grad")
+    if edit:
+        with torch.no_grad():
+            for name, t in _dit_weights(reference, path):
+                try:
+                    t.mul_(_EDIT_SCALE)
+                except Exception as exc:  # noqa: BLE001 - the model's own limit
+                    not_applicable(f"the un-offloaded pipeline refuses the in-place edit too: "
+                                   f"{name}.mul_({_EDIT_SCALE}) raised {type(exc).__name__}: "
+                                   f"{exc}")
+    before = {n: t.detach().cpu().clone() for n, t in _dit_weights(reference, path)}
+    output = case.run(reference, grad_mode="no_grad")
+    return (before, {n: t.detach().cpu().clone() for n, t in _dit_weights(reference, path)}), \
+        output
 
 
 def _dit_weights(pipeline: Any, path: str) -> list[tuple[str, torch.Tensor]]:

@@ -571,21 +571,27 @@ def check_edit_between_cycles_takes_effect_and_survives_disable(case) -> None:
     (``load_state_dict`` of scaled weights, then an in-place ``mul_``), takes effect at the next
     enable -- the generation equals an un-offloaded pipeline carrying the same edit, not the
     first snapshot of the weights -- and survives the next ``disable()``."""
+    # Generations under torch.no_grad(), as a user who edits weights runs them: under inference
+    # mode a tensor the pipeline makes during a generation would be one no edit can touch.  The
+    # references are taken through the same steps (a generation, the edit, ...).
     pipeline = case.build()
     backend = case.backend()
     backend.enable(pipeline)
-    case.compare("before the edit", case.run(pipeline), case.reference())
+    case.compare("before the edit", case.run(pipeline, grad_mode="no_grad"), case.reference())
     backend.disable()
     _edit(module_view(pipeline))
     edited = case.build_resident()
+    case.run(edited, grad_mode="no_grad")
     _edit(module_view(edited))
-    want = case.run(edited)
+    want = case.run(edited, grad_mode="no_grad")
     backend.enable(pipeline)
-    case.compare("the first generation after an edit made while disabled", case.run(pipeline),
-                 want)
+    case.compare("the first generation after an edit made while disabled",
+                 case.run(pipeline, grad_mode="no_grad"), want)
     backend.disable()
     host_edited = case.build()
+    case.run(host_edited, grad_mode="no_grad")
     _edit(module_view(host_edited))
+    case.run(host_edited, grad_mode="no_grad")
     _same_state("after the next disable()", module_view(pipeline).state_dict(),
                 module_view(host_edited).state_dict())
 
