@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,16 +12,18 @@ from offload_ref.config import OffloadStrategy
 
 from .capabilities import inapplicable
 from .case import DEFAULT_IMPLEMENTATION, CheckCase, Implementation
+from .escapes import describe, is_users_interrupt, telling_interrupts_apart
 from .placement import diagnose_device_error, is_device_error
-from .preflight import failed_preflight, unresolved_strategies
+from .preflight import failed_preflight, preflight, unresolved_strategies
 from .severity import judge as judge_severity
 from .registry import (CATALOGUE, CheckFailure, CheckInfo, CheckNotApplicable, applicability,
                        closest, strategy_names)
 from .spec import PipelineSpec
 from .traits import required_traits
 
-__all__ = ["CaseId", "CheckResult", "PlannedCase", "expected_failures_for", "failed_preflight",
-           "iter_cases", "load_catalogue", "plan_cases", "preflight_message", "run_checks"]
+__all__ = ["CaseId", "CheckResult", "PlannedCase", "RunObserver", "expected_failures_for",
+           "failed_preflight", "iter_cases", "load_catalogue", "plan_cases", "preflight_message",
+           "run_checks"]
 
 
 def load_catalogue() -> dict[str, CheckInfo]:
@@ -98,6 +100,28 @@ class PlannedCase:
     planning_error: str | None = None
 
 
+class RunObserver:
+    """What :func:`run_checks` tells as it goes, before anything it starts can crash the process:
+    ``offload-ref check`` writes it to a journal, so that the case a native crash killed is
+    known (contracts/isolation.py).  The methods do nothing here; override the ones you need."""
+
+    def phase(self, what: str, spec: PipelineSpec | None, strategy: str | None = None,
+              check: str | None = None) -> None:
+        """About to run ``spec``'s code outside a case: ``what`` is ``"preflight"`` (build and run
+        it twice), ``"resolve"`` (resolve its plans) or ``"plan"`` (decide whether ``check``
+        applies under ``strategy``)."""
+
+    def planned(self, ids: Sequence[CaseId]) -> None:
+        """The results about to come, in order: the preflight errors, then the cases (those in
+        ``run_checks``'s ``skip`` left out)."""
+
+    def started(self, cid: CaseId) -> None:
+        """Case ``cid`` starts."""
+
+    def result(self, result: CheckResult) -> None:
+        """A result, preflight results included (``progress`` sees only the cases')."""
+
+
 def plan_cases(
     specs: Sequence[PipelineSpec],
     *,
@@ -105,6 +129,7 @@ def plan_cases(
     strategies: Iterable[str] | None = None,
     include_global: bool = True,
     impl: Implementation = DEFAULT_IMPLEMENTATION,
+    observer: RunObserver | None = None,
 ) -> list[PlannedCase]:
     """Every case the selection generates, sorted (deterministic order for pytest-xdist), each
     with the reason it does not apply, if it does not.
@@ -119,8 +144,11 @@ def plan_cases(
     preflight result says so).
     A check that cannot judge ``impl`` (:func:`~.capabilities.inapplicable`), and a strategy
     ``impl`` does not offer, are planned as not applicable, with the reason.
+    ``observer`` is told each applicability decision before it is made (it may run the spec's
+    code).
     """
     catalogue = load_catalogue()
+    observer = observer or RunObserver()
     from .checks._traits import traits_of  # the record the checks' `requires` are judged on
 
     wanted = None if checks is None else set(checks)
@@ -167,12 +195,17 @@ def plan_cases(
                         f"not run: the {strategy} plan of {spec.name} does not resolve "
                         f"(preflight-{spec.name}-{strategy} says why)")))
                     continue
+                observer.phase("plan", spec, strategy, info.id)
                 try:
                     reason = applicability(info, spec, strategy, traits)
-                except Exception as exc:  # noqa: BLE001 - the pipeline broke the kit's probe
+                except BaseException as exc:  # noqa: BLE001 - the pipeline broke the kit's probe
+                    if is_users_interrupt(exc):  # Note [Escaping exceptions]
+                        raise
+                    raised = (f"{type(exc).__name__}: {exc}" if isinstance(exc, Exception)
+                              else describe(exc))
                     cases.append(PlannedCase(info, spec, strategy, planning_error=(
                         f"deciding whether {info.id} applies to {spec.name} (it needs "
-                        f"{info.needs}) raised {type(exc).__name__}: {exc}")))
+                        f"{info.needs}) raised {raised}")))
                 else:
                     cases.append(PlannedCase(info, spec, strategy, reason))
     return cases
@@ -281,6 +314,38 @@ def message_of(exc: BaseException) -> str:
     return "\n".join([str(exc), *notes])
 
 
+def _spec_escape(spec: PipelineSpec, what: str, exc: BaseException) -> str:
+    """The message of a spec whose code raised a BaseException while the kit ran ``what``."""
+    from .preflight import _name
+    from .spec import load_object
+
+    roles = []
+    for role, ref in (("factory", spec.factory), ("inputs", spec.inputs)):
+        try:
+            obj = load_object(ref)
+        except Exception:  # noqa: BLE001 - preflight has reported an unloadable reference
+            continue
+        codes = {getattr(f, "__code__", None) for f in (
+            obj, getattr(obj, "__init__", None), getattr(obj, "__call__", None),
+            getattr(obj, "__func__", None))} - {None}
+        roles.append((role, _name(ref), codes))
+    tb, by, fix = exc.__traceback__, "the pipeline's code", "the pipeline"
+    while tb is not None and fix == "the pipeline":
+        for role, name, codes in roles:
+            if tb.tb_frame.f_code in codes:
+                by, fix = f"its {role} {name}", f"the {role}"
+                break
+        tb = tb.tb_next
+    return (f"spec {spec.name!r}: while the kit {what}, {by} raised {describe(exc)}; fix "
+            f"{fix}: a spec's code returns, or raises an Exception\n"
+            f"the checks of {spec.name} were not run")
+
+
+_SPEC_PHASES = (("preflight", preflight,
+                 "validated it (its preflight: building the pipeline and running it twice)"),
+                ("resolve", unresolved_strategies, "resolved its plans"))
+
+
 def run_checks(
     specs: Sequence[PipelineSpec],
     *,
@@ -291,36 +356,77 @@ def run_checks(
     include_global: bool = True,
     sources: Mapping[PipelineSpec, str] | None = None,
     progress: Callable[[int, int, CheckResult], None] | None = None,
+    observer: RunObserver | None = None,
+    skip: Collection[str] = (),
 ) -> list[CheckResult]:
     """Run the catalogue against ``specs``.  ``expected_failures`` maps a check id (or a full case
     id ``check-spec-strategy``) to the reason; such cases must fail (strict).  An unknown key
     raises ``ValueError`` (:func:`expected_failures_for`).  ``sources`` maps a spec to the
     ``offload-ref check`` arguments that select it (see :attr:`CaseId.source`).  ``progress``
-    is called as ``progress(done, total, result)`` after each case."""
-    expected = expected_failures_for(specs, expected_failures)
-    sources = sources or {}
+    is called as ``progress(done, total, result)`` after each case.
+
+    A ``SystemExit``, ``KeyboardInterrupt`` or other ``BaseException`` that a spec's code raises
+    is an error of the case it ran in (or of the spec's preflight), not the end of the run; only
+    the user's own Ctrl-C stops it (Note [Escaping exceptions] in contracts/escapes.py).
+    ``observer`` is told what is about to run (:class:`RunObserver`); a case or preflight result
+    whose id (``str(CaseId)``) is in ``skip`` is neither run nor returned: ``offload-ref check``
+    continues that way in a new process after a crash (contracts/isolation.py)."""
+    with telling_interrupts_apart():
+        return _run_checks(specs, checks, strategies, impl, expected_failures, include_global,
+                           sources or {}, progress, observer or RunObserver(), set(skip))
+
+
+def _run_checks(specs: Sequence[PipelineSpec], checks: Iterable[str] | None,
+                strategies: Iterable[str] | None, impl: Implementation,
+                expected_failures: Mapping[str, str] | None, include_global: bool,
+                sources: Mapping[PipelineSpec, str],
+                progress: Callable[[int, int, CheckResult], None] | None,
+                observer: RunObserver, skip: set[str]) -> list[CheckResult]:
+    escaped: dict[PipelineSpec, str] = {}  # spec -> the BaseException its code raised
+    for what, run, doing in _SPEC_PHASES:
+        for spec in specs:
+            if spec in escaped:
+                continue
+            observer.phase(what, spec)
+            try:
+                run(spec)
+            except BaseException as exc:  # noqa: BLE001 - Note [Escaping exceptions]
+                if is_users_interrupt(exc):
+                    raise
+                escaped[spec] = _spec_escape(spec, doing, exc)
+    usable = [spec for spec in specs if spec not in escaped]
+    expected = expected_failures_for(usable, expected_failures)
     results = [CheckResult(CaseId("preflight", spec.name, None, sources.get(spec)), "error",
-                           preflight_message(spec, problems))
-               for spec, problems in failed_preflight(specs).items()]
+                           message) for spec, message in escaped.items()]
+    results += [CheckResult(CaseId("preflight", spec.name, None, sources.get(spec)), "error",
+                            preflight_message(spec, problems))
+                for spec, problems in failed_preflight(usable).items()]
     results += [CheckResult(CaseId("preflight", spec.name, strategy, sources.get(spec)), "error",
                             unresolved_message(spec, strategy, why))
-                for spec, strategy, why in unresolved_cases(specs, strategies)]
-    planned = plan_cases(specs, checks=checks, strategies=strategies,
-                         include_global=include_global, impl=impl)
-    total = len(results) + len(planned)
-    for planned_case in planned:
+                for spec, strategy, why in unresolved_cases(usable, strategies)]
+    results = [r for r in results if str(r.id) not in skip]
+    planned = plan_cases(usable, checks=checks, strategies=strategies,
+                         include_global=include_global, impl=impl, observer=observer)
+    ids = [CaseId(c.info.id, c.spec.name if c.spec else None, c.strategy,
+                  sources.get(c.spec) if c.spec else None, offloader_ref(impl)) for c in planned]
+    todo = [(c, cid) for c, cid in zip(planned, ids) if str(cid) not in skip]
+    observer.planned([r.id for r in results] + [cid for _, cid in todo])
+    for result in results:
+        observer.result(result)
+    total = len(results) + len(todo)
+    for planned_case, cid in todo:
         info, spec, strategy = planned_case.info, planned_case.spec, planned_case.strategy
-        cid = CaseId(info.id, spec.name if spec else None, strategy,
-                     sources.get(spec) if spec else None, offloader_ref(impl))
         if planned_case.planning_error is not None or planned_case.not_applicable is not None:
             results.append(
                 CheckResult(cid, "error", planned_case.planning_error)
                 if planned_case.planning_error is not None
                 else CheckResult(cid, "not_applicable", planned_case.not_applicable))
+            observer.result(results[-1])
             if progress is not None:
                 progress(len(results), total, results[-1])
             continue
         xfail = expected.get(str(cid), expected.get(info.id))
+        observer.started(cid)
         start = time.perf_counter()
         stated = None  # the severity a CheckFailure's site gave (not the exception: its frames
         # hold tensors the next case's memory checks must not see)
@@ -335,12 +441,18 @@ def run_checks(
         except Exception as exc:  # an error is a failure too, never an expected one
             tb = "".join(traceback.format_tb(exc.__traceback__)[-2:])
             outcome, message = "error", f"{type(exc).__name__}: {message_of(exc)}\n{tb}"
+        except BaseException as exc:  # noqa: BLE001 - Note [Escaping exceptions]
+            if is_users_interrupt(exc):
+                raise
+            tb = "".join(traceback.format_tb(exc.__traceback__)[-2:])
+            outcome, message = "error", f"{describe(exc, 'while this case ran')}\n{tb}"
         else:
             outcome, message = ("xpassed", f"expected to fail: {xfail}") if xfail else (
                 "passed", "")
         level = judge_severity(info.id, outcome, message, stated)
         results.append(CheckResult(cid, outcome, message, time.perf_counter() - start,
                                    None if level is None else level.value))
+        observer.result(results[-1])
         if progress is not None:
             progress(len(results), total, results[-1])
     return results

@@ -25,6 +25,17 @@ def _closest(value: str, choices: Sequence[str]) -> str:
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
+def _escaped(what: str, exc: BaseException) -> BaseException:
+    """A SystemExit (or another BaseException) raised while a reference was loaded: a usage
+    error naming it, never a silent exit (Note [Escaping exceptions] in contracts/escapes.py);
+    the user's own Ctrl-C is returned as it is, to be raised again."""
+    from offload_ref.contracts.escapes import describe, is_users_interrupt
+
+    if is_users_interrupt(exc):
+        return exc
+    return _UsageError(f"{what}: loading it raised {describe(exc)}; fix the module")
+
+
 def _selection(args: argparse.Namespace) -> tuple[list[Any], dict[Any, str]]:
     """The specs the arguments select, and for each the arguments that select it again (its
     reproduction lines use them)."""
@@ -47,6 +58,8 @@ def _selection(args: argparse.Namespace) -> tuple[list[Any], dict[Any, str]]:
             resolve(args.inputs)
         except RefError as exc:
             raise _UsageError(f"--inputs {exc}") from None
+        except BaseException as exc:  # noqa: BLE001 - Note [Escaping exceptions]
+            raise _escaped(f"--inputs {args.inputs!r}", exc) from None
     any_factory = False
     for flag, ref in [("", r) for r in args.refs] + [("--spec ", r) for r in args.spec]:
         try:
@@ -54,6 +67,8 @@ def _selection(args: argparse.Namespace) -> tuple[list[Any], dict[Any, str]]:
             loaded = specs_from(ref, obj, inputs=args.inputs, strategies=args.strategy or None)
         except RefError as exc:
             raise _UsageError(f"{flag or 'MODULE:ATTR '}{exc}") from None
+        except BaseException as exc:  # noqa: BLE001 - Note [Escaping exceptions]
+            raise _escaped(f"{flag or 'MODULE:ATTR '}{ref!r}", exc) from None
         factory = not isinstance(obj, (PipelineSpec, list, tuple))
         any_factory |= factory
         source = f"{flag}{shlex.quote(ref)}"

@@ -13,7 +13,11 @@
     offload-ref peers [--peer NAME]... [--pipeline NAME]... [--markdown docs/peers.md]
 
 Exit status: 0 when everything holds (check: every case passed, failed as expected or does not
-apply; plan: every selected plan resolves), 1 when something does not, 2 for a bad argument.
+apply; plan: every selected plan resolves), 1 when something does not, 2 for a bad argument, 130
+when Ctrl-C stopped a check (the report shows the results that came before).
+
+offload-ref check runs its cases in a child process: a crash (a segfault in a kernel) is an error
+of the case it killed, naming the signal and the op, and the other cases run in a new process.
 
 MODULE:ATTR (positional or --spec) names a PipelineSpec, a list or tuple of them, or a factory: a
 callable taking no arguments or seed= that builds your pipeline.  A factory's pipeline is called
@@ -61,20 +65,21 @@ def _implementation(args: argparse.Namespace) -> Any:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from offload_ref.contracts.runner import load_catalogue, plan_cases, run_checks
+    from offload_ref.contracts.runner import RunObserver, load_catalogue, run_checks
 
     if args.list:
         for info in sorted(load_catalogue().values(), key=lambda i: (i.section, i.id)):
             print(f"§{info.section:<5} {info.id:<62} {info.title}")
         return 0
+    if args.single_device:
+        os.environ["OFFLOAD_REF_SIM"] = "0"
+    if args.isolate:
+        return _check_isolated(args)
     import time
 
     import torch
 
     from offload_ref.contracts import report
-
-    if args.single_device:
-        os.environ["OFFLOAD_REF_SIM"] = "0"
     from offload_ref.platform import simulated
 
     simulated.available()  # first: torch looks its accelerator hooks up once per process
@@ -82,26 +87,47 @@ def _cmd_check(args: argparse.Namespace) -> int:
     checks = _check_ids(args)
     impl = _implementation(args)
     torch.set_num_threads(args.torch_threads)
-    include_global = not (args.spec or args.refs) or bool(args.pipeline)
-    strategies = args.strategy or None
-    total = len(plan_cases(specs, checks=checks, strategies=strategies,
-                           include_global=include_global, impl=impl))
-    head = report.header(implementation=impl.name,
-                         pipelines={spec.name: sources.get(spec, "built-in fixture")
-                                    for spec in specs}, threads=args.torch_threads)
-    print(f"offload-ref check: {total} cases over {len(specs)} pipeline(s)", file=sys.stderr)
+    head = report.header(implementation=impl.name, pipelines=_pipelines(specs, sources),
+                         threads=args.torch_threads)
+
+    class Announce(RunObserver):
+        def planned(self, ids: Sequence[Any]) -> None:
+            _announce(len(ids), len(specs))
+
     start = time.perf_counter()
     progress = _Progress(sys.stderr)
     try:
-        results = run_checks(specs, checks=checks, strategies=strategies,
-                             include_global=include_global, sources=sources, progress=progress,
-                             impl=impl)
+        results = run_checks(specs, checks=checks, strategies=args.strategy or None,
+                             include_global=_include_global(args), sources=sources,
+                             progress=progress, impl=impl, observer=Announce())
     finally:
         progress.close()
-    seconds = time.perf_counter() - start
+    return _report(args, results, head, time.perf_counter() - start)
+
+
+def _announce(total: int, pipelines: int) -> None:
+    print(f"offload-ref check: {total} cases over {pipelines} pipeline(s)", file=sys.stderr)
+
+
+def _include_global(args: argparse.Namespace) -> bool:
+    return not (args.spec or args.refs) or bool(args.pipeline)
+
+
+def _pipelines(specs: Sequence[Any], sources: dict[Any, str]) -> dict[str, str]:
+    return {spec.name: sources.get(spec, "built-in fixture") for spec in specs}
+
+
+def _report(args: argparse.Namespace, results: Sequence[Any], head: dict[str, Any],
+            seconds: float, interrupted: str | None = None) -> int:
+    """Write the report (text, ``--json``); the exit status."""
+    from offload_ref.contracts import report
+
     rows = report.rows_from_results(results)
     if args.json:
-        data = json.dumps(report.to_json(rows, head, seconds), indent=2)
+        content = report.to_json(rows, head, seconds)
+        if interrupted is not None:
+            content["interrupted"] = interrupted
+        data = json.dumps(content, indent=2)
         if args.json == "-":
             print(data)
         else:
@@ -109,7 +135,107 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 f.write(data + "\n")
     if args.json != "-":
         report.render(rows, head, seconds=seconds)
+    if interrupted is not None:
+        print(f"offload-ref check: {interrupted}", file=sys.stderr)
+        return 130
     return 0 if all(r.ok for r in results) else 1
+
+
+#: the child process of ``offload-ref check`` (contracts/isolation.py); its argument: the config
+_CHILD = ("import sys; from offload_ref.cli import _check_child; "
+          "sys.exit(_check_child(sys.argv[1]))")
+
+
+def _check_isolated(args: argparse.Namespace) -> int:
+    """``offload-ref check`` as the command runs it: the arguments are validated here (a bad one
+    is exit status 2, as in process), the cases run in child processes (Note [Crash isolation]
+    in contracts/isolation.py), the report is written here."""
+    import time
+
+    from offload_ref.contracts import report
+    from offload_ref.contracts.escapes import telling_interrupts_apart
+    from offload_ref.contracts.isolation import supervise
+
+    with telling_interrupts_apart():  # a module of the selection raising KeyboardInterrupt
+        specs, sources = _selection(args)
+    _check_ids(args)
+    impl = _implementation(args)
+    start = time.perf_counter()
+    progress = _Progress(sys.stderr)
+
+    try:
+        run = supervise([sys.executable, "-c", _CHILD], args.argv,
+                        spec_names=[spec.name for spec in specs],
+                        include_global=_include_global(args),
+                        sources={spec.name: source for spec, source in sources.items()},
+                        progress=progress, announce=lambda total: _announce(total, len(specs)))
+    finally:
+        progress.close()
+    if run.usage_error is not None:
+        raise _UsageError(run.usage_error)
+    device = run.device or ("unknown (the process running the checks stopped before it said; "
+                            "the errors below say why)")
+    head = report.header(implementation=impl.name, pipelines=_pipelines(specs, sources),
+                         threads=args.torch_threads, device=device)
+    interrupted = None
+    if run.interrupted is not None:
+        during = f" during {run.interrupted}" if run.interrupted else ""
+        interrupted = (f"interrupted (Ctrl-C){during}; the report shows the {len(run.results)} "
+                       f"result(s) that came before")
+    return _report(args, run.results, head, time.perf_counter() - start, interrupted)
+
+
+def _check_child(config_path: str) -> int:
+    """The child process of ``offload-ref check``: run the cases its config selects, writing
+    each to the journal; the parent writes the report (Note [Crash isolation])."""
+    import traceback
+
+    from offload_ref.contracts import isolation
+    from offload_ref.contracts.escapes import is_users_interrupt, telling_interrupts_apart
+
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    isolation.child_setup(config)
+    journal = isolation.Journal(config["journal"])
+    with telling_interrupts_apart(once=True):
+        try:
+            return _run_child(config, journal)
+        except _UsageError as exc:
+            journal.write("usage_error", message=str(exc))
+            return 2
+        except BaseException as exc:  # noqa: BLE001 - the parent charges it to what was running
+            if is_users_interrupt(exc):
+                journal.write("interrupted")
+                return 130
+            journal.write("escaped", text=traceback.format_exc())
+            return 70
+        finally:
+            journal.close()
+
+
+def _run_child(config: dict[str, Any], journal: Any) -> int:
+    import torch
+
+    from offload_ref.contracts import report
+    from offload_ref.contracts.refs import import_from_the_current_folder
+    from offload_ref.contracts.runner import run_checks
+    from offload_ref.platform import simulated
+
+    import_from_the_current_folder()
+    args = _parser().parse_args(config["argv"])
+    if args.single_device:
+        os.environ["OFFLOAD_REF_SIM"] = "0"
+    simulated.available()  # first: torch looks its accelerator hooks up once per process
+    journal.write("device", line=report.kit_device_line())
+    specs, sources = _selection(args)
+    specs = [spec for spec in specs if spec.name in config["only"]]
+    impl = _implementation(args)
+    torch.set_num_threads(args.torch_threads)
+    run_checks(specs, checks=_check_ids(args), strategies=args.strategy or None,
+               include_global=config["include_global"], sources=sources, impl=impl,
+               observer=journal, skip=config["skip"])
+    journal.write("done")
+    return 0
 
 
 class _Progress:
@@ -256,10 +382,28 @@ def _cmd_peers(args: argparse.Namespace) -> int:
     return 1 if any(c.failed for r in control for c in r.cells.values()) else 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, isolate: bool | None = None) -> int:
+    """The ``offload-ref`` command.  ``argv`` None: the command line (``sys.argv``).
+
+    ``isolate``: whether ``check`` runs its cases in child processes (Note [Crash isolation] in
+    contracts/isolation.py); by default it does when ``argv`` is None, as the command does, and
+    does not when a caller passes ``argv``, so that a test can patch the kit in its own process.
+    """
     from offload_ref.contracts.refs import import_from_the_current_folder
 
     import_from_the_current_folder()  # MODULE:ATTR in the current folder, as `python -m` finds
+    parser = _parser()
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.isolate = argv is None if isolate is None else isolate
+    try:
+        return args.func(args)
+    except _UsageError as exc:
+        print(f"offload-ref {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload-ref", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -336,12 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from offload_ref.trace import add_trace_parser
 
     add_trace_parser(sub, selection)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except _UsageError as exc:
-        print(f"offload-ref {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    return parser
 
 
 if __name__ == "__main__":
