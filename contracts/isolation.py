@@ -73,6 +73,8 @@ _FORWARD_AFTER_S, _KILL_AFTER_S = 1.0, 10.0
 _POLL_S = 0.05
 _MAX_FRAMES = 12
 
+#: the op namespaces that are torch's own (a crash there is the simulated device's defect)
+_TORCH_NAMESPACES = ("aten", "prims", "prim", "_c10d_functional", "c10d", "profiler")
 _CRASH_LINE = re.compile(r"fatal signal (?P<num>\d+) \((?P<name>\w+)\) while running "
                          r"(?P<op>.+?) on (?P<device>\S+)\s*$")
 
@@ -295,12 +297,19 @@ def crash_report(returncode: int, crash_text: str, faults: str, escaped: str | N
     else:
         how = f"exited with status {returncode} before it reported a result"
     detail = []
-    if op:
+    if op and op.split("::")[0] in _TORCH_NAMESPACES:
         detail.append(
-            f"offload-ref's simulated accelerator crashed in {op} (its crash line: "
-            f"{lines[-1]!r}).  A crash of the simulated device is a defect of offload-ref, not a "
-            f"verdict on the pipeline: rerun with --single-device to judge the pipeline on the "
-            f"CPU alone, and report the op and the frames below to offload-ref")
+            f"offload-ref's simulated accelerator crashed in torch's {op} (its crash line: "
+            f"{lines[-1]!r}).  A crash of the simulated device in one of torch's ops is a defect "
+            f"of offload-ref, not a verdict on the pipeline: rerun with --single-device to judge "
+            f"the pipeline on the CPU alone, and report the op and the frames below to "
+            f"offload-ref")
+    elif op:
+        detail.append(
+            f"{op} is not one of torch's ops (its crash line: {lines[-1]!r}): its own kernel "
+            f"crashed while the simulated accelerator ran it on hpu tensors; rerun with "
+            f"--single-device to see whether it crashes on the CPU too, and look at the frames "
+            f"below")
     elif lines:
         detail.append(f"the simulated accelerator's crash line: {lines[-1]!r}: the crash was not "
                       f"inside one of its ops (the pipeline's own native code, torch, or a "

@@ -76,6 +76,7 @@ def test_the_simulated_accelerators_crash_line_names_the_op(
     assert first == ("the process running this case died from signal 11 (SIGSEGV) in "
                      "aten::fake_op.Tensor on hpu"), first
     assert OP_LINE in second and "--single-device" in second, second
+    assert "torch's aten::fake_op.Tensor" in second and "a defect of offload-ref" in second
 
 
 @_ONE_RUN
@@ -160,6 +161,16 @@ def test_a_crash_line_naming_no_op_does_not_claim_one() -> None:
     assert detail[1:] == ["Python frames at the crash, most recent call first:",
                           '  File "/x/pipe.py", line 7 in forward',
                           '  File "/x/kit.py", line 9 in run'], detail
+    # an op that is not torch's: its own kernel crashed, not the simulated device
+    line = ("offload-ref simulated accelerator: fatal signal 11 (SIGSEGV) while running "
+            "my_ext::fused_rope on hpu")
+    how, detail = isolation.crash_report(-11, line + "\n", "")
+    assert how == "died from signal 11 (SIGSEGV) in my_ext::fused_rope on hpu", how
+    assert detail == [
+        f"my_ext::fused_rope is not one of torch's ops (its crash line: {line!r}): its own kernel "
+        f"crashed while the simulated accelerator ran it on hpu tensors; rerun with "
+        f"--single-device to see whether it crashes on the CPU too, and look at the frames "
+        f"below"], detail
     # a killed process: no frames, and where SIGKILL comes from
     how, detail = isolation.crash_report(-9, "", "")
     assert how == "died from signal 9 (SIGKILL); the op is unknown"
