@@ -29,9 +29,12 @@ from .misuse import _edit, _same_state
 
 __all__ = ["DEVICE_MEMORY_CHECKS", "InjectedRegistrationError", "OBSERVABLE_CHECKS"]
 
-#: The checks here that read the device's allocated bytes: not applicable where host and device
-#: are one (single-device mode), where nothing an offloader keeps can be told apart.
+#: The checks here that need a device apart from the host (``_device_memory(case)``): those that
+#: read the device's allocated bytes, and the one that hands the offloader device 1.  Not
+#: applicable where host and device are one (single-device mode), where nothing an offloader
+#: keeps can be told apart and there is no device index to vary.
 DEVICE_MEMORY_CHECKS = frozenset({
+    "check_offloader_keeps_to_the_device_index_it_was_given",
     "check_every_disable_restores_tensors_and_frees_the_device",
     "check_second_enable_changes_nothing_observable",
     "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
