@@ -61,12 +61,25 @@ def test_a_plain_call_of_a_pipeline_without_no_grad_is_refused_by_offload_ref() 
     results = _run(_without_no_grad(), GRAD)
     assert [r.outcome for r in results] == ["failed", "failed"], [r.message for r in results]
     by = {r.id.strategy: r.message for r in results}
+    assert {r.severity for r in results} == {"error"}
     for message in by.values():
         assert "OffloadAutogradError" in message and "@torch.no_grad()" in message
         assert "requires grad" in message
     # the component the refusal came from
     assert "text_encoder runs with autograd recording" in by["model_level"]
     assert "raised inside transformer" in by["layer_wise"]
+
+
+def test_a_plain_call_without_no_grad_refused_by_a_foreign_offloader_names_its_refusal() -> None:
+    impl = offloader_implementation(simple_offloader, name="simple_offloader")
+    results = _run(_without_no_grad(), GRAD, impl)
+    assert [r.outcome for r in results] == ["failed", "failed"], [r.message for r in results]
+    by = {r.id.strategy: r for r in results}
+    assert "raised inside text_encoder RuntimeError: SimpleOffloader:" in by["model_level"].message
+    assert "raised inside transformer RuntimeError: SimpleOffloader:" in by["layer_wise"].message
+    for r in results:
+        assert "A user calling the pipeline gets this refusal" in r.message
+        assert r.severity == "error"
 
 
 def test_a_plain_call_without_no_grad_under_a_foreign_offloader_reports_the_memory_held() -> None:
@@ -78,6 +91,7 @@ def test_a_plain_call_without_no_grad_under_a_foreign_offloader_reports_the_memo
         assert "for a backward nobody runs" in r.message
         assert "its output requires grad" in r.message
         assert "bytes (" in r.message and "on the device)" in r.message
+        assert r.severity == "memory"
 
 
 @pytest.mark.parametrize("offloader", [None, simple_offloader, serves_grad_mode])
@@ -142,6 +156,7 @@ def test_an_offloader_that_ignores_the_device_index_fails_naming_the_tensor() ->
     for r in results:
         assert "landed on hpu:0 instead of hpu:1" in r.message, r.message
         assert "the offloader was given hpu:1" in r.message
+        assert r.severity in ("error", "memory")
 
 
 @needs_two_devices

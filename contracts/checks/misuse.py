@@ -483,7 +483,8 @@ def check_generation_in_the_pipelines_own_grad_mode_records_no_graph(case) -> No
                    if trainable else "")
             fail(f"a generation in the pipeline's own grad mode (a plain call: grad mode on, no "
                  f"torch.no_grad() around it) raised{where} {type(error).__name__}: {error}"
-                 f"{why}.  A user calling the pipeline gets this refusal; {fix}")
+                 f"{why}.  A user calling the pipeline gets this refusal; {fix}",
+                 severity="error")
         held = [p for p, t in _output_leaves(got) if t.requires_grad]
         if watch.saved or held or watch.recording:
             fail(f"a generation in the pipeline's own grad mode (a plain call: grad mode on, no "
@@ -491,7 +492,7 @@ def check_generation_in_the_pipelines_own_grad_mode_records_no_graph(case) -> No
                  f"{' in ' + ', '.join(watch.recording) if watch.recording else ''}: it holds "
                  f"{watch.cost() or 'no saved tensor'} for a backward nobody runs"
                  f"{f', and its output requires grad ({held[:3]})' if held else ''}, until the "
-                 f"output is dropped.  {fix[0].upper()}{fix[1:]}")
+                 f"output is dropped.  {fix[0].upper()}{fix[1:]}", severity="memory")
         case.compare("a generation in the pipeline's own grad mode", got, case.reference())
     finally:
         backend.disable()

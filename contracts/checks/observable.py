@@ -529,7 +529,10 @@ def check_offloader_keeps_to_the_device_index_it_was_given(case) -> None:
              f"{'; '.join(lines)}{more}.  Move to the device the offloader was given, index "
              f"included (not {other.type!r}, which means device 0)"
              + (f"; the generation then raised {type(error).__name__}: {error}"
-                if error is not None else ""))
+                if error is not None else ""),
+             # a generation that raises stops the user's run; one that runs holds bytes on a
+             # device the user kept for something else
+             severity="error" if error is not None else "memory")
     if error is not None:
         raise error
     case.compare(f"a generation with the offloader on {other}", got, reference)
