@@ -11,9 +11,9 @@ import pytest
 
 from .case import DEFAULT_IMPLEMENTATION, Implementation
 from .registry import AREAS, CheckFailure, CheckInfo, CheckNotApplicable, doc_for
-from .runner import (CaseId, expected_failures_for, failed_preflight, plan_cases,
-                     message_of, offloader_ref, preflight_message, run_case, unresolved_cases,
-                     unresolved_message)
+from .runner import (CaseId, escaped_specs, expected_failures_for, failed_preflight,
+                     message_of, offloader_ref, plan_cases, preflight_message, run_case,
+                     unresolved_cases, unresolved_message)
 from .spec import PipelineSpec
 
 __all__ = ["BoundCheck", "check_params", "parametrize_with_checks"]
@@ -108,11 +108,14 @@ def check_params(
 ) -> list[Any]:
     """One ``pytest.param`` per planned case.  ``sources`` maps a spec to the ``offload-ref
     check`` arguments that select it (its reproduction lines use them)."""
+    escaped = escaped_specs(specs)  # a SystemExit from a factory fails its preflight test
+    specs = [spec for spec in specs if spec not in escaped]
     expected = expected_failures_for(specs, expected_failures)
     sources = sources or {}
     params = [pytest.param(_PreflightFailure(spec, problems), id=f"preflight-{spec.name}",
                            marks=[pytest.mark.contract])
-              for spec, problems in failed_preflight(specs).items()]
+              for spec, problems in [*((s, [line]) for s, line in escaped.items()),
+                                     *failed_preflight(specs).items()]]
     params += [pytest.param(_PreflightFailure(spec, [why], strategy),
                             id=f"preflight-{spec.name}-{strategy}", marks=[pytest.mark.contract])
                for spec, strategy, why in unresolved_cases(specs, strategies)]

@@ -337,13 +337,34 @@ def _spec_escape(spec: PipelineSpec, what: str, exc: BaseException) -> str:
                 break
         tb = tb.tb_next
     return (f"spec {spec.name!r}: while the kit {what}, {by} raised {describe(exc)}; fix "
-            f"{fix}: a spec's code returns, or raises an Exception\n"
-            f"the checks of {spec.name} were not run")
+            f"{fix}: a spec's code returns, or raises an Exception")
 
 
 _SPEC_PHASES = (("preflight", preflight,
                  "validated it (its preflight: building the pipeline and running it twice)"),
                 ("resolve", unresolved_strategies, "resolved its plans"))
+
+
+def escaped_specs(specs: Sequence[PipelineSpec], observer: RunObserver | None = None
+                  ) -> dict[PipelineSpec, str]:
+    """Run each spec's preflight and plan resolution (cached for the run that follows) and return
+    the specs whose code raised a ``BaseException`` there (``SystemExit``, ``KeyboardInterrupt``
+    the user did not cause, ...), each with its one problem line (Note [Escaping exceptions]):
+    such a spec gets one preflight error and no case.  ``observer`` is told each phase first."""
+    observer = observer or RunObserver()
+    escaped: dict[PipelineSpec, str] = {}
+    for what, run, doing in _SPEC_PHASES:
+        for spec in specs:
+            if spec in escaped:
+                continue
+            observer.phase(what, spec)
+            try:
+                run(spec)
+            except BaseException as exc:  # noqa: BLE001 - Note [Escaping exceptions]
+                if is_users_interrupt(exc):
+                    raise
+                escaped[spec] = _spec_escape(spec, doing, exc)
+    return escaped
 
 
 def run_checks(
@@ -382,22 +403,11 @@ def _run_checks(specs: Sequence[PipelineSpec], checks: Iterable[str] | None,
                 sources: Mapping[PipelineSpec, str],
                 progress: Callable[[int, int, CheckResult], None] | None,
                 observer: RunObserver, skip: set[str]) -> list[CheckResult]:
-    escaped: dict[PipelineSpec, str] = {}  # spec -> the BaseException its code raised
-    for what, run, doing in _SPEC_PHASES:
-        for spec in specs:
-            if spec in escaped:
-                continue
-            observer.phase(what, spec)
-            try:
-                run(spec)
-            except BaseException as exc:  # noqa: BLE001 - Note [Escaping exceptions]
-                if is_users_interrupt(exc):
-                    raise
-                escaped[spec] = _spec_escape(spec, doing, exc)
+    escaped = escaped_specs(specs, observer)
     usable = [spec for spec in specs if spec not in escaped]
     expected = expected_failures_for(usable, expected_failures)
     results = [CheckResult(CaseId("preflight", spec.name, None, sources.get(spec)), "error",
-                           message) for spec, message in escaped.items()]
+                           preflight_message(spec, [line])) for spec, line in escaped.items()]
     results += [CheckResult(CaseId("preflight", spec.name, None, sources.get(spec)), "error",
                             preflight_message(spec, problems))
                 for spec, problems in failed_preflight(usable).items()]

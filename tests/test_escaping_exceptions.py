@@ -12,6 +12,9 @@ import pytest
 
 from crash_pipelines import BITWISE, REPEATABLE, cli, results, write_author
 from offload_ref.cli import main
+from offload_ref.contracts import PipelineSpec
+from offload_ref.contracts.pytest_support import check_params
+from offload_ref.contracts.registry import CheckFailure
 from offload_ref.contracts.runner import run_checks
 
 
@@ -76,3 +79,25 @@ def test_a_module_exiting_on_import_is_a_usage_error(
     err = capsys.readouterr().err
     assert err.startswith("offload-ref check: error: MODULE:ATTR 'crashy.exits_on_import:SPEC': "
                           "loading it raised SystemExit(0) (at "), err
+
+
+def test_the_pytest_route_fails_the_preflight_test_of_a_factory_raising_system_exit(
+        author: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, pytest collecting ``parametrize_with_checks([SPEC])`` stopped on the SystemExit
+    and exited 0 with "no tests ran"."""
+    monkeypatch.syspath_prepend(str(author))
+    from crashy.pipes import GOOD  # type: ignore[import-not-found]
+
+    exits = PipelineSpec(name="exits", factory="crashy.pipes:raise_system_exit_0",
+                         inputs="crashy.pipes:make_inputs", strategies=("model_level",))
+    params = {p.id: p for p in check_params([exits, GOOD], checks=[REPEATABLE],
+                                            include_global=False)}
+    assert set(params) == {"preflight-exits", f"{REPEATABLE}-nothing-model_level"}, params
+    (body,) = params["preflight-exits"].values
+    with pytest.raises(CheckFailure) as failure:
+        body()
+    assert str(failure.value).startswith(
+        "spec 'exits': while the kit validated it (its preflight: building the pipeline and "
+        "running it twice), its factory crashy.pipes:raise_system_exit_0 raised SystemExit(0) "
+        "(at "), failure.value
+    assert str(failure.value).endswith("the checks of exits were not run"), failure.value
