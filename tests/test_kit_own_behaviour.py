@@ -79,7 +79,8 @@ def test_the_kits_setup_does_not_crash_on_parameters_a_pipeline_makes_during_a_c
                         factory="placement_pipelines:build_attaches_adapter",
                         inputs="placement_pipelines:make_inputs", strategies=STRATEGIES)
     results = _run(spec, [BACKWARD, IN_PLACE, "check_edit_weights_round_trip_takes_effect_exactly",
-                          "check_edit_between_cycles_takes_effect_and_survives_disable"])
+                          "check_edit_between_cycles_takes_effect_and_survives_disable",
+                          "check_edits_through_data_are_exact_or_refused"])
     errors = [(r.id.check, r.message) for r in results if r.outcome == "error"]
     assert not errors, errors
     assert all(r.outcome == "passed" for r in results), _outcomes(results)
@@ -91,7 +92,9 @@ def test_a_weight_the_pipeline_makes_anew_at_every_call_is_not_reported(offloade
     built and failed, naming out_scale (re-made by the pipeline itself at every call)."""
     impl = None if offloader is None else offloader_implementation(offloader)
     checks = [IN_PLACE, BACKWARD, "check_state_dict_while_enabled_returns_true_weights",
-              "check_edit_between_cycles_takes_effect_and_survives_disable"]
+              "check_edit_between_cycles_takes_effect_and_survives_disable",
+              "check_edits_through_data_are_exact_or_refused"]  # it took out_scale's edit
+    # through .data (no offloader knows the tensor) for a half-applied one
     if offloader is None:  # needs offload-ref's edit_weights()
         checks.append("check_edit_weights_round_trip_takes_effect_exactly")
     results = _run(_spec(pipelines.build_recreates_a_parameter), checks, impl)
