@@ -236,8 +236,8 @@ def hook_cause(hook: Hook, path: str, modules: dict[str, nn.Module], state: str,
                 f"{module_path} read {path} at {hook.line} while it was {state} (an offloader "
                 "defect, not the pipeline's)")
     when = ("after" if hook.kind == "forward hook" else "before")
-    return (f"{path} was read by the {hook.kind} {hook.qualname} ({hook.source}) of "
-            f"{module_path}, at {hook.line}, not by {module_path}'s forward: the hook was "
+    return (f"the {hook.kind} {hook.qualname} ({hook.source}) of {module_path} read {path} "
+            f"at {hook.line}, not {module_path}'s forward: the hook was "
             f"registered after {offloader}'s own hooks, so it ran {when} them, while {path} "
             f"was {state}. A module's own hooks are part of its call: an offloader should keep "
             f"its weights loaded until the last of them ran (offload-ref runs its hooks "
@@ -273,8 +273,8 @@ def offloader_cause(path: str, t: torch.Tensor, reader: str, line: str, *,
                     f"weights where they are, so {what} met tensors on {installed.device} "
                     "(an offloader defect, not the pipeline's)")
     if not reader:
-        return (f"{what} was read by the pipeline's own code at {line}, outside any module "
-                f"call, while {off} was enabled: an offloader places a module's weights for "
+        return (f"the pipeline's own code read {what} at {line}, outside any module call, "
+                f"while {off} was enabled: an offloader places a module's weights for "
                 f"that module's call. Fix: read weights only inside the forward of the module "
                 f"that holds them (compute what you need there and return it)")
     for p in hooked:
@@ -284,27 +284,26 @@ def offloader_cause(path: str, t: torch.Tensor, reader: str, line: str, *,
         entry = entry_point(module)
         if entry is not None and entry[0] not in _CALL_MACHINERY:
             how = (f"{p}.forward(...)" if entry[0] == "forward" else f"its method {entry[0]}()")
-            return (f"{off} hooks {p} ({installed.describe_hooks(p)}), but {p} was run through "
-                    f"{how} (called at {entry[1]}), which bypasses its hooks, so {what} was "
+            return (f"the pipeline ran {p} through {how} (called at {entry[1]}), which bypasses "
+                    f"the hooks {off} put on {p} ({installed.describe_hooks(p)}), so {what} was "
                     f"read by {reader} where the offloader had left it. Fix: call the module, "
                     f"{p}(...)")
         if _within(reader, p):
-            return (f"{reader} was called on its own, outside a call of {p} (for example after "
-                    f"a block loop), and {off} loads {p}'s weights only in the hooks it put on "
-                    f"{p} ({installed.describe_hooks(p)}), so {what} was still where it parks "
-                    f"them: the offloader did not load it for that call (an offloader defect: "
-                    f"every module call goes through that module's hooks, and offload-ref "
-                    f"serves a part called on its own through the part's hooks). Workaround in "
-                    f"the pipeline: call {reader} only inside {p}'s forward")
-        return (f"{what} belongs to {p}, which {off} loads only during {p}'s own call, and it "
-                f"was read by {reader} at {line}, outside that call. Fix: read a module's "
+            return (f"{off} did not load {what} for a call of {reader} made on its own, "
+                    f"outside a call of {p} (for example after a block loop): it loads {p}'s "
+                    f"weights only in the hooks it put on {p} ({installed.describe_hooks(p)}). "
+                    f"An offloader defect: every module call goes through that module's hooks, "
+                    f"and offload-ref serves a part called on its own through the part's hooks. "
+                    f"Workaround in the pipeline: call {reader} only inside {p}'s forward")
+        return (f"the pipeline read {what}, which belongs to {p}, from {reader} at {line}, "
+                f"outside {p}'s own call, the only time {off} loads it. Fix: read a module's "
                 f"weights only inside its own forward (compute what others need there and "
                 f"return it, or give the reader its own copy as a registered buffer)")
     if hooked:
         p = hooked[0]
-        return (f"{p} was called through {off}'s hooks ({installed.describe_hooks(p)}), yet "
-                f"{what} was still off {installed.device} inside its forward: the offloader "
-                f"did not load it (an offloader defect, not the pipeline's).{note}")
+        return (f"{off} did not load {what}, although {p} was called through its hooks "
+                f"({installed.describe_hooks(p)}): it was still off {installed.device} inside "
+                f"{p}'s forward (an offloader defect, not the pipeline's).{note}")
     moved = installed.moved.get(path)
     if moved is not None:
         return (f"{off} moved {what} from {moved[0]} to {moved[1]} at enable(), but it was on "

@@ -729,15 +729,16 @@ class PlacementWatch(TorchFunctionMode):
                     how = (f"{block} was run through its method {entry[0]}() (called at "
                            f"{entry[1]}), not through {block}(...)")
                 elif reader_path and _within(reader_path, block):
-                    return (f"the hooks of block {block} did not run: its part {reader_path} "
-                            f"was called on its own (through its __call__), outside a call of "
-                            f"{block} (for example after the block loop), and {name} loads "
-                            f"the block only in the block's own hooks, so {path} was read as a "
-                            f"placeholder: the offloader did not load it for that call (an "
-                            f"offloader defect: offload-ref serves a part called on its own "
-                            f"through the part's hooks, Note [Block parts]). Workaround in the "
-                            f"pipeline: call the block itself, {block}(...), and compute with "
-                            f"its parts only inside its forward")
+                    return (f"{name} did not load block {block} for a call of its part "
+                            f"{reader_path}: the hooks of block {block} did not run: its part "
+                            f"{reader_path} was called on its own (through its __call__), "
+                            f"outside a call of {block} (for example after the block loop), "
+                            f"and the offloader loads the block only in the block's own hooks, "
+                            f"so {path} was read as a placeholder (an offloader defect: "
+                            f"offload-ref serves a part called on its own through the part's "
+                            f"hooks, Note [Block parts]). Workaround in the pipeline: call the "
+                            f"block itself, {block}(...), and compute with its parts only inside "
+                            f"its forward")
                 else:
                     how = (f"it was read by {self._reader(where)} at {line}, outside any call "
                            f"of {block}")

@@ -268,7 +268,8 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
 LEVEL_TEXT = {
     Severity.WRONG_OUTPUT: "a generation or a value the user reads differs from the "
                            "un-offloaded truth",
-    Severity.ERROR: "an error raised into the user's generation, enable() or disable()",
+    Severity.ERROR: "an error raised into the user's generation, enable() or disable(), or "
+                    "left for its next call",
     Severity.MEMORY: "memory not returned, or held beyond the contract",
     Severity.TRACE: "a leftover trace that changes nothing computed",
 }

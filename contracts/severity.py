@@ -9,8 +9,10 @@ from it, one of four levels, worst first (:class:`Severity`):
     model as built (another dtype, device, layout or sharing): silently wrong numbers.
 ``error``
     an exception raised into the user's generation, ``enable()`` or ``disable()`` (a device
-    mismatch, a crash, a retry that fails), or the wrong exception where a clear one is the
-    contract: loud, but the user's run stops.
+    mismatch, a crash, a retry that fails), the wrong exception where a clear one is the
+    contract, or a state that makes the user's next call raise (weights left as inference
+    tensors, or on the host where the pipeline placed them on the device): loud, but the
+    user's run stops.
 ``memory``
     memory not returned or held beyond the contract: device bytes left after ``disable()``, a
     peak over the plan's bound, more blocks resident than the strategy allows, host memory that
@@ -150,7 +152,8 @@ _PROBLEMS: tuple[tuple[re.Pattern[str], Severity], ...] = tuple(
 #: A failure whose first line reports an exception out of the user's own call (a generation,
 #: enable() or disable()), which a check that compares outputs caught before any output.
 _RAISED = re.compile(r"\b(generation|enable\(\)|disable\(\))[^:;]*\b(failed|raised):? "
-                     r"[A-Z]\w*(Error|Exception|Interrupt|Exit)\b")
+                     r"[A-Z]\w*(Error|Exception|Interrupt|Exit)\b"
+                     r"|\bwas refused without saying what to do\b")
 
 #: A failure message listing problems: ``...: ['problem', "problem", ...]`` (a Python list, as
 #: the checks print ``problems[:6]``).

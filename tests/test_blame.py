@@ -57,12 +57,12 @@ def _cause(message: str) -> str:
 OFFLOADER_AT_FAULT = {
     # a non-persistent buffer the offloader never moves (it moves parameters and state_dict())
     ("correct", "params_only", "layer_wise", PARITY): [
-        "blame_cases:params_only", "transformer.blocks.0.freqs (non-persistent buffer, on cpu)",
-        "was called through blame_cases:params_only's hooks", "the offloader did not load it",
+        "blame_cases:params_only did not load transformer.blocks.0.freqs (non-persistent buffer, "
+        "on cpu), although transformer.blocks.0 was called through its hooks",
         "Non-persistent buffers are not in state_dict()"],
     ("correct", "params_only", "model_level", PARITY): [
-        "transformer was called through blame_cases:params_only's hooks",
-        "transformer.blocks.0.freqs (non-persistent buffer, on cpu)"],
+        "blame_cases:params_only did not load transformer.blocks.0.freqs (non-persistent buffer, "
+        "on cpu), although transformer was called through its hooks"],
     # the DiT's state outside its blocks, which the offloader neither moves nor hooks
     ("correct", "blocks_only", "layer_wise", PARITY): [
         "blame_cases:blocks_only neither moved transformer.proj_in.weight (parameter, on cpu) "
@@ -89,8 +89,9 @@ PIPELINE_AT_FAULT = {
         "transformer.table is a tensor the pipeline keeps across calls as a plain attribute of "
         "transformer", "made on hpu:0 by generation 1"],
     ("calls_block_forward", "simple", "layer_wise", PARITY): [
-        "transformer.blocks.0 was run through transformer.blocks.0.forward(...) (called at "
-        "tests/blame_cases.py", "which bypasses its hooks", "Fix: call the module"],
+        "the pipeline ran transformer.blocks.0 through transformer.blocks.0.forward(...) (called "
+        "at tests/blame_cases.py", "which bypasses the hooks blame_cases:simple put on "
+        "transformer.blocks.0", "Fix: call the module"],
 }
 
 
@@ -102,6 +103,8 @@ def test_an_offloader_that_does_not_move_a_tensor_is_blamed(case) -> None:
     for text in OFFLOADER_AT_FAULT[case]:
         assert text in cause, (text, cause)
     assert OFFLOADER_DEFECT in cause, cause
+    # the party at fault comes first: the conformance table shows a cause's first 150 characters
+    assert cause.startswith(f"diagnosis: cause: blame_cases:{case[1]} "), cause
     # before: "after disable() the weights are back on ... key caches by device" (the pipeline)
     assert "after disable()" not in cause and "key such caches" not in cause, cause
     # and the tensor it did not move is named as off the device while the offloader is enabled
@@ -135,9 +138,9 @@ def test_a_hook_registered_after_enable_is_named_with_the_weight_it_read() -> No
     cause = _cause(message)
     lines, first = inspect.getsourcelines(blame_cases.read_block_weight)
     read = first + next(k for k, line in enumerate(lines) if "module.lin.weight" in line)
-    for text in ("transformer.blocks.1.lin.weight was read by the forward hook "
-                 f"read_block_weight (tests/blame_cases.py:{first}) of transformer.blocks.1, at "
-                 f"tests/blame_cases.py:{read}, not by transformer.blocks.1's forward",
+    for text in (f"the forward hook read_block_weight (tests/blame_cases.py:{first}) of "
+                 "transformer.blocks.1 read transformer.blocks.1.lin.weight at "
+                 f"tests/blame_cases.py:{read}, not transformer.blocks.1's forward",
                  "registered after blame_cases:simple's own hooks",
                  "register the hook before enable()"):
         assert text in cause, (text, cause)
@@ -159,12 +162,12 @@ def test_diffusers_dit_part_after_the_block_loop_blames_block_level_group_offloa
                               include_global=False,
                               impl=load_offloader("offload_ref.peers:diffusers_group_offload_block"))
     cause = _cause(result.message)
-    for text in ("transformer.transformer_blocks.0.norm1.emb.timestep_embedder.linear_1 was called "
-                 "on its own, outside a call of transformer.transformer_blocks.0",
-                 "offload_ref.peers:diffusers_group_offload_block loads "
-                 "transformer.transformer_blocks.0's weights only in the hooks it put on "
-                 "transformer.transformer_blocks.0",
-                 "the offloader did not load it for that call (an offloader defect"):
+    assert cause.startswith("diagnosis: cause: offload_ref.peers:diffusers_group_offload_block "
+                            "did not load "), cause  # the party first: a table cuts the rest
+    for text in ("for a call of transformer.transformer_blocks.0.norm1.emb.timestep_embedder."
+                 "linear_1 made on its own, outside a call of transformer.transformer_blocks.0",
+                 "it loads transformer.transformer_blocks.0's weights only in the hooks it put on "
+                 "transformer.transformer_blocks.0", "An offloader defect"):
         assert text in cause, (text, cause)
     assert "after disable()" not in cause, cause
     assert contradictions(result.message) == [], result.message

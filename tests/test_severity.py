@@ -163,6 +163,11 @@ def test_an_exception_out_of_the_users_call_caught_by_an_output_check_is_an_erro
                  "out of bounds") is Severity.ERROR
     assert judge(j6, "failed", "the first thread's output differs: 3 of 8 elements") is \
         Severity.WRONG_OUTPUT
+    j5 = "check_backward_is_exact_or_refused_at_forward"
+    assert judge(j5, "failed", "calling text_encoder with autograd was refused without saying "
+                 "what to do (run under torch.no_grad()): Expected all tensors") is Severity.ERROR
+    assert judge(j5, "failed", "backward through offloaded transformer gave 63 wrong or NaN "
+                 "gradients") is Severity.WRONG_OUTPUT
     # whatever the check asserts: the user's call stopped with an exception
     assert judge("check_cycles_do_not_grow_memory", "failed",
                  "after cycle 2 enable() raised RuntimeError: x") is Severity.ERROR
