@@ -280,3 +280,22 @@ def test_the_crash_record_names_the_aten_op_and_works_without_a_file() -> None:
     assert out.stderr.count(simulated.CRASH_RECORD_PREFIX) == 1
     assert ("offload-ref simulated accelerator: fatal signal 11 (SIGSEGV) while running "
             "aten::mul.out on hpu\n") in out.stderr
+
+
+# -- ops the sweep found (ci/sim_op_sweep.py) ------------------------------------------------------
+
+
+def test_ops_whose_cpu_kernel_overrides_a_decomposition_run_the_cpu_kernel() -> None:
+    """silu_backward (every diffusers DiT's gradients), mish_backward, channel_shuffle: the
+    dispatcher preferred their decomposition on the device, 1 ulp away from CPU's kernel."""
+    g = torch.Generator().manual_seed(0)
+    x, grad = torch.randn(64, 33, generator=g), torch.randn(64, 33, generator=g)
+    for fn in (torch.ops.aten.silu_backward, torch.ops.aten.mish_backward):
+        assert _same(fn(grad.to(DEV), x.to(DEV)), fn(grad, x)), fn
+    image = torch.randn(2, 6, 4, 4, generator=g)
+    assert _same(F.channel_shuffle(image.to(DEV), 3), F.channel_shuffle(image, 3))
+    for act in (F.silu, F.mish):
+        host, device = x.clone().requires_grad_(), x.to(DEV).requires_grad_()
+        (act(host) * grad).sum().backward()
+        (act(device) * grad.to(DEV)).sum().backward()
+        assert _same(device.grad, host.grad), act

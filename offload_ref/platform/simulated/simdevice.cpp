@@ -1330,6 +1330,31 @@ at::Tensor sdpa_autograd(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 std::vector<std::unique_ptr<torch::Library>>& libraries();
 
+// Note [Composites the CPU overrides]
+//   An op with a CompositeImplicitAutograd kernel (a decomposition into other ops) and its own
+//   CPU kernel runs the CPU kernel on the CPU, but on a device without a kernel of its own the
+//   dispatcher prefers the decomposition to the fallback: `silu_backward` became sigmoid, mul
+//   and add on hpu, 1 ulp away from CPU's fused kernel (every diffusers DiT's gradients
+//   differed).  A GPU runs its own kernel there, so every such op (found in the dispatcher at
+//   init, not listed by hand) runs CPU's kernel through the fallback; its derivative is its
+//   own Autograd kernel, so only ops that have one are routed.
+void route_composites_cpu_overrides(torch::Library& aten) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = dispatcher.findOp(name);
+    if (!op.has_value()) continue;
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::CPU) &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::Autograd) &&
+        !op->hasKernelForDispatchKey(kKey)) {
+      std::string qualified = name.name.substr(6);
+      if (!name.overload_name.empty()) qualified += "." + name.overload_name;
+      aten.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    }
+  }
+}
+
 // -- autocast -------------------------------------------------------------------------------------
 
 // Note [Autocast]
@@ -1416,6 +1441,7 @@ void register_ops() {
         "any.dims", "all.dims", "any.dims_out", "all.dims_out", "linalg__powsum"}) {
     aten->impl(name, torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
+  route_composites_cpu_overrides(*aten);
   libraries().push_back(std::move(aten));
 
   for (auto key : {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative}) {
