@@ -18,7 +18,12 @@ Environment:
 * ``OFFLOAD_REF_SIM_DEVICES``: how many devices (default 2: ``hpu:0`` and ``hpu:1``);
 * ``OFFLOAD_REF_SIM_CAPACITY``: bytes per device; an allocation past it raises
   ``torch.OutOfMemoryError`` as CUDA's allocator does (also :func:`set_capacity`);
-* ``OFFLOAD_REF_SIM_CACHE``: the build cache folder (default ``~/.cache/offload_ref``).
+* ``OFFLOAD_REF_SIM_CACHE``: the build cache folder (default ``~/.cache/offload_ref``);
+* ``OFFLOAD_REF_SIM_CRASH_FILE`` (:data:`CRASH_FILE_ENV`): a file that the crash record is appended
+  to, read when the extension loads.  On a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT)
+  the extension writes one line, ``offload-ref simulated accelerator: fatal signal 11 (SIGSEGV)
+  while running aten::mul.Tensor on hpu``, to stderr and to that file, then lets the signal go on
+  (to Python's faulthandler if it is enabled), so the process still dies of it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from types import ModuleType
 import torch
 
 __all__ = [
+    "CRASH_FILE_ENV",
+    "CRASH_RECORD_PREFIX",
     "DEVICE_TYPE",
     "SimulatedAcceleratorUnavailable",
     "available",
@@ -47,6 +54,10 @@ __all__ = [
 ]
 
 DEVICE_TYPE = "hpu"
+#: the environment variable naming the file the crash record is appended to (read at load)
+CRASH_FILE_ENV = "OFFLOAD_REF_SIM_CRASH_FILE"
+#: how the crash record's one line starts
+CRASH_RECORD_PREFIX = "offload-ref simulated accelerator: fatal signal "
 _SOURCE = Path(__file__).with_name("simdevice.cpp")
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -187,6 +198,34 @@ def _device_module(module: ModuleType) -> ModuleType:
     return device_module
 
 
+def _drain_autograd_threads(device_count: int) -> None:
+    """At exit: let torch's autograd device threads drop what the last backward left them.
+
+    Every backward (torch 2.13) stashes a Python ``contextvars`` context in the thread-local
+    state that its graph task captures; the device thread that finishes the task releases it a
+    moment after ``backward()`` returns.  When that release comes while the interpreter is
+    finalizing, it needs the GIL, the thread is made to exit, and the process aborts ("terminate
+    called without an active exception", SIGABRT) after a run that succeeded: on a GPU too, but
+    it would be read here as a crash of the simulated accelerator.  A tiny backward through each
+    device's thread, run through the engine directly (so it stashes nothing), is queued behind
+    the last task, so when it returns every earlier task has been released."""
+    from torch.autograd import Variable
+
+    roots = []
+    for index in range(device_count):
+        leaf = torch.zeros((), device=torch.device(DEVICE_TYPE, index), requires_grad=True)
+        roots.append(leaf * 1.0)
+    Variable._execution_engine.run_backward(  # see the docstring
+        tuple(roots), tuple(torch.ones_like(r) for r in roots), False, False, (), True, True)
+
+
+def _drain_at_exit(device_count: int) -> None:
+    try:
+        _drain_autograd_threads(device_count)
+    except Exception:  # noqa: BLE001 (best effort at exit: never turn an exit into an error)
+        pass
+
+
 _NAME = "offload_ref_simdevice"
 
 
@@ -271,6 +310,9 @@ def load() -> ModuleType:
                         torch._register_device_module(DEVICE_TYPE, _device_module(module))
                     _patch_manual_seed(module)
                     module.manual_seed(torch.initial_seed() & 0xFFFF_FFFF_FFFF_FFFF)
+                    import atexit
+
+                    atexit.register(_drain_at_exit, module.device_count())
                     _module = module
                     return module
         _failure = reason

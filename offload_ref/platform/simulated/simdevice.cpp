@@ -21,6 +21,7 @@
 #include <torch/extension.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>
 #include <ATen/detail/HPUHooksInterface.h>
 #include <ATen/native/Resize.h>
@@ -35,7 +36,12 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -60,6 +66,186 @@ std::string describe(c10::DeviceIndex index) {
   std::ostringstream out;
   out << "hpu:" << static_cast<int>(index) << " (offload-ref's simulated accelerator)";
   return out.str();
+}
+
+// -- crash record -----------------------------------------------------------------------------------
+//
+// Note [Crash record]
+//   Each thread keeps the name of the hpu op it is running (two pointers into the op's schema,
+//   which lives as long as the registration: no string is built per op).  A fatal signal
+//   (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) runs a handler, installed by init(), that writes one
+//   line naming the signal and that op to fd 2 and to the file named by OFFLOAD_REF_SIM_CRASH_FILE
+//   (opened by init(), appended to), with async-signal-safe calls only, then gives the signal to
+//   the handler that was installed before (Python's faulthandler prints the Python stack) or to
+//   the default action, so the process still dies of the signal.  Every thread that runs an hpu op
+//   gets an alternate signal stack, so a stack overflow inside an op is recorded too.
+
+struct RunningOp {
+  const char* name = nullptr;      // e.g. "aten::mul"
+  const char* overload = nullptr;  // e.g. "Tensor" (may be empty)
+};
+
+thread_local RunningOp tls_running_op;
+
+struct AltStack {
+  void* memory = nullptr;
+  AltStack() {
+    stack_t current{};
+    if (sigaltstack(nullptr, &current) == 0 && (current.ss_flags & SS_DISABLE)) {
+      const size_t size = 64 * 1024;
+      memory = std::malloc(size);
+      if (memory != nullptr) {
+        stack_t fresh{};
+        fresh.ss_sp = memory;
+        fresh.ss_size = size;
+        fresh.ss_flags = 0;
+        if (sigaltstack(&fresh, nullptr) != 0) {
+          std::free(memory);
+          memory = nullptr;
+        }
+      }
+    }
+  }
+  ~AltStack() {
+    if (memory == nullptr) return;
+    stack_t off{};
+    off.ss_flags = SS_DISABLE;
+    sigaltstack(&off, nullptr);
+    std::free(memory);
+  }
+};
+
+std::atomic<bool> g_crash_handler_installed{false};
+
+// Marks the op this thread runs for the crash record; restores the enclosing one on exit.
+class OpScope {
+ public:
+  OpScope(const char* name, const char* overload) : saved_(tls_running_op) {
+    if (g_crash_handler_installed.load(std::memory_order_relaxed)) {
+      thread_local AltStack alt_stack;  // once per thread
+      (void)alt_stack;
+    }
+    tls_running_op.name = name;
+    tls_running_op.overload = overload;
+  }
+  explicit OpScope(const char* name) : OpScope(name, "") {}
+  ~OpScope() { tls_running_op = saved_; }
+  OpScope(const OpScope&) = delete;
+  OpScope& operator=(const OpScope&) = delete;
+
+ private:
+  RunningOp saved_;
+};
+
+constexpr int kFatalSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+constexpr int kNumFatalSignals = sizeof(kFatalSignals) / sizeof(kFatalSignals[0]);
+struct sigaction g_previous_actions[kNumFatalSignals];
+int g_crash_fd = -1;
+
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGSEGV: return "SIGSEGV";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGILL: return "SIGILL";
+    case SIGABRT: return "SIGABRT";
+    default: return "signal";
+  }
+}
+
+// Async-signal-safe helpers: a bounded line buffer, no allocation.
+struct LineBuffer {
+  char data[512];
+  size_t size = 0;
+  void add(const char* text) {
+    if (text == nullptr) return;
+    for (; *text != '\0' && size < sizeof(data) - 1; ++text) data[size++] = *text;
+  }
+  void add_int(int value) {
+    char digits[16];
+    int count = 0;
+    unsigned magnitude = value < 0 ? static_cast<unsigned>(-value) : static_cast<unsigned>(value);
+    do {
+      digits[count++] = static_cast<char>('0' + magnitude % 10);
+      magnitude /= 10;
+    } while (magnitude != 0 && count < 15);
+    if (value < 0) add("-");
+    while (count > 0 && size < sizeof(data) - 1) data[size++] = digits[--count];
+  }
+};
+
+void write_all(int fd, const char* data, size_t size) {
+  while (size > 0) {
+    ssize_t written = ::write(fd, data, size);
+    if (written <= 0) return;
+    data += written;
+    size -= static_cast<size_t>(written);
+  }
+}
+
+void crash_handler(int sig, siginfo_t* info, void* context) {
+  int saved_errno = errno;
+  LineBuffer line;
+  line.add("offload-ref simulated accelerator: fatal signal ");
+  line.add_int(sig);
+  line.add(" (");
+  line.add(signal_name(sig));
+  line.add(") while running ");
+  const RunningOp running = tls_running_op;
+  if (running.name != nullptr) {
+    line.add(running.name);
+    if (running.overload != nullptr && running.overload[0] != '\0') {
+      line.add(".");
+      line.add(running.overload);
+    }
+    line.add(" on hpu\n");
+  } else {
+    line.add("no hpu op (the signal came from outside the simulated accelerator's ops)\n");
+  }
+  write_all(2, line.data, line.size);
+  if (g_crash_fd >= 0) write_all(g_crash_fd, line.data, line.size);
+  // Hand the signal on: to the handler installed before, or to the default action.
+  int slot = 0;
+  while (slot < kNumFatalSignals && kFatalSignals[slot] != sig) ++slot;
+  struct sigaction previous {};
+  if (slot < kNumFatalSignals) previous = g_previous_actions[slot];
+  bool handler = (previous.sa_flags & SA_SIGINFO)
+                     ? previous.sa_sigaction != nullptr
+                     : (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN);
+  if (!handler) {
+    previous = {};
+    previous.sa_handler = SIG_DFL;
+    sigemptyset(&previous.sa_mask);
+  }
+  sigaction(sig, &previous, nullptr);
+  errno = saved_errno;
+  if (handler) {
+    // call it in place (it sees this signal's siginfo); it re-raises or returns
+    if (previous.sa_flags & SA_SIGINFO) {
+      previous.sa_sigaction(sig, info, context);
+    } else {
+      previous.sa_handler(sig);
+    }
+    return;
+  }
+  // default action: a fault re-executes and dies of it; a raised signal is raised again
+  if (info == nullptr || info->si_code <= 0) raise(sig);
+}
+
+void install_crash_handler() {
+  if (g_crash_handler_installed.load()) return;
+  const char* path = std::getenv("OFFLOAD_REF_SIM_CRASH_FILE");
+  if (path != nullptr && path[0] != '\0') {
+    g_crash_fd = ::open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  }
+  struct sigaction action {};
+  action.sa_sigaction = &crash_handler;
+  action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&action.sa_mask);
+  for (int i = 0; i < kNumFatalSignals; ++i) {
+    sigaction(kFatalSignals[i], &action, &g_previous_actions[i]);
+  }
+  g_crash_handler_installed = true;
 }
 
 // -- memory ------------------------------------------------------------------------------------
@@ -488,19 +674,42 @@ c10::Storage cpu_storage_over(const c10::Storage& storage) {
                       /*allocator=*/nullptr, /*resizable=*/false);
 }
 
+// Note [Tensor flags]
+//   A tensor's meaning is more than its bytes and geometry: the lazy conjugate and negative bits
+//   (`x.conj()` of a complex tensor is a view with the conjugate bit), the zero-tensor bit
+//   (`_efficientzerotensor`, which autograd makes for zero gradients), and the wrapped-number flag
+//   of a 0-dim tensor made from a Python scalar (it changes type promotion).  A CPU alias of a
+//   device tensor, and a device view of a CPU result, carry all of them, so CPU's kernel sees
+//   exactly the tensor the caller passed, and a result means what CPU's result means.
+// The keys of a tensor of `backend` with the flags of `from` that live in its key set.
+c10::DispatchKeySet keys_like(c10::DispatchKey backend, const at::Tensor& from) {
+  c10::DispatchKeySet keys(backend);
+  if (from._is_zerotensor()) keys = keys | c10::DispatchKeySet(c10::DispatchKey::ZeroTensor);
+  return keys;
+}
+
+void copy_flags(const at::Tensor& from, c10::TensorImpl* to) {
+  const c10::TensorImpl* source = from.unsafeGetTensorImpl();
+  if (source->is_conj()) to->_set_conj(true);
+  if (source->is_neg()) to->_set_neg(true);
+  if (source->is_wrapped_number()) to->set_wrapped_number(true);
+}
+
 at::Tensor cpu_alias(const at::Tensor& t) {
   auto storage = cpu_storage_over(t.storage());
   auto impl = c10::make_intrusive<c10::TensorImpl>(
-      std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+      std::move(storage), keys_like(c10::DispatchKey::CPU, t), t.dtype());
   impl->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  copy_flags(t, impl.get());
   return at::Tensor(std::move(impl));
 }
 
-// A device tensor over device storage `storage` with the geometry of `like`.
+// A device tensor over device storage `storage` with the geometry (and flags) of `like`.
 at::Tensor device_view(const c10::Storage& storage, const at::Tensor& like) {
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(storage),
-                                                   c10::DispatchKeySet(kKey), like.dtype());
+                                                   keys_like(kKey, like), like.dtype());
   impl->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
+  copy_flags(like, impl.get());
   return at::Tensor(std::move(impl));
 }
 
@@ -561,6 +770,7 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
 
 // Plain byte-level copies in both directions (the memory is host memory on both sides).
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_blocking*/) {
+  OpScope scope("aten::_copy_from");
   at::Tensor src_view = is_dev(self) ? cpu_alias(self) : self;
   at::Tensor dst_view = is_dev(dst) ? cpu_alias(dst) : dst;
   TORCH_CHECK(src_view.device().is_cpu() && dst_view.device().is_cpu(),
@@ -568,6 +778,20 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_b
               self.device(), " -> ", dst.device());
   dst_view.copy_(src_view);
   return dst;
+}
+
+// `copy_` of a tensor with the conjugate or negative bit to or from the device: torch reaches
+// `_copy_from` (the device is not one its copy kernel knows), whose math-bit fallback would
+// resolve the bit with `clone`, which copies through `_copy_from` again, forever (a stack
+// overflow).  The CPU aliases carry the bits (Note [Tensor flags]) and CPU's copy resolves them,
+// as CUDA's copy kernel does.
+at::Tensor copy_from_math_bits(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  if (is_dev(self) || is_dev(dst)) return copy_from(self, dst, non_blocking);
+  // no simulated tensor here: resolve the bits of the source, as torch's fallback would
+  TORCH_CHECK(!dst.is_conj() && !dst.is_neg(),
+              "_copy_from into a tensor with the conjugate or negative bit between ",
+              self.device(), " and ", dst.device(), " is not supported");
+  return at::_copy_from(self.resolve_conj().resolve_neg(), dst, non_blocking);
 }
 
 void resize_device_storage(const at::Tensor& self, size_t nbytes) {
@@ -599,6 +823,7 @@ const at::Tensor& resize_(const at::Tensor& self, c10::IntArrayRef size,
 }
 
 at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  OpScope scope("aten::_copy_from_and_resize");
   if (dst.sizes() != self.sizes()) {
     if (is_dev(dst)) {
       resize_(dst, self.sizes(), std::nullopt);
@@ -671,12 +896,23 @@ at::Tensor unfold(const at::Tensor& self, int64_t dimension, int64_t size, int64
 }
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
+  OpScope scope("aten::_local_scalar_dense");
   return at::_local_scalar_dense(cpu_alias(self));
 }
 
 // A fresh CPU result copied once into device memory (so the allocator counts it).
 at::Tensor to_device(const at::Tensor& cpu, c10::DeviceIndex index) {
   if (!cpu.defined()) return cpu;
+  if (cpu._is_zerotensor()) {
+    // a zero tensor has no bytes: the device's has none either (Note [Tensor flags])
+    auto data = g_allocator.allocate_on(0, index);
+    c10::Storage storage(c10::Storage::use_byte_size_t(), 0, std::move(data), &g_allocator,
+                         /*resizable=*/true);
+    auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), keys_like(kKey, cpu),
+                                                     cpu.dtype());
+    impl->set_sizes_and_strides(cpu.sizes(), cpu.strides());
+    return at::Tensor(std::move(impl));
+  }
   at::Tensor out;
   if (cpu.is_non_overlapping_and_dense()) {
     out = device_empty_strided(cpu.sizes(), cpu.strides(), cpu.scalar_type(), index);
@@ -697,6 +933,7 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
                                     c10::IntArrayRef stride, c10::IntArrayRef padding,
                                     c10::IntArrayRef dilation, bool transposed,
                                     c10::IntArrayRef output_padding, int64_t groups) {
+  OpScope scope("aten::convolution_overrideable");
   std::optional<at::Tensor> host_bias;
   if (bias.has_value() && bias->defined()) host_bias = host_of(*bias);
   at::Tensor out = at::convolution(host_of(input), host_of(weight), host_bias, stride, padding,
@@ -709,6 +946,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
     c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
     bool transposed, c10::IntArrayRef output_padding, int64_t groups,
     std::array<bool, 3> output_mask) {
+  OpScope scope("aten::convolution_backward_overrideable");
   std::vector<int64_t> bias_sizes{transposed ? weight.size(1) * groups : weight.size(0)};
   auto grads = at::convolution_backward(host_of(grad_output), host_of(input), host_of(weight),
                                         c10::IntArrayRef(bias_sizes), stride, padding, dilation,
@@ -833,6 +1071,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto num_arguments = schema.arguments().size();
   const auto num_returns = schema.returns().size();
+  OpScope scope(schema.name().c_str(), schema.overload_name().c_str());
 
   // 1. one device for every tensor argument (CUDA's rules)
   Scan scan;
@@ -963,6 +1202,7 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 at::Tensor sdpa_on_device(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const std::optional<at::Tensor>& mask, double dropout_p,
                           bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  OpScope scope("aten::scaled_dot_product_attention");
   c10::DeviceIndex index = q.device().index();
   auto host = [](const at::Tensor& t) { return is_dev(t) ? cpu_alias(t) : t; };
   std::optional<at::Tensor> host_mask;
@@ -1013,6 +1253,7 @@ struct SdpaFunction : public torch::autograd::Function<SdpaFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    OpScope scope("aten::scaled_dot_product_attention (backward)");
     auto saved = ctx->get_saved_variables();
     bool has_mask = ctx->saved_data["has_mask"].toBool();
     c10::DeviceIndex index = saved[0].device().index();
@@ -1087,6 +1328,87 @@ at::Tensor sdpa_autograd(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return SdpaFunction::apply(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
 }
 
+std::vector<std::unique_ptr<torch::Library>>& libraries();
+
+// Note [Composites the CPU overrides]
+//   An op with a CompositeImplicitAutograd kernel (a decomposition into other ops) and its own
+//   CPU kernel runs the CPU kernel on the CPU, but on a device without a kernel of its own the
+//   dispatcher prefers the decomposition to the fallback: `silu_backward` became sigmoid, mul
+//   and add on hpu, 1 ulp away from CPU's fused kernel (every diffusers DiT's gradients
+//   differed).  A GPU runs its own kernel there, so every such op (found in the dispatcher at
+//   init, not listed by hand) runs CPU's kernel through the fallback; its derivative is its
+//   own Autograd kernel, so only ops that have one are routed.
+void route_composites_cpu_overrides(torch::Library& aten) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = dispatcher.findOp(name);
+    if (!op.has_value()) continue;
+    if (op->hasKernelForDispatchKey(c10::DispatchKey::CPU) &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+        op->hasKernelForDispatchKey(c10::DispatchKey::Autograd) &&
+        !op->hasKernelForDispatchKey(kKey)) {
+      std::string qualified = name.name.substr(6);
+      if (!name.overload_name.empty()) qualified += "." + name.overload_name;
+      aten.impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    }
+  }
+}
+
+// -- autocast -------------------------------------------------------------------------------------
+
+// Note [Autocast]
+//   torch.autocast(device_type="hpu") runs CUDA's autocast policy: the same op lists (torch
+//   publishes them in ATen/autocast_mode.h for other backends to reuse): lower-precision ops
+//   (mm, linear, matmul, convolutions, baddbmm, sdpa, ...) cast their floating-point hpu
+//   arguments to the autocast dtype, fp32 ops (exp, log, softmax, layer_norm, losses, ...) to
+//   float32, promote ops to the widest argument type; every other op runs un-cast (torch's
+//   WrapFunction for device type HPU, so the casts are torch's own, including the weight cache).
+//   The default dtype is torch's for hpu (bfloat16; CUDA's is float16): pass dtype= to choose.
+at::Tensor binary_cross_entropy_refused(const at::Tensor&, const at::Tensor&,
+                                        const std::optional<at::Tensor>&, int64_t) {
+  TORCH_CHECK(false,
+              "torch.nn.functional.binary_cross_entropy (nn.BCELoss) is refused under autocast, "
+              "as on CUDA: it is unsafe in lower precision; use binary_cross_entropy_with_logits "
+              "(nn.BCEWithLogitsLoss), which autocasts to float32");
+}
+
+void register_autocast() {
+  auto fallthrough = std::make_unique<torch::Library>(torch::Library::IMPL, "_",
+                                                      c10::DispatchKey::AutocastHPU, __FILE__,
+                                                      __LINE__);
+  fallthrough->fallback(torch::CppFunction::makeFallthrough());
+  libraries().push_back(std::move(fallthrough));
+
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
+                                              c10::DispatchKey::AutocastHPU, __FILE__, __LINE__);
+  torch::Library& m = *lib;
+  using at::IntArrayRef;
+  using at::Scalar;
+  using at::ScalarType;
+  using at::Tensor;
+#define SIMDEV_LOWER_PRECISION_FP(...) KERNEL(c10::DeviceType::HPU, __VA_ARGS__, lower_precision_fp)
+#define SIMDEV_FP32(...) KERNEL(c10::DeviceType::HPU, __VA_ARGS__, fp32)
+#define SIMDEV_FP32_SET_OPT_DTYPE(...) \
+  KERNEL(c10::DeviceType::HPU, __VA_ARGS__, fp32_set_opt_dtype)
+#define SIMDEV_PROMOTE(...) KERNEL(c10::DeviceType::HPU, __VA_ARGS__, promote)
+#define SIMDEV_DIFFERENT_REDISPATCH(FUNC, NAME, SIGNATURE, REDISPATCH, POLICY) \
+  KERNEL_DIFFERENT_REDISPATCH_SIGNATURE(c10::DeviceType::HPU, FUNC, NAME, SIGNATURE, REDISPATCH, \
+                                        POLICY)
+  AT_FORALL_LOWER_PRECISION_FP(SIMDEV_LOWER_PRECISION_FP)
+  AT_FORALL_FP32(SIMDEV_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(SIMDEV_FP32_SET_OPT_DTYPE)
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(SIMDEV_DIFFERENT_REDISPATCH)
+  AT_FORALL_PROMOTE(SIMDEV_PROMOTE)
+#undef SIMDEV_LOWER_PRECISION_FP
+#undef SIMDEV_FP32
+#undef SIMDEV_FP32_SET_OPT_DTYPE
+#undef SIMDEV_PROMOTE
+#undef SIMDEV_DIFFERENT_REDISPATCH
+  m.impl("binary_cross_entropy", TORCH_FN(binary_cross_entropy_refused));
+  libraries().push_back(std::move(lib));
+}
+
 // -- registration ---------------------------------------------------------------------------------
 
 std::vector<std::unique_ptr<torch::Library>>& libraries() {
@@ -1119,7 +1441,17 @@ void register_ops() {
         "any.dims", "all.dims", "any.dims_out", "all.dims_out", "linalg__powsum"}) {
     aten->impl(name, torch::CppFunction::makeFromBoxedFunction<&fallback>());
   }
+  route_composites_cpu_overrides(*aten);
   libraries().push_back(std::move(aten));
+
+  for (auto key : {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative}) {
+    auto math_bits = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", key,
+                                                      __FILE__, __LINE__);
+    math_bits->impl("_copy_from", TORCH_FN(copy_from_math_bits));
+    libraries().push_back(std::move(math_bits));
+  }
+
+  register_autocast();
 
   auto sim = std::make_unique<torch::Library>(torch::Library::DEF, "offload_ref_sim",
                                               std::nullopt, __FILE__, __LINE__);
@@ -1171,6 +1503,7 @@ std::string init(int64_t device_count) {
            "first: offload_ref.platform.simulated.load() at the start of the process";
   }
   register_ops();
+  install_crash_handler();
   g_initialized = true;
   return "";
 }
