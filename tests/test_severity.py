@@ -168,6 +168,12 @@ def test_an_exception_out_of_the_users_call_caught_by_an_output_check_is_an_erro
                  "what to do (run under torch.no_grad()): Expected all tensors") is Severity.ERROR
     assert judge(j5, "failed", "backward through offloaded transformer gave 63 wrong or NaN "
                  "gradients") is Severity.WRONG_OUTPUT
+    # docs/peers.md showed this as a wrong output: it is an error waiting for the next call
+    assert judge(j5, "failed", "after a generation under torch.inference_mode() the enabled "
+                 "pipeline's weights are inference tensors (222, e.g. ['w']; the model was built "
+                 "with ordinary ones): unfreezing them for fine-tuning raises 'Setting "
+                 "requires_grad=True on inference tensor outside InferenceMode'") is \
+        Severity.ERROR
     # whatever the check asserts: the user's call stopped with an exception
     assert judge("check_cycles_do_not_grow_memory", "failed",
                  "after cycle 2 enable() raised RuntimeError: x") is Severity.ERROR
