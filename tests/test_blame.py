@@ -222,8 +222,21 @@ def test_the_contradiction_scan_finds_the_published_contradictions() -> None:
 
 
 def test_no_cause_contradicts_itself() -> None:
-    """Every scenario of this module, scanned."""
+    """Every scenario of this module, and two of tests/placement_pipelines.py's bug classes
+    under offload-ref (a table cached across a disable, a component run around its hooks),
+    scanned."""
+    from placement_pipelines import spec_of
+
     scenarios = [*OFFLOADER_AT_FAULT, *PIPELINE_AT_FAULT,
                  ("hooks_after_enable", "simple", "layer_wise", PARITY)]
     bad = {c: found for c in scenarios if (found := contradictions(_message(*c)[1]))}
+    for name, strategy, check in (("caches_table", "model_level", CYCLES),
+                                  ("calls_transformer_forward", "model_level", PARITY)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            [result] = run_checks([spec_of(name, (strategy,))], checks=[check],
+                                  include_global=False)
+        assert _cause(result.message), result.message
+        if found := contradictions(result.message):
+            bad[(name, strategy)] = found
     assert not bad, bad
