@@ -19,6 +19,24 @@ Note [Escaping exceptions]
     ``KeyboardInterrupt`` is taken for the user's: it stops the run, as it always did.  Where
     SIGINT is ignored or left to the system's default action, no ``KeyboardInterrupt`` can come
     from a signal, so every one is code's.
+
+    Every place the kit calls user code catches ``BaseException`` the same way: a spec's factory,
+    inputs and pipeline (above), and an ``--offloader`` factory and its offloader's ``enable()``,
+    ``disable()`` and ``is_enabled()``, in the parent process (which calls the factory once per
+    strategy to validate it before any case) and in the child that runs the cases.  Who raised
+    it is named: the offloader's wrapper (contracts/offloader.py) marks an escaping exception
+    with :func:`raised_by` (``the offloader factory m:f('hpu:0', 'layer_wise')``, ``the offloader
+    m:f's enable()``) and :func:`describe` says so.  Where it lands:
+
+    * before any case, while the parent validates the ``--offloader`` factory (or imports its
+      module): a usage error, one ``offload-ref check: error: --offloader ...`` line on stderr and
+      exit status 2, as for any other bad argument (no case ran, so there is no report to write);
+    * while a case runs (the factory called again for the case's backend, or one of the
+      offloader's methods): an error of that case in the report and the ``--json``, exit status 1;
+    * a ``KeyboardInterrupt`` the kit cannot tell from the user's Ctrl-C (no SIGINT handler could
+      be installed): the run stops as on Ctrl-C; the parent validates the factory inside a
+      :func:`telling_interrupts_apart` section, so there a ``KeyboardInterrupt`` the factory
+      raises itself is a usage error, not exit 130.
 """
 
 from __future__ import annotations
@@ -31,7 +49,7 @@ from contextlib import contextmanager
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["describe", "is_users_interrupt", "raised_at", "telling_interrupts_apart"]
+__all__ = ["describe", "is_users_interrupt", "raised_at", "raised_by", "telling_interrupts_apart"]
 
 #: how many :func:`telling_interrupts_apart` sections are active (main thread only)
 _depth = 0
@@ -108,12 +126,29 @@ def raised_at(exc: BaseException) -> str:
     return f"{frame.filename}:{frame.lineno} in {frame.name}" if frame else ""
 
 
+_BY = "_offload_ref_raised_by"
+
+
+def raised_by(exc: BaseException, who: str) -> BaseException:
+    """Mark ``exc`` as raised by ``who`` (the innermost mark wins: a factory called from a
+    wrapper keeps the factory's name); :func:`describe` names it.  Returns ``exc``."""
+    if not getattr(exc, _BY, None):
+        try:
+            setattr(exc, _BY, who)
+        except (AttributeError, TypeError):  # pragma: no cover - an exception without __dict__
+            pass
+    return exc
+
+
 def describe(exc: BaseException, when: str = "") -> str:
-    """``SystemExit(0) [raised WHEN] (at path:line in function)``, then what it would have done
-    had the kit not caught it (one line)."""
+    """``SystemExit(0) [raised by WHO] [raised WHEN] (at path:line in function)``, then what it
+    would have done had the kit not caught it (one line).  WHO: the party :func:`raised_by`
+    marked, if any."""
     args = ", ".join(repr(a) for a in exc.args)
     where = raised_at(exc)
-    text = (f"{type(exc).__name__}({args})" + (f" raised {when}" if when else "")
+    who = getattr(exc, _BY, None)
+    text = (f"{type(exc).__name__}({args})" + (f" raised by {who}" if who else "")
+            + (f" {'' if who else 'raised '}{when}" if when else "")
             + (f" (at {where})" if where else ""))
     if isinstance(exc, SystemExit):
         code = exc.code if exc.code is not None else 0

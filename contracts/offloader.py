@@ -34,6 +34,7 @@ import torch
 
 from .capabilities import PROTOCOL
 from .case import Implementation, kit_device
+from .escapes import describe, is_users_interrupt, raised_by
 from .registry import CheckNotApplicable
 
 __all__ = ["METHODS", "Offloader", "OffloaderError", "OffloaderRefusal", "ProtocolBackend",
@@ -82,12 +83,23 @@ class ProtocolBackend:
             raise OffloaderRefusal(
                 f"{self.name} does not offload {type(pipeline).__name__} under {self.strategy}: "
                 f"{exc or 'NotImplementedError'}") from exc
+        except BaseException as exc:
+            _mark(exc, f"the offloader {self.name}'s enable()")
+            raise
 
     def disable(self) -> None:
-        self.offloader.disable()
+        try:
+            self.offloader.disable()
+        except BaseException as exc:
+            _mark(exc, f"the offloader {self.name}'s disable()")
+            raise
 
     def is_enabled(self) -> bool:
-        value = self.offloader.is_enabled()
+        try:
+            value = self.offloader.is_enabled()
+        except BaseException as exc:
+            _mark(exc, f"the offloader {self.name}'s is_enabled()")
+            raise
         if not isinstance(value, bool):
             raise TypeError(f"{self.name}: is_enabled() returned {value!r} "
                             f"({type(value).__name__}), not a bool")
@@ -95,6 +107,14 @@ class ProtocolBackend:
 
     def __repr__(self) -> str:
         return f"ProtocolBackend({self.name}, {self.strategy})"
+
+
+def _mark(exc: BaseException, who: str) -> None:
+    """Name the party of a ``BaseException`` that is no ``Exception`` (``SystemExit``, a
+    ``KeyboardInterrupt`` the code raised itself, ...) escaping the offloader's code: the runner
+    reports it as an error of the case, naming ``who`` (Note [Escaping exceptions])."""
+    if not isinstance(exc, Exception) and not is_users_interrupt(exc):
+        raised_by(exc, who)
 
 
 @dataclass(frozen=True)
@@ -111,7 +131,12 @@ class _Backends:
     def __call__(self, config: Any, platform: Any) -> ProtocolBackend:
         strategy = str(getattr(config.strategy, "value", config.strategy))
         device = self.device if self.device is not None else kit_device()
-        return ProtocolBackend(self.factory(device, strategy), self.name, strategy)
+        try:
+            offloader = self.factory(device, strategy)
+        except BaseException as exc:
+            _mark(exc, f"the offloader factory {self.name}({str(device)!r}, {strategy!r})")
+            raise
+        return ProtocolBackend(offloader, self.name, strategy)
 
 
 def load_offloader(ref: str) -> Implementation:
@@ -122,6 +147,11 @@ def load_offloader(ref: str) -> Implementation:
         factory = resolve(ref)
     except RefError as exc:
         raise OffloaderError(str(exc)) from None
+    except BaseException as exc:  # noqa: BLE001 - Note [Escaping exceptions]
+        if is_users_interrupt(exc):
+            raise
+        raise OffloaderError(f"{ref!r}: importing its module raised {describe(exc)}; fix the "
+                             "module") from None
     return offloader_implementation(factory, name=ref)
 
 
@@ -161,6 +191,14 @@ def offloader_implementation(factory: Callable[..., Any], name: str | None = Non
             raise OffloaderError(f"{name}({device!s}, {strategy!r}) raised "
                                  f"{type(exc).__name__}: {exc}; a factory that does not offer a "
                                  "strategy raises NotImplementedError") from None
+        except BaseException as exc:  # noqa: BLE001 - Note [Escaping exceptions]
+            if is_users_interrupt(exc):
+                raise
+            raise OffloaderError(
+                f"{name}({device!s}, {strategy!r}), called to validate the factory before any "
+                f"case ran, raised {describe(exc)}; a factory returns an "
+                "offloader, raises NotImplementedError for a strategy it does not offer, or "
+                "raises an Exception") from None
         missing = [m for m in METHODS if not callable(getattr(offloader, m, None))]
         if missing:
             raise OffloaderError(

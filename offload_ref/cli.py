@@ -83,9 +83,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from offload_ref.platform import simulated
 
     simulated.available()  # first: torch looks its accelerator hooks up once per process
-    specs, sources = _selection(args)
-    checks = _check_ids(args)
-    impl = _implementation(args)
+    from offload_ref.contracts.escapes import telling_interrupts_apart
+
+    with telling_interrupts_apart():  # Note [Escaping exceptions]
+        specs, sources = _selection(args)
+        checks = _check_ids(args)
+        impl = _implementation(args)
     torch.set_num_threads(args.torch_threads)
     head = report.header(implementation=impl.name, pipelines=_pipelines(specs, sources),
                          threads=args.torch_threads)
@@ -156,10 +159,12 @@ def _check_isolated(args: argparse.Namespace) -> int:
     from offload_ref.contracts.escapes import telling_interrupts_apart
     from offload_ref.contracts.isolation import supervise
 
-    with telling_interrupts_apart():  # a module of the selection raising KeyboardInterrupt
+    # a module of the selection, or the --offloader factory the parent validates, raising
+    # KeyboardInterrupt itself: a usage error, not the user's Ctrl-C (Note [Escaping exceptions])
+    with telling_interrupts_apart():
         specs, sources = _selection(args)
-    _check_ids(args)
-    impl = _implementation(args)
+        _check_ids(args)
+        impl = _implementation(args)
     start = time.perf_counter()
     progress = _Progress(sys.stderr)
 
