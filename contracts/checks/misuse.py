@@ -417,13 +417,37 @@ class _GraphWatch:
     count and bytes, each tensor once, by the component that was running), the components whose output requires
     grad, and the component that was running last (where a refusal came from)."""
 
-    def __init__(self, components: list[tuple[str, nn.Module]], device: torch.device) -> None:
+    def __init__(self, components: list[tuple[str, nn.Module]], device: torch.device,
+                 modules: dict[int, str] | None = None) -> None:
         self.components, self.device = components, device
         self.saved: dict[str, list[int]] = {}  # component -> [count, bytes, device bytes]
         self.recording: list[str] = []  # components whose output requires grad, in call order
         self.running: list[str] = []  # the components entered and not yet left
         self.last: str | None = None  # the component entered last
         self._seen: set[tuple[Any, ...]] = set()  # the tensors saved so far (they stay alive)
+        #: id -> path of every module of the pipeline, watched at each forward by global hooks
+        #: (they run before any module's own hooks, so before an offloader's)
+        self._paths = modules or {}
+        #: the pipeline's modules entered and not yet left, each with torch.is_grad_enabled()
+        #: at its entry; an exception leaves the chain it was raised in (no always_call)
+        self.calls: list[tuple[str, bool]] = []
+        self.grad_on: list[str] = []  # modules entered with grad mode on, first entry each
+
+    def _module_enter(self, module: nn.Module, args: Any) -> None:
+        path = self._paths.get(id(module))
+        if path is None:
+            return
+        on = torch.is_grad_enabled()
+        self.calls.append((path, on))
+        if on and path not in self.grad_on:
+            self.grad_on.append(path)
+
+    def _module_leave(self, module: nn.Module, args: Any, out: Any) -> None:
+        path = self._paths.get(id(module))
+        for k in range(len(self.calls) - 1, -1, -1):  # deeper entries: an exception caught
+            if self.calls[k][0] == path:                # inside the pipeline left them
+                del self.calls[k:]
+                break
 
     def _enter(self, path: str) -> None:
         self.running.append(path)
@@ -455,6 +479,11 @@ class _GraphWatch:
                 lambda m, args, path=path: self._enter(path), prepend=True))
             self._handles.append(module.register_forward_hook(
                 lambda m, args, out, path=path: self._leave(path, out), always_call=True))
+        if self._paths:
+            self._handles.append(nn.modules.module.register_module_forward_pre_hook(
+                self._module_enter))
+            self._handles.append(nn.modules.module.register_module_forward_hook(
+                self._module_leave))
         self._saving = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saving.__enter__()
         return self
@@ -479,12 +508,18 @@ def check_generation_in_the_pipelines_own_grad_mode_records_no_graph(case) -> No
     offloaded: it is not refused, saves no tensor for a backward, returns no output that requires
     grad, and equals the reference.  A pipeline that forgot ``no_grad`` while its weights require
     grad fails, naming the component and what it costs: offload-ref's
-    ``OffloadAutogradError`` (another offloader's refusal), or the bytes held for a backward."""
+    ``OffloadAutogradError`` (another offloader's refusal), or the bytes held for a backward.
+    An exception is taken for a refusal of grad only where grad mode was on at the forward it
+    was raised in (recorded at every module's forward) and it is ``OffloadAutogradError`` or
+    the same generation under ``torch.no_grad()`` does not raise; any other exception is the
+    case's error, reported as it is (the checks that run a generation judge it)."""
     pipeline = case.build()
     backend = case.backend()
     backend.enable(pipeline)
-    components = list(module_view(pipeline).named_children())
-    watch = _GraphWatch(components, case.device)
+    view = module_view(pipeline)
+    components = list(view.named_children())
+    watch = _GraphWatch(components, case.device,
+                        {id(m): path for path, m in view.named_modules() if path})
     fix = ("run the generation under torch.no_grad() inside the pipeline: decorate its "
            "__call__ (or forward) with @torch.no_grad(), as diffusers' pipelines do, or "
            "freeze its weights with requires_grad_(False)")
@@ -496,15 +531,20 @@ def check_generation_in_the_pipelines_own_grad_mode_records_no_graph(case) -> No
         except Exception as exc:  # noqa: BLE001 - judged below, once the frames are gone
             error = exc
         if error is not None:
-            where = f" inside {watch.last}" if watch.last else ""
-            trainable = [n for n, p in module_view(pipeline).named_parameters()
-                         if p.requires_grad]
-            why = (f"; {len(trainable)} of its weights require grad (e.g. {trainable[:2]})"
-                   if trainable else "")
+            raised_in = watch.calls[-1] if watch.calls else None  # the innermost forward
+            grad_on = raised_in[1] if raised_in is not None else bool(watch.grad_on)
+            refusal = grad_on and (_is_autograd_refusal(error) or _runs_under_no_grad(case))
+            if not refusal:
+                error.add_note(_not_a_grad_refusal(raised_in, watch.grad_on))
+                raise error
+            component = (raised_in[0].split(".")[0] if raised_in is not None else watch.last)
+            where = f" inside {component}" if component else ""
+            at = (f" (at {raised_in[0]}'s forward, entered with grad mode on)"
+                  if raised_in is not None and raised_in[0] != component else "")
             fail(f"a generation in the pipeline's own grad mode (a plain call: grad mode on, no "
                  f"torch.no_grad() around it) raised{where} {type(error).__name__}: {error}"
-                 f"{why}.  A user calling the pipeline gets this refusal; {fix}",
-                 severity="error")
+                 f"{at}{_trainable(view, component)}.  A user calling the pipeline gets this "
+                 f"refusal; {fix}", severity="error")
         held = [p for p, t in _output_leaves(got) if t.requires_grad]
         if watch.saved or held or watch.recording:
             fail(f"a generation in the pipeline's own grad mode (a plain call: grad mode on, no "
@@ -516,6 +556,62 @@ def check_generation_in_the_pipelines_own_grad_mode_records_no_graph(case) -> No
         case.compare("a generation in the pipeline's own grad mode", got, case.reference())
     finally:
         backend.disable()
+
+
+def _is_autograd_refusal(error: BaseException) -> bool:
+    """``error`` (or an exception it chains) is offload-ref's refusal of a grad-mode forward."""
+    from offload_ref.backends.refusals import OffloadAutogradError
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OffloadAutogradError):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _runs_under_no_grad(case: Any) -> bool:
+    """Whether the same generation, under ``torch.no_grad()`` on a fresh pipeline and offloader,
+    runs without raising: then grad mode is what made the plain call raise (an offloader's own
+    refusal of grad, in its own words).  Run only when a plain call raised."""
+    pipeline = case.build()
+    backend = case.backend()
+    backend.enable(pipeline)
+    try:
+        case.run(pipeline, grad_mode="no_grad")
+    except Exception:  # noqa: BLE001 - it raises without grad too: not a refusal of grad
+        return False
+    finally:
+        backend.disable()
+    return True
+
+
+def _not_a_grad_refusal(raised_in: tuple[str, bool] | None, grad_on: list[str]) -> str:
+    """The note J.5 adds to an exception that is no refusal of grad mode."""
+    if raised_in is not None and not raised_in[1]:
+        why = (f"grad mode was off at {raised_in[0]}'s forward, where it was raised (the "
+               "pipeline's own torch.no_grad() decided)")
+    elif not grad_on:
+        why = "grad mode was off at every forward of the pipeline's modules"
+    else:
+        why = ("the same generation under torch.no_grad() raises too, so grad mode is not its "
+               "cause")
+    return (f"(a generation in the pipeline's own grad mode, a plain call, raised this; {why}: "
+            "it is no missing torch.no_grad(), but this case's error, as the checks that run a "
+            "generation report it)")
+
+
+def _trainable(view: nn.Module, component: str | None) -> str:
+    """``; N of COMPONENT's weights require grad (e.g. [...])`` -- counted over the component the
+    refusal came from, else over the pipeline ('' when none does)."""
+    names = [n for n, p in view.named_parameters() if p.requires_grad]
+    own = [n for n in names if component and (n == component or n.startswith(component + "."))]
+    if own:
+        return f"; {len(own)} of {component}'s weights require grad (e.g. {own[:2]})"
+    if names:
+        return f"; {len(names)} of the pipeline's weights require grad (e.g. {names[:2]})"
+    return ""
 
 
 def _output_leaves(out: Any) -> list[tuple[str, torch.Tensor]]:
