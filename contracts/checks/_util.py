@@ -253,11 +253,12 @@ def expect_error(
         message = str(exc)
         missing = [m for m in mentions if m not in message]
         if missing:
-            fail(f"{what}: the error does not mention {missing}: {message!r}")
+            fail(f"{what}: the error does not mention {missing}: {message!r}",
+                 severity="error")
         return exc
     except Exception as exc:
         fail(f"{what}: expected {[t.__name__ for t in types]}, got "
-             f"{type(exc).__name__}: {exc}")
+             f"{type(exc).__name__}: {exc}", severity="error")
     fail(f"{what}: expected {[t.__name__ for t in types]}, nothing was raised")
     raise AssertionError  # unreachable
 

@@ -251,7 +251,7 @@ def check_config_result_is_hashable_and_equal_for_equal_inputs(case) -> None:
         try:
             ha, hb = hash(a), hash(b)
         except TypeError as exc:
-            fail(f"{what}: the config is not hashable: {exc}")
+            fail(f"{what}: the config is not hashable: {exc}", severity="error")
         if a != b:
             fail(f"{what}: two parses of the same input differ: {a!r} != {b!r}")
         if ha != hb:
@@ -271,7 +271,8 @@ def check_config_result_survives_pickle_round_trip(case) -> None:
         try:
             restored = pickle.loads(pickle.dumps(config))
         except Exception as exc:
-            fail(f"{what}: pickle round trip raised {type(exc).__name__}: {exc}")
+            fail(f"{what}: pickle round trip raised {type(exc).__name__}: {exc}",
+                 severity="error")
         if restored != config:
             fail(f"{what}: pickle round trip changed the config: {config!r} -> {restored!r}")
         try:
@@ -528,7 +529,7 @@ def check_config_dlo_with_hsdp_and_rank_local_is_accepted(case) -> None:
             config = parse()
         except Exception as exc:
             fail(f"{what}: HSDP with rank-local transfer was rejected: "
-                 f"{type(exc).__name__}: {exc}")
+                 f"{type(exc).__name__}: {exc}", severity="error")
         got = _strategy(config)
         if got != DLO:
             fail(f"{what}.strategy: expected {DLO}, got {got}")

@@ -551,7 +551,7 @@ def _scenario(case: Any, name: str) -> list[dict[str, Any]]:
             fail(f"rank {obs.get('rank')}: the {name} scenario did not run")
         if "error" in got and name != "rank_failure":
             fail(f"rank {obs['rank']}: the {name} scenario raised {got['error']}\n"
-                 f"{got.get('traceback', '')}")
+                 f"{got.get('traceback', '')}", severity="error")
     return [obs[name] for obs in ranks]
 
 
@@ -561,7 +561,8 @@ def check_allgather_outputs_match_each_ranks_reference(case) -> None:
     the single-process reference of its request, bit for bit, in two enable/disable cycles."""
     for rank, obs in enumerate(_scenario(case, "allgather")):
         if isinstance(obs["output"], str):
-            fail(f"rank {rank}: the AllGather generation raised {obs['output']}")
+            fail(f"rank {rank}: the AllGather generation raised {obs['output']}",
+                 severity="error")
         compare_outputs(f"rank {rank} (AllGather)", obs["output"], obs["reference"])
         compare_outputs(f"rank {rank} (AllGather, second cycle)", obs["output_second_cycle"],
                         obs["reference"])
@@ -788,7 +789,7 @@ def check_allgather_generation_after_an_interrupt_is_exact(case) -> None:
             for i, out in enumerate(after["outputs"]):
                 what = f"rank {rank}, generation {i + 1} after an interrupt inside {after['path']}"
                 if isinstance(out, str):
-                    fail(f"{what} raised {out}")
+                    fail(f"{what} raised {out}", severity="error")
                 compare_outputs(what, out, obs["reference"])
         if obs["device_bytes_after_disable"]:
             fail(f"rank {rank}: after interrupts and disable, {obs['device_bytes_after_disable']} "

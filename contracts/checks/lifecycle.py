@@ -136,11 +136,12 @@ def check_failed_enable_releases_memory_and_chains_the_cause(case) -> None:
         pipeline, backend, platform, error = _fail_at(case, k)
         chain = _chain(error)
         if k is not None and not any(isinstance(e, InjectedFault) for e in chain):
-            fail(f"{what}: the raised {type(error).__name__} does not chain the cause: {error}")
+            fail(f"{what}: the raised {type(error).__name__} does not chain the cause: {error}",
+                 severity="error")
         if k is None and not any(type(e) is type(_root(natural)) and str(e) == str(_root(natural))
                                  for e in chain):
             fail(f"{what}: the raised {type(error).__name__} does not chain the pipeline's "
-                 f"error {_root(natural)!r}: {error}")
+                 f"error {_root(natural)!r}: {error}", severity="error")
         if backend.is_enabled():
             fail(f"{what}: is_enabled() is True after a failed enable")
         held = (platform.memory_allocated(), platform.pinned_bytes(), platform.host_allocated())

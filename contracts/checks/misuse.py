@@ -364,7 +364,7 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
              f"are inference tensors ({len(inference)}, e.g. {inference[:3]}; the model was "
              f"built with ordinary ones): unfreezing them for fine-tuning raises 'Setting "
              "requires_grad=True on inference tensor outside InferenceMode'; rebind device "
-             "copies made during inference mode as ordinary tensors")
+             "copies made during inference mode as ordinary tensors", severity="error")
     for _, p in named:  # a fine-tuning user unfreezes them; a parameter the pipeline made anew
         if not p.is_inference():  # in the kit's inference-mode generation is the pipeline's
             p.requires_grad_(True)  # own (it makes it again when called)
@@ -376,11 +376,11 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
             if "grad" not in str(exc) or "no_grad" not in str(exc):
                 fail(f"calling {path} with autograd was refused without saying what to do "
                      f"(run under torch.no_grad() / inference_mode, or freeze the weights): "
-                     f"{exc}")
+                     f"{exc}", severity="error")
             got = [n for n, p in module.named_parameters() if p.grad is not None]
             if got:
                 fail(f"the grad-mode call of {path} was refused after gradients existed: "
-                     f"{got[:3]}")
+                     f"{got[:3]}", severity="error")
             continue
         got = _grads(module)
         bad = [n for n in want[path] if (got[n] is None) != (want[path][n] is None) or (
@@ -400,7 +400,7 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
             if "grad" not in str(exc) or "no_grad" not in str(exc):
                 fail(f"calling {path} with an input requiring grad was refused without saying "
                      f"what to do (run under torch.no_grad() / inference_mode, or detach the "
-                     f"inputs): {exc}")
+                     f"inputs): {exc}", severity="error")
             continue
         bad = [i for i, (g, w) in enumerate(zip(got_inputs, want_inputs))
                if (g is None) != (w is None) or (w is not None and not values_equal(g, w))]
@@ -741,7 +741,7 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
                 release.set()
                 thread.join(timeout=30)
                 fail(f"the second thread got an error that does not say it is a concurrent "
-                     f"call: {type(exc).__name__}: {exc}")
+                     f"call: {type(exc).__name__}: {exc}", severity="error")
         else:
             release.set()
             thread.join(timeout=30)
@@ -753,7 +753,7 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
         fail("the first thread did not finish after it was released")
     if "error" in result:
         fail(f"the first thread's generation failed: {type(result['error']).__name__}: "
-             f"{result['error']}")
+             f"{result['error']}", severity="error")
     case.compare("first thread", result["out"], threaded_reference)
     case.compare("afterwards, one thread", case.run(pipeline), reference)
     backend.disable()
@@ -824,7 +824,8 @@ def check_copies_of_an_enabled_pipeline_are_refused_or_exact(case) -> None:
                     if "disable()" not in str(exc) and "edit_weights()" not in str(exc):
                         fail(f"{how} of {what} while enabled raised a TypeError that names no "
                              f"way out: {str(exc)[:200]!r}; refuse with a message that says "
-                             "to disable() first (or to copy inside edit_weights())")
+                             "to disable() first (or to copy inside edit_weights())",
+                             severity="error")
                     continue
                 _same_state(f"{how} of {what} while enabled", copied.state_dict(), expected)
         case.compare("after copies of the enabled pipeline", case.run(pipeline),
@@ -886,7 +887,7 @@ def check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_chang
             if not isinstance(exc, refusals):
                 fail(f"p.mul_({_EDIT_SCALE}) on {name} raised {type(exc).__name__}: {exc}; a "
                      f"refusal must say what to do ({', '.join(r.__name__ for r in refusals)} "
-                     "naming edit_weights())")
+                     "naming edit_weights())", severity="error")
         # The un-offloaded pipeline through the same steps, unedited: what a refused edit keeps.
         unedited, unedited_output = _edited_in_place(case, path, edit=False)
         what = "unedited" if stopped else "edited"

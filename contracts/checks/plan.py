@@ -102,7 +102,7 @@ def check_plan_block_attrs_beat_class_attributes(case) -> None:
     try:
         plan = case.resolve(pipeline)
     except Exception as exc:
-        fail(f"{what}: resolution failed: {type(exc).__name__}: {exc}")
+        fail(f"{what}: resolution failed: {type(exc).__name__}: {exc}", severity="error")
     stacks = [s for s in plan.stacks if s.owner_path == path]
     if not stacks:
         fail(f"{what}: no ring resolved for the DiT")
@@ -165,7 +165,7 @@ def check_attribute_scan_warns_once_per_pipeline_class(case) -> None:
         except ValueError as exc:
             fail(f"{type(source).__name__} with its declarations removed (its components under "
                  f"the well-known names {sorted(a for v in names.values() for a in v)}) does not "
-                 f"resolve: {exc}")
+                 f"resolve: {exc}", severity="error")
     scans = [w for w in caught if "declares no components" in str(w.message)
              or "Declare _dit_modules" in str(w.message)]
     if len(scans) != 1:
