@@ -76,6 +76,14 @@ def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int,
                  sync: Callable[[], None]) -> dict[str, float]:
     """Median seconds per call of each function, measured round-robin so that drift in the
     machine's speed affects every strategy alike."""
+    return {name: statistics.median(ts)
+            for name, ts in _interleaved_samples(fns, repeats, sync).items()}
+
+
+def _interleaved_samples(fns: dict[str, Callable[[], Any]], repeats: int,
+                         sync: Callable[[], None]) -> dict[str, list[float]]:
+    """Seconds of each call of each function (``repeats`` each, after one warm-up call),
+    measured round-robin as :func:`_interleaved`."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():  # warm-up: first swaps, the ring learns the caller's order
         fn()
@@ -86,7 +94,7 @@ def _interleaved(fns: dict[str, Callable[[], Any]], repeats: int,
             fn()
             sync()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def _parallel_speedup(threads: int = 2) -> float:
@@ -415,11 +423,42 @@ def _cmd_bench_spec(args: argparse.Namespace) -> int:
     except BenchSpecError as exc:
         print(f"offload-ref bench: error: {exc}", file=sys.stderr)
         return 1
-    out = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "device": args.device},
+    out = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "device": args.device,
+                       "torch_threads": _SPEC_THREADS, "load_average": _load_average()},
            "pipelines": results}
     print(json.dumps(out, indent=2) if args.json else
-          "\n\n".join(format_spec_bench(r) for r in out["pipelines"]))
+          "\n\n".join([_machine_line(out["machine"]),
+                        *(format_spec_bench(r) for r in out["pipelines"])]))
     return 0
+
+
+#: torch threads ``bench --spec`` runs with, as ``--peers`` and ``--growth`` (one thread: the
+#: figures do not depend on how many cores the machine lends the run at that moment)
+_SPEC_THREADS = 1
+
+
+def _load_average() -> list[float] | None:
+    """The system's 1, 5 and 15 minute load averages (None where the system has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):  # pragma: no cover - not Unix
+        return None
+
+
+def _machine_line(machine: dict[str, Any]) -> str:
+    load = machine.get("load_average")
+    load_text = ("load average " + ", ".join(f"{x:.2f}" for x in load) + " (1, 5, 15 min)"
+                 if load else "load average unknown")
+    return (f"{machine['cpus']} CPUs, torch threads: {machine['torch_threads']}, {load_text}: "
+            f"a load near or above the CPU count slows every row and widens the spread")
+
+
+def _spread(samples: list[float]) -> float:
+    """The interquartile range of ``samples`` in seconds (0 for fewer than two)."""
+    if len(samples) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return q3 - q1
 
 
 @contextlib.contextmanager
@@ -438,7 +477,20 @@ def _step(spec: Any, what: str) -> Iterator[None]:
         raise BenchSpecError(f"{spec.name}: {what} raised {type(exc).__name__}: {text}") from exc
 
 
-def run_spec_bench(spec: Any, *, repeats: int = 7, device: str = "cpu") -> dict[str, Any]:
+def run_spec_bench(spec: Any, *, repeats: int = 7, device: str = "cpu",
+                   threads: int = _SPEC_THREADS) -> dict[str, Any]:
+    """:func:`_run_spec_bench` with torch pinned to ``threads`` threads (restored after)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        result = _run_spec_bench(spec, repeats=repeats, device=device)
+    finally:
+        torch.set_num_threads(previous)
+    result["torch_threads"] = threads
+    return result
+
+
+def _run_spec_bench(spec: Any, *, repeats: int, device: str) -> dict[str, Any]:
     """One pipeline under each strategy it claims (model level, layerwise), against the whole
     pipeline on the device: median generation seconds (interleaved, one run), layerwise extra
     time per streamed block call, and median ``enable()`` seconds of a host-built pipeline.
@@ -498,8 +550,9 @@ def run_spec_bench(spec: Any, *, repeats: int = 7, device: str = "cpu") -> dict[
             block_calls = len(calls)
         with _step(spec, f"a generation ({', '.join(pipes)}, interleaved)"), \
                 torch.inference_mode():
-            gen = _interleaved({n: (lambda p=p: p(**inputs)) for n, p in pipes.items()},
-                               repeats, platform.synchronize)
+            samples = _interleaved_samples(
+                {n: (lambda p=p: p(**inputs)) for n, p in pipes.items()}, repeats,
+                platform.synchronize)
     finally:
         for backend in backends.values():
             backend.disable()
@@ -509,13 +562,22 @@ def run_spec_bench(spec: Any, *, repeats: int = 7, device: str = "cpu") -> dict[
         with _step(spec, f"enable() under {strategy}"):
             backend = get_offload_backend(config(pipe, strategy), platform=platform)
             enable[strategy] = _median_enable_s(backend, pipe, platform, repeats)[0]
+    gen = {n: statistics.median(ts) for n, ts in samples.items()}
+    spread = {n: _spread(ts) for n, ts in samples.items()}
     result: dict[str, Any] = {"pipeline": spec.name, "repeats": repeats, "not_run": skipped,
-                              "generation_s": gen, "enable_s": enable,
+                              "generation_s": gen, "generation_spread_s": spread,
+                              "enable_s": enable,
                               "ratio_to_resident": {n: gen[n] / gen["resident"] for n in gen}}
     if block_calls:
         result["layerwise_block_calls"] = block_calls
-        result["layerwise_extra_us_per_block_call"] = (
-            1e6 * (gen["layer_wise"] - gen["resident"]) / block_calls)
+        extra = gen["layer_wise"] - gen["resident"]
+        noise = max(spread["layer_wise"], spread["resident"])
+        # a difference within the spread of the run (or negative: layerwise cannot be faster
+        # than the resident pipeline doing the same work plus copies) is no measurement
+        below = extra <= noise
+        result["layerwise_extra_below_noise"] = below
+        result["layerwise_extra_us_per_block_call"] = None if below else \
+            1e6 * extra / block_calls
     return result
 
 
@@ -526,10 +588,26 @@ def format_spec_bench(r: dict[str, Any]) -> str:
         en = r["enable_s"].get(name)
         lines.append(f"{name:<12} {1e3 * seconds:>10.2f}ms {r['ratio_to_resident'][name]:>10.2f}x"
                      + (f" {1e3 * en:>8.2f}ms" if en is not None else f" {'-':>10}"))
-    if "layerwise_extra_us_per_block_call" in r:
-        lines.append(f"layerwise: {r['layerwise_block_calls']} block calls per generation, "
-                     f"{r['layerwise_extra_us_per_block_call']:.1f} us extra per block call "
-                     "(copies not hidden by compute, plus the ring's own work)")
+    lines[0] += f", torch threads: {r['torch_threads']}" if "torch_threads" in r else ""
+    spread = r.get("generation_spread_s")
+    if spread:
+        lines.append("spread (interquartile range of the generations): " + ", ".join(
+            f"{n} {1e3 * v:.2f}ms" for n, v in spread.items()))
+    if r.get("layerwise_block_calls"):
+        head = f"layerwise: {r['layerwise_block_calls']} block calls per generation, "
+        extra = r.get("layerwise_extra_us_per_block_call")
+        if extra is None or extra < 0:
+            gen = r["generation_s"]
+            noise = 1e3 * max((spread or {}).get(n, 0.0) for n in ("layer_wise", "resident"))
+            lines.append(
+                head + "extra time per block call below the noise of this run (medians: "
+                f"layerwise {1e3 * gen['layer_wise']:.2f}ms, resident "
+                f"{1e3 * gen['resident']:.2f}ms per generation; spread {noise:.2f}ms"
+                + ("" if r["repeats"] > 1 else ", unknown with one repeat")
+                + "): rerun with more --repeats, or more work per block, on a quiet machine")
+        else:
+            lines.append(head + f"{extra:.1f} us extra per block call (copies not hidden by "
+                         "compute, plus the ring's own work)")
     for strategy, why in r.get("not_run", {}).items():
         lines.append(f"{strategy}: not run, its plan does not resolve: {why}")
     return "\n".join(lines)
