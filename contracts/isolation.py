@@ -22,8 +22,11 @@ Note [Crash isolation]
     planning becomes that spec's preflight error, and its checks are not run.  Then the parent
     starts a new child that skips every case with a result (it is given their ids) and goes on
     after the one that crashed.  Bounded: after :data:`MAX_CRASHES_PER_SPEC` crashes of one spec
-    its remaining cases are not run (the last crash's message says so), and after
-    :data:`MAX_CHILDREN` children the run stops with an error saying what was left.
+    its remaining cases are not run, and after :data:`MAX_CHILDREN` children the run stops.  A
+    planned case that was not run never vanishes from the report: it is an ``error`` whose message
+    begins ``not run:`` and says why (the crashed cases, or the stop), so the matrix counts it as a
+    failure (not ``-``, which means "no check"), the totals include it and the text report prints
+    the reason once for all of them.
 
     Cost: one child start per run (Python, torch, the kit and the simulated accelerator from its
     build cache: about 1.5 s on the development machine), and for each crash one more start plus
@@ -190,6 +193,7 @@ class _Run:
         self.device: str | None = None
         self.excluded: dict[str, str] = {}  # spec name -> why its cases are not run
         self.crashes: Counter[str] = Counter()
+        self.crashed: dict[str, list[str]] = {}  # spec name -> the ids of its crashed cases
         self.sources = dict(sources)
         self.reset()
 
@@ -259,10 +263,22 @@ class _Run:
         return names, any(c.spec is None for c in left)
 
     def exclude(self, spec: str, why: str) -> None:
+        """Run no more case of ``spec``; each planned case of it without a result gets the
+        error ``not run: WHY`` (:meth:`not_run`)."""
         self.excluded[spec] = why
-        left = self.remaining()
-        if left is not None:
-            self.total = len(self.results) + len(left)
+
+    def not_run(self, stopped: str | None = None) -> None:
+        """Give each planned case without a result an error saying why it was not run: its
+        spec's exclusion, else ``stopped`` (the run stopped; None: leave the others), so that
+        the matrix and the totals count it and the text report prints the reason."""
+        for cid in self.plan or ():
+            if str(cid) in self.done:
+                continue
+            why = self.excluded.get(cid.spec) if cid.spec is not None else None
+            why = why or stopped
+            if why is not None:
+                self.add(CheckResult(cid, "error", f"not run: {why}",
+                                     **_severity(cid.check, "error")))
 
 
 def _signal_name(number: int) -> str:
@@ -454,12 +470,14 @@ def supervise(command: Sequence[str], argv: Sequence[str], *, spec_names: Sequen
             _charge(run, code, _read(paths["crash"]), _read(paths["faults"]))
             selection = run.next_selection()
             if selection is not None and children >= MAX_CHILDREN:
-                left = run.remaining()
-                run.add(CheckResult(CaseId("preflight", None, None), "error", (
-                    f"offload-ref check stopped after {children} processes running its checks "
-                    f"died; {'some' if left is None else len(left)} planned case(s) were not run"
-                    f" (the errors above say what crashed)")))
+                stopped = (f"offload-ref check stopped after {children} processes running its "
+                           f"checks died (the errors above say what crashed)")
+                if run.plan is None:  # the cases left are unknown: one error says so
+                    run.add(CheckResult(CaseId("preflight", None, None), "error",
+                                        f"{stopped}; the planned cases were not run"))
+                run.not_run(stopped)
                 break
+        run.not_run()
     return Supervised(run.results, run.device, None, None, children)
 
 
@@ -498,17 +516,22 @@ def _charge(run: _Run, code: int, crash_text: str, faults: str) -> None:
         if spec is not None:
             run.crashes[spec] += 1
         tail = "the kit ran the other cases in a new process"
+        if spec is not None:
+            run.crashed.setdefault(spec, []).append(str(cid))
         if spec is not None and run.crashes[spec] >= MAX_CRASHES_PER_SPEC:
             tail = (f"{run.crashes[spec]} cases of {spec} crashed the process: its remaining "
                     f"cases were not run")
-            run.exclude(spec, tail)
+            run.exclude(spec, (
+                f"{run.crashes[spec]} cases of {spec} crashed the process "
+                f"({', '.join(run.crashed[spec])}), so the kit ran no more of its cases; rerun "
+                f"this one with the reproduce line, or fix the crash and rerun them all"))
         run.add(CheckResult(cid, "error", "\n".join(
             [f"the process running this case {how}", *detail, tail]),
             **_severity(cid.check, "error")))
         return
     spec = running["spec"]
     cid = CaseId("preflight", spec, running.get("strategy"), run.sources.get(spec))
-    run.exclude(spec, "crashed")
+    run.exclude(spec, f"the process died while it ran {_what(running)} ({cid} says how)")
     run.add(CheckResult(cid, "error", "\n".join(
         [f"the process running {_what(running)} {how}", *detail,
          f"the checks of {spec} were not run"])))

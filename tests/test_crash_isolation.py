@@ -10,6 +10,8 @@ tested with a fake child that imports no torch.
 
 from __future__ import annotations
 
+import io
+
 import json
 import os
 import signal
@@ -249,14 +251,35 @@ def test_a_spec_that_keeps_crashing_has_its_remaining_cases_not_run(fake_child) 
         ("check_0-a-model_level", "error"), ("check_0-b-model_level", "passed"),
         ("check_1-a-model_level", "error"), ("check_1-b-model_level", "passed"),
         ("check_2-a-model_level", "error"), ("check_2-b-model_level", "passed"),
-        ("check_3-b-model_level", "passed")]
+        ("check_3-b-model_level", "passed"), ("check_3-a-model_level", "error")]
     assert run.children == 4 and run.device == "a fake device" and run.interrupted is None
     messages = [r.message.splitlines() for r in run.results if r.outcome == "error"]
-    assert [m[0] for m in messages] == [
+    assert [m[0] for m in messages[:3]] == [
         "the process running this case died from signal 11 (SIGSEGV); the op is unknown"] * 3
-    assert [m[-1] for m in messages] == [
+    assert [m[-1] for m in messages[:3]] == [
         "the kit ran the other cases in a new process"] * 2 + [
         "3 cases of a crashed the process: its remaining cases were not run"]
+    # the case not run has a result (before, it vanished: '-' in the matrix, not in the totals)
+    assert messages[3] == [
+        "not run: 3 cases of a crashed the process (check_0-a-model_level, "
+        "check_1-a-model_level, check_2-a-model_level), so the kit ran no more of its cases; "
+        "rerun this one with the reproduce line, or fix the crash and rerun them all"]
+
+
+def test_cases_not_run_after_crashes_are_in_the_matrix_the_totals_and_the_text(
+        fake_child) -> None:
+    from offload_ref.contracts import report
+
+    run = fake_child("crash_a", FAKE_CHECKS="6")
+    rows = report.rows_from_results(run.results)
+    assert report.summary(rows)["total"] == 12 and report.summary(rows)["error"] == 6
+    out = io.StringIO()
+    report.render(rows, out=out)
+    text = out.getvalue()
+    assert "not run: 3 cases of a crashed the process (check_0-a-model_level, " in text, text
+    assert "the same error in 2 more case(s): check_4-a-model_level, check_5-a-model_level" in \
+        text, text
+    assert "6 passed, 6 failed (6 with an error) (12 cases)" in text, text
 
 
 def test_an_exit_from_the_code_under_test_is_an_error_of_its_case(fake_child) -> None:
@@ -302,10 +325,14 @@ def test_the_number_of_children_is_bounded(fake_child) -> None:
     specs = ",".join(f"s{i:02}" for i in range(isolation.MAX_CHILDREN + 5))
     run = fake_child("crash_all", specs, FAKE_CHECKS="1")
     assert run.children == isolation.MAX_CHILDREN
-    assert [o for _, o in _outcomes(run)] == ["error"] * (isolation.MAX_CHILDREN + 1)
-    assert run.results[-1].message == (
-        f"offload-ref check stopped after {isolation.MAX_CHILDREN} processes running its checks "
-        f"died; 5 planned case(s) were not run (the errors above say what crashed)")
+    assert [o for _, o in _outcomes(run)] == ["error"] * (isolation.MAX_CHILDREN + 5)
+    left = [r for r in run.results if r.message.startswith("not run:")]
+    assert [str(r.id) for r in left] == [
+        f"check_0-s{i:02}-model_level" for i in range(isolation.MAX_CHILDREN,
+                                                       isolation.MAX_CHILDREN + 5)]
+    assert {r.message for r in left} == {
+        f"not run: offload-ref check stopped after {isolation.MAX_CHILDREN} processes running "
+        f"its checks died (the errors above say what crashed)"}
 
 
 def test_a_ctrl_c_the_child_did_not_get_is_forwarded_then_killed() -> None:
