@@ -464,13 +464,22 @@ def backend_of(pipeline: Any) -> OffloadBackend | None:
 
 def execution_device(pipeline: Any) -> torch.device:
     """The device ``pipeline`` computes on: where its latents, noise and timesteps belong (what
-    diffusers' ``_execution_device`` answers).
+    diffusers' ``_execution_device`` answers), under any offloader or none.  In this order:
 
-    While an offload backend owns the pipeline, the backend's device: a component that offload
-    parks on the host between its calls reports ``cpu`` there, so reading a component's
-    parameters for it is a placement bug (docs/model-authors.md#placement).  Otherwise the device
-    of the first parameter or buffer of the pipeline's modules (meta tensors skipped), or the CPU
-    for a pipeline that holds none."""
+    1. while an offload-ref backend owns the pipeline, the backend's device;
+    2. a device that an offloader's hooks declare on one of the pipeline's modules: accelerate's
+       (``module._hf_hook.execution_device``, diffusers' model and sequential CPU offload use
+       them) and diffusers' group offloading (its hooks' onload device);
+    3. otherwise the first device other than the host (and not ``meta``) where one of the
+       pipeline's parameters or buffers lives: an offloader parks components on the host between
+       their calls but never computes there, so a component it keeps resident (the VAE), or the
+       pipeline moved whole to the device, tells the device while a parked component says
+       ``cpu``;
+    4. otherwise the CPU (every tensor on the host: an un-offloaded pipeline built there, or one
+       whose offloader parks every component and declares no device; ask that offloader).
+
+    Reading a component's parameters instead (``next(self.transformer.parameters()).device``) is
+    a placement bug under any offloader (docs/model-authors.md#placement)."""
     backend = backend_of(pipeline)
     if backend is not None:
         return backend.platform.device
@@ -479,11 +488,51 @@ def execution_device(pipeline: Any) -> torch.device:
     else:
         modules = [v for v in getattr(pipeline, "__dict__", {}).values()
                    if isinstance(v, nn.Module)]
+    declared = _declared_device(modules)
+    if declared is not None:
+        return declared
+    host = None
     for module in modules:
         for tensor in (*module.parameters(), *module.buffers()):
-            if tensor is not None and not tensor.is_meta:
+            if tensor is None or tensor.is_meta:
+                continue
+            if tensor.device.type != "cpu":
                 return tensor.device
-    return torch.device("cpu")
+            host = host or tensor.device
+    return host or torch.device("cpu")
+
+
+def _declared_device(modules: list[nn.Module]) -> torch.device | None:
+    """The execution device an offloader's hooks declare on one of ``modules`` (accelerate's
+    ``_hf_hook.execution_device``, diffusers' group-offloading onload device), or None."""
+    for root in modules:
+        for module in root.modules():
+            hook = getattr(module, "_hf_hook", None)
+            device = getattr(hook, "execution_device", None)
+            if device is None:  # a SequentialHook holds accelerate's hooks in .hooks
+                device = next((d for h in getattr(hook, "hooks", ()) or ()
+                               if (d := getattr(h, "execution_device", None)) is not None), None)
+            if device is not None:
+                return torch.device(device) if not isinstance(device, int) else \
+                    torch.device("cuda", device)
+            registry = getattr(module, "_diffusers_hook", None)
+            device = _group_onload_device(registry)
+            if device is not None:
+                return device
+    return None
+
+
+def _group_onload_device(registry: Any) -> torch.device | None:
+    """The onload device of diffusers' group-offloading hook in a module's hook registry."""
+    hooks = getattr(registry, "hooks", None)
+    if not isinstance(hooks, dict):
+        return None
+    for hook in hooks.values():
+        for holder in (getattr(hook, "config", None), getattr(hook, "group", None)):
+            device = getattr(holder, "onload_device", None)
+            if device is not None:
+                return torch.device(device)
+    return None
 
 
 def _direct_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
