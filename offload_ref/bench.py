@@ -412,17 +412,26 @@ class BenchSpecError(Exception):
 def _cmd_bench_spec(args: argparse.Namespace) -> int:
     from .contracts.refs import RefError, resolve, specs_from
 
-    try:
-        specs = specs_from(args.spec, resolve(args.spec))
-    except RefError as exc:
-        print(f"offload-ref bench: error: --spec {exc}", file=sys.stderr)
-        return 2
-    try:
-        results = [run_spec_bench(spec, repeats=args.repeats, device=args.device)
-                   for spec in specs]
-    except BenchSpecError as exc:
-        print(f"offload-ref bench: error: {exc}", file=sys.stderr)
-        return 1
+    from .contracts.escapes import describe, is_users_interrupt, telling_interrupts_apart
+
+    with telling_interrupts_apart():  # Note [Escaping exceptions]: the author's own exits
+        try:
+            specs = specs_from(args.spec, resolve(args.spec))
+        except RefError as exc:
+            print(f"offload-ref bench: error: --spec {exc}", file=sys.stderr)
+            return 2
+        except BaseException as exc:  # noqa: BLE001 - SystemExit, its own KeyboardInterrupt
+            if is_users_interrupt(exc):
+                raise
+            print(f"offload-ref bench: error: --spec {args.spec!r}: loading it raised "
+                  f"{describe(exc)}; fix the module", file=sys.stderr)
+            return 2
+        try:
+            results = [run_spec_bench(spec, repeats=args.repeats, device=args.device)
+                       for spec in specs]
+        except BenchSpecError as exc:
+            print(f"offload-ref bench: error: {exc}", file=sys.stderr)
+            return 1
     out = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "device": args.device,
                        "torch_threads": _SPEC_THREADS, "load_average": _load_average()},
            "pipelines": results}
@@ -466,11 +475,15 @@ def _step(spec: Any, what: str) -> Iterator[None]:
     """Turn a failure of ``what`` (the author's code, or a strategy refusing the pipeline) into
     a :class:`BenchSpecError` naming the pipeline and the step; a factory's ``SystemExit`` too,
     which would otherwise end the benchmark with its exit code and no word."""
+    from .contracts.escapes import is_users_interrupt
+
     try:
         yield
     except BenchSpecError:
         raise
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported in one line, chained
+    except BaseException as exc:  # noqa: BLE001 - reported in one line, chained
+        if is_users_interrupt(exc):  # the user's Ctrl-C (Note [Escaping exceptions])
+            raise
         text = " ".join(str(exc).split()) or "(no message)"
         if len(text) > 400:
             text = text[:397] + "..."

@@ -197,3 +197,31 @@ def test_the_text_says_the_thread_count_and_the_load_average(
     assert main(["bench", "--spec", f"{__name__}:PLAIN", "--repeats", "1", "--json"]) == 0
     machine = json.loads(capsys.readouterr().out)["machine"]
     assert machine["torch_threads"] == 1 and len(machine["load_average"]) == 3
+
+
+def factory_interrupts(seed: int = 0) -> PlainPipeline:
+    raise KeyboardInterrupt
+
+
+def test_a_factorys_own_keyboard_interrupt_and_an_exit_on_import_are_error_lines(
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Before: the factory's KeyboardInterrupt went up as a raw traceback (as if the user had
+    pressed Ctrl-C), and a module exiting on import ended the command with its exit code."""
+    module = sys.modules[__name__]
+    module.INTERRUPTS = PipelineSpec("interrupts", f"{__name__}:factory_interrupts",
+                                     f"{__name__}:inputs")
+    try:
+        rc = main(["bench", "--spec", f"{__name__}:INTERRUPTS", "--repeats", "1"])
+    finally:
+        del module.INTERRUPTS
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert err.strip().splitlines() == [
+        "offload-ref bench: error: interrupts: its factory (the resident pipeline) raised "
+        "KeyboardInterrupt: (no message)"], err
+    (tmp_path / "bench_exits_on_import.py").write_text("raise SystemExit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["bench", "--spec", "bench_exits_on_import:SPEC"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("offload-ref bench: error: --spec 'bench_exits_on_import:SPEC': "
+                          "loading it raised SystemExit(0) (at "), err
