@@ -229,8 +229,8 @@ def child_opinfo(names: list[str], dtypes: list[str]) -> None:
                             varies |= not _bytes_equal(again, want) or (
                                 backward and not _bytes_equal(again_grads, want_grads))
                         status = "cpu-varies" if varies else "differs"
-                        detail = f"sample {index}: {phase}" + (
-                            " (the CPU's own result varies between runs)" if varies else "")
+                        why = " (the CPU's own result varies with its inputs' address)"
+                        detail = f"sample {index}: {phase}" + (why if varies else "")
                         break
                 except Exception as exc:  # noqa: BLE001 (the sweep's own comparison failed)
                     status, detail = "sweep-error", f"sample {index}: comparing: {exc}"[:200]
@@ -396,7 +396,7 @@ def child_models(names: list[str], dtypes: list[str]) -> None:
             _emit({"op": name, "dtype": dtype_name, "status": status, "detail": detail})
 
 
-# -- the parent: chunks in child processes ------------------------------------------------------------
+# -- the parent: chunks in child processes ------------------------------------------------------
 
 
 def _run_chunks(kind: str, names: list[str], dtypes: list[str], chunk: int,
