@@ -1,6 +1,6 @@
 """The op sweep (ci/sim_op_sweep.py) itself, on a slice: real diffusers transformers and a few
 OpInfo families, forward and backward on the simulated accelerator against the CPU, bitwise.
-The whole sweep (every OpInfo, every dtype) is ``python ci/sim_op_sweep.py`` (about 15 min)."""
+The whole sweep (every OpInfo, every dtype) is ``python ci/sim_op_sweep.py`` (about 5 min)."""
 
 from __future__ import annotations
 

@@ -299,3 +299,64 @@ def test_ops_whose_cpu_kernel_overrides_a_decomposition_run_the_cpu_kernel() -> 
         (act(host) * grad).sum().backward()
         (act(device) * grad.to(DEV)).sum().backward()
         assert _same(device.grad, host.grad), act
+
+
+def test_a_kernel_that_flips_its_outputs_conjugate_bit_is_followed() -> None:
+    """linalg_lu_solve(adjoint=True, left=False) writes X^H and sets the conjugate bit of its
+    output; the device tensor did not follow, so hpu returned the conjugate of CPU's answer."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 3, dtype=torch.complex64, generator=g)
+    b = torch.randn(4, 3, dtype=torch.complex64, generator=g)
+    lu, pivots = torch.linalg.lu_factor(a)
+    want = torch.linalg.lu_solve(lu, pivots, b, adjoint=True, left=False)
+    got = torch.linalg.lu_solve(lu.to(DEV), pivots.to(DEV), b.to(DEV), adjoint=True, left=False)
+    assert _same(got, want)
+    out = torch.empty(4, 3, dtype=torch.complex64, device=DEV)
+    torch.linalg.lu_solve(lu.to(DEV), pivots.to(DEV), b.to(DEV), adjoint=True, left=False, out=out)
+    assert _same(out, want)
+
+
+def test_a_fresh_out_keeps_the_layout_cpus_kernel_chose() -> None:
+    """linalg_lstsq's solution is column-major on the CPU (LAPACK's layout); on the device it
+    came back row-major, so the mm of its backward saw other strides and gave other bits."""
+    g = torch.Generator().manual_seed(0)
+    # underdetermined: a column-major solution; overdetermined: a narrowed column-major view
+    for rows in (2, 4):
+        a, b = torch.randn(rows, 3, generator=g), torch.randn(rows, 3, generator=g)
+        want = torch.linalg.lstsq(a, b, driver="gels").solution
+        got = torch.linalg.lstsq(a.to(DEV), b.to(DEV), driver="gels").solution
+        assert got.stride() == want.stride() and _same(got, want)
+        host, device = a.clone().requires_grad_(), a.to(DEV).requires_grad_()
+        torch.linalg.lstsq(host, b, driver="gels").solution.sum().backward()
+        torch.linalg.lstsq(device, b.to(DEV), driver="gels").solution.sum().backward()
+        assert _same(device.grad, host.grad)
+
+
+def test_sdpa_dropout_draws_from_the_device_generator_and_backward_replays_its_mask() -> None:
+    """sdpa with dropout drew from the CPU's generator, and its backward (which reruns CPU's
+    forward) drew a new mask: gradients for a mask the forward never used.  Now it draws from
+    the device generator, and the backward replays the forward's mask, so forward and backward
+    equal the CPU's own from the same generator state."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 4, generator=g) for _ in range(3))
+    state = torch.hpu.get_rng_state(0)  # the device generator is a CPU generator inside
+    saved_cpu = torch.get_rng_state()
+    try:
+        torch.set_rng_state(state)
+        host = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*host, dropout_p=0.5)
+        want.sum().backward()
+    finally:
+        torch.set_rng_state(saved_cpu)
+    torch.hpu.set_rng_state(state, 0)
+    device = [t.to(DEV).requires_grad_() for t in (q, k, v)]
+    got = F.scaled_dot_product_attention(*device, dropout_p=0.5)
+    got.sum().backward()
+    assert _same(got, want)
+    for d, h in zip(device, host):
+        assert _same(d.grad, h.grad)
+    # the device generator advanced; the CPU's did not move
+    cpu_before = torch.get_rng_state()
+    again = F.scaled_dot_product_attention(*(t.to(DEV) for t in (q, k, v)), dropout_p=0.5)
+    assert not torch.equal(again.cpu(), got.detach().cpu())
+    assert torch.equal(torch.get_rng_state(), cpu_before)

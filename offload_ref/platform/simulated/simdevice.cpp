@@ -40,6 +40,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -1067,6 +1068,22 @@ void check_devices(const c10::OperatorHandle& op, torch::jit::Stack* stack, Scan
   });
 }
 
+// No two elements of `t` share an address (strides need not be dense: a narrowed view passes).
+bool non_overlapping(const at::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims with size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 0) return true;
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 1;  // elements the smaller dims span
+  for (const auto& [stride, size] : dims) {
+    if (stride < reach) return false;
+    reach = stride * size;
+  }
+  return true;
+}
+
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const auto num_arguments = schema.arguments().size();
@@ -1149,6 +1166,11 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       device_tensor.unsafeGetTensorImpl()->set_sizes_and_strides(
           alias.sizes(), alias.strides(), alias.storage_offset());
     }
+    // a kernel may flip a lazy bit of its output (linalg_lu_solve with left=False returns the
+    // conjugate of what it wrote): the caller's tensor follows (Note [Tensor flags])
+    auto* device_impl = device_tensor.unsafeGetTensorImpl();
+    if (alias.is_conj() != device_tensor.is_conj()) device_impl->_set_conj(alias.is_conj());
+    if (alias.is_neg() != device_tensor.is_neg()) device_impl->_set_neg(alias.is_neg());
   }
 
   // 5. results back to the device
@@ -1174,7 +1196,26 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         if (replaced_out[i]) {
           const at::Tensor& device_tensor = originals[i].toTensor();
           const at::Tensor computed = value.toTensor();
-          resize_(device_tensor, computed.sizes(), std::nullopt);
+          if (non_overlapping(computed)) {
+            // CPU's kernel chose the layout of the out it filled (LAPACK's are column-major, and
+            // linalg_lstsq's solution is a narrowed column-major view): the device tensor takes
+            // the same strides, as it would on the CPU, so the ops after it see the same layout
+            auto* impl = device_tensor.unsafeGetTensorImpl();
+            impl->set_sizes_and_strides(computed.sizes(), computed.strides(),
+                                        device_tensor.storage_offset());
+            int64_t span = 0;
+            if (computed.numel() > 0) {
+              span = 1;
+              for (int64_t d = 0; d < computed.dim(); ++d) {
+                span += (computed.size(d) - 1) * computed.stride(d);
+              }
+            }
+            resize_device_storage(device_tensor,
+                                  static_cast<size_t>(span + device_tensor.storage_offset()) *
+                                      device_tensor.element_size());
+          } else {
+            resize_(device_tensor, computed.sizes(), std::nullopt);
+          }
           cpu_alias(device_tensor).copy_(computed);
         }
         value = originals[i];
@@ -1199,17 +1240,65 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // bit-equal to CPU's flash kernel.  So sdpa runs CPU's own sdpa on the same bytes, with a
 // backward that reruns CPU's forward and backward (exactly what the CPU computes).
 // CPU's sdpa on the device tensors' bytes, its output copied to device memory.
-at::Tensor sdpa_on_device(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const std::optional<at::Tensor>& mask, double dropout_p,
-                          bool is_causal, std::optional<double> scale, bool enable_gqa) {
+// CPU's sdpa draws its dropout from the CPU's default generator.  While it runs on device
+// tensors, that generator holds the device generator's state (the device's random numbers, as
+// every other op on the device draws them), and the device generator advances by what it drew.
+// `replay` runs it from a state saved before (the backward reruns the forward: the same dropout
+// mask as the forward's, not a new one); `start` receives the state it started from.
+class DeviceRandomForCpuKernel {
+ public:
+  DeviceRandomForCpuKernel(c10::DeviceIndex index, const at::Tensor* replay, at::Tensor* start)
+      : cpu_(at::detail::getDefaultCPUGenerator()),
+        device_(default_generators()[index].get<SimGeneratorImpl>()->inner()),
+        replay_(replay != nullptr) {
+    std::lock_guard<std::mutex> cpu_lock(cpu_.mutex());
+    saved_cpu_ = cpu_.get_state();
+    if (replay != nullptr) {
+      cpu_.set_state(*replay);
+    } else {
+      std::lock_guard<std::mutex> device_lock(device_.mutex());
+      cpu_.set_state(device_.get_state());
+    }
+    if (start != nullptr) *start = cpu_.get_state();
+  }
+  ~DeviceRandomForCpuKernel() {
+    std::lock_guard<std::mutex> cpu_lock(cpu_.mutex());
+    if (!replay_) {
+      std::lock_guard<std::mutex> device_lock(device_.mutex());
+      device_.set_state(cpu_.get_state());
+    }
+    cpu_.set_state(saved_cpu_);
+  }
+  DeviceRandomForCpuKernel(const DeviceRandomForCpuKernel&) = delete;
+  DeviceRandomForCpuKernel& operator=(const DeviceRandomForCpuKernel&) = delete;
+
+ private:
+  at::Generator cpu_;
+  at::Generator device_;
+  bool replay_;
+  at::Tensor saved_cpu_;
+};
+
+at::Tensor sdpa_on_device_from(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const std::optional<at::Tensor>& mask, double dropout_p,
+                               bool is_causal, std::optional<double> scale, bool enable_gqa,
+                               at::Tensor* random_start) {
   OpScope scope("aten::scaled_dot_product_attention");
   c10::DeviceIndex index = q.device().index();
   auto host = [](const at::Tensor& t) { return is_dev(t) ? cpu_alias(t) : t; };
   std::optional<at::Tensor> host_mask;
   if (mask.has_value()) host_mask = host(*mask);
+  std::optional<DeviceRandomForCpuKernel> random;
+  if (dropout_p > 0) random.emplace(index, nullptr, random_start);
   at::Tensor out = at::scaled_dot_product_attention(host(q), host(k), host(v), host_mask,
                                                     dropout_p, is_causal, scale, enable_gqa);
   return to_device(out, index);
+}
+
+at::Tensor sdpa_on_device(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::optional<at::Tensor>& mask, double dropout_p,
+                          bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  return sdpa_on_device_from(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, nullptr);
 }
 
 // The same as an opaque operator, offload_ref_sim::sdpa, with a Meta kernel: tracing
@@ -1248,7 +1337,11 @@ struct SdpaFunction : public torch::autograd::Function<SdpaFunction> {
     } else {
       ctx->save_for_backward({q, k, v});
     }
-    return sdpa_on_device(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
+    at::Tensor random_start;
+    at::Tensor out = sdpa_on_device_from(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
+                                         &random_start);
+    if (random_start.defined()) ctx->saved_data["random_start"] = random_start;
+    return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -1278,6 +1371,11 @@ struct SdpaFunction : public torch::autograd::Function<SdpaFunction> {
     torch::autograd::variable_list result(8);
     if (inputs.empty() || !grads[0].defined()) return result;
     at::AutoGradMode enable(true);
+    std::optional<DeviceRandomForCpuKernel> random;  // the forward's dropout mask again
+    if (ctx->saved_data.count("random_start")) {
+      at::Tensor random_start = ctx->saved_data["random_start"].toTensor();
+      random.emplace(index, &random_start, nullptr);
+    }
     at::Tensor out = at::scaled_dot_product_attention(
         q, k, v, mask, ctx->saved_data["dropout_p"].toDouble(),
         ctx->saved_data["is_causal"].toBool(), scale, ctx->saved_data["enable_gqa"].toBool());
