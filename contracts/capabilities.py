@@ -119,7 +119,10 @@ NEEDS: dict[str, str] = {
     "check_parameter_shared_by_two_blocks_is_never_copied_twice": _STATS,
     "check_views_keep_strides_and_sharing": _RING,
     # §F: the strategies' residency, seen on offload-ref's platform and ring.
-    "check_model_level_keeps_one_group_resident": _PLATFORM,
+    "check_model_level_keeps_one_group_resident": (
+        f"{_PLATFORM}; check_model_level_keeps_the_other_components_off_the_device_in_every_"
+        "generation judges model-level residency from the tensors' devices, over two "
+        "generations"),
     "check_model_level_swaps_move_component_bytes_host_to_device_only": _PLATFORM,
     "check_stats_match_what_the_platform_saw": _STATS,
     "check_layerwise_keeps_at_most_two_blocks_resident": _PLATFORM,

@@ -40,7 +40,13 @@ DEVICE_MEMORY_CHECKS = frozenset({
     "check_enable_failing_part_way_leaves_the_pipeline_as_it_was",
     "check_peak_device_bytes_stay_within_the_plan_bound",
     "check_generation_after_an_interrupt_is_exact",
+    "check_model_level_keeps_the_other_components_off_the_device_in_every_generation",
 })
+
+#: Generations the checks that judge residency or a peak run with the offloader enabled: a
+#: defect that shows from the second one on (a park hook that removes itself after its first
+#: call) keeps every component on the device there, and one generation never sees it.
+_GENERATIONS = 2
 
 
 # -- what torch shows --------------------------------------------------------------------------
@@ -429,11 +435,12 @@ def _smallest_unit(case: Any, plan: Any) -> int:
 
 @check("F", strategies=BACKENDS)
 def check_peak_device_bytes_stay_within_the_plan_bound(case) -> None:
-    """The device's peak allocated bytes from ``enable()`` through a generation
+    """The device's peak allocated bytes from ``enable()`` through two generations
     (``torch.accelerator.max_memory_allocated``) stay within the strategy's bound from the
-    resolved plan plus the activations an un-offloaded run of the pipeline needs (measured),
-    with half the smallest unit the plan moves (a block, a component) of slack: an offloader
-    that never offloads exceeds it, one that offloads without prefetching does not."""
+    resolved plan plus the activations an un-offloaded run of the pipeline needs over two
+    generations (measured), with half the smallest unit the plan moves (a block, a component)
+    of slack: an offloader that never offloads exceeds it, one that stops offloading after the
+    first generation too, one that offloads without prefetching does not."""
     device = _device_memory(case)
     # The kit's own resolver (the oracle, whatever the implementation's), with the widest
     # alignment padding a platform uses (CUDA's 256 bytes): how an offloader pads is its own.
@@ -445,7 +452,8 @@ def check_peak_device_bytes_stay_within_the_plan_bound(case) -> None:
     resident = case.build_resident()
     start = _allocated(device)
     torch.accelerator.reset_peak_memory_stats(device)
-    _generate(case, resident)
+    for _ in range(_GENERATIONS):
+        _generate(case, resident)
     activations = torch.accelerator.max_memory_allocated(device) - start
     del resident
     pipeline = case.build()
@@ -453,14 +461,121 @@ def check_peak_device_bytes_stay_within_the_plan_bound(case) -> None:
     base = _allocated(device)
     torch.accelerator.reset_peak_memory_stats(device)
     backend.enable(pipeline)
-    _generate(case, pipeline)
-    peak = torch.accelerator.max_memory_allocated(device) - base
+    peaks = []  # per generation, from enable()
+    for _ in range(_GENERATIONS):
+        _generate(case, pipeline)
+        peaks.append(torch.accelerator.max_memory_allocated(device) - base)
+    peak = peaks[-1]
     backend.disable()
     if peak > bound + activations + slack:
-        fail(f"peak device bytes {peak} from enable() through a generation exceed the "
-             f"{case.strategy.value} bound {bound} (the plan's) + {activations} (activations of "
-             f"an un-offloaded run) + {slack} (slack): weights that should be off the device "
-             "are on it")
+        first = next(g for g, p in enumerate(peaks, 1) if p > bound + activations + slack)
+        fail(f"peak device bytes {peak} from enable() through {_GENERATIONS} generations exceed "
+             f"the {case.strategy.value} bound {bound} (the plan's) + {activations} (activations "
+             f"of an un-offloaded run) + {slack} (slack), from generation {first} on (peaks "
+             f"{peaks}): weights that should be off the device are on it")
+
+
+# -- §F: model-level residency, seen from outside -------------------------------------------
+
+
+def _swapped(case: Any, pipeline: Any) -> list[tuple[str, str, nn.Module, list[nn.Module]]]:
+    """``(path, role, module, own modules)`` of each component the kit's model-level plan swaps
+    (each DiT and selected encoder), found in ``pipeline`` by path; its own modules leave out
+    those of a component declared inside it (a resident nested in a DiT stays on the device)."""
+    from offload_ref.discovery import get_submodule_path
+
+    plan = resolve_offload_plan(case.build(), case.config())
+    if plan.delegated or plan.skip_reason:
+        not_applicable("the model-level plan delegates to the pipeline or places nothing: "
+                       f"{plan.skip_reason or 'enable_omni_model_cpu_offload'}")
+    paths = [c.path for c in plan.components]
+    out = []
+    for c in plan.components:
+        if not (c.selected and c.role in ("dit", "encoder") and not c.on_demand):
+            continue
+        module = get_submodule_path(pipeline, c.path)
+        if not isinstance(module, nn.Module):
+            continue
+        inner = {id(m) for p in paths if p.startswith(c.path + ".")
+                 for m in getattr(get_submodule_path(pipeline, p), "modules", lambda: ())()}
+        out.append((c.path, c.role, module, [m for m in module.modules() if id(m) not in inner]))
+    if len(out) < 2 or not any(role == "dit" for _, role, _, _ in out):
+        not_applicable("the model-level plan swaps fewer than two components: none can be on "
+                       "the device while another runs")
+    return out
+
+
+def _on_device(modules: list[nn.Module], device: torch.device) -> tuple[int, int]:
+    """How many of ``modules``' own tensors are on ``device``'s type now, and their bytes."""
+    seen: set[int] = set()
+    count = nbytes = 0
+    for module in modules:
+        for registry in (module._parameters, module._buffers):
+            for t in registry.values():
+                if t is None or id(t) in seen or t.device.type != device.type:
+                    continue
+                seen.add(id(t))
+                count += 1
+                nbytes += t.numel() * t.element_size()
+    return count, nbytes
+
+
+@check("F.1", strategies=("model_level",), requires=("not delegates_model_level",))
+def check_model_level_keeps_the_other_components_off_the_device_in_every_generation(case
+                                                                                    ) -> None:
+    """In each of two generations, at the end of each swapped component's forward (before any
+    hook after it runs): while a DiT runs, no tensor of another swapped component (an encoder,
+    another DiT) is on the device; while an encoder runs, no tensor of a swapped DiT is.  Judged
+    from the tensors' devices alone, so it judges any offloader: one that parks a component in
+    its first generation only (a park hook that removes itself after its first call) keeps the
+    encoders and the DiT on the device together from the second generation on."""
+    device = _device_memory(case)
+    pipeline = case.build()
+    swapped = _swapped(case, pipeline)
+    backend = case.backend()
+    backend.enable(pipeline)
+    generation = [0]
+    problems: dict[tuple[str, str], str] = {}  # (running, resident) -> the first sighting
+    observed: list[str] = []
+
+    def at_end(path: str, role: str) -> None:
+        observed.append(path)
+        for other, other_role, _, modules in swapped:
+            if (other == path or other.startswith(path + ".") or path.startswith(other + ".")
+                    or (role != "dit" and other_role != "dit")):
+                continue
+            count, nbytes = _on_device(modules, device)
+            if count and (path, other) not in problems:
+                problems[(path, other)] = (
+                    f"generation {generation[0]}: {other_role} {other} has {count} tensor(s) "
+                    f"({nbytes} bytes) on {device} while {role} {path} runs")
+
+    handles = []
+    try:
+        for path, role, module, _ in swapped:
+            try:  # before the offloader's post-hooks: what was resident while it ran
+                handles.append(module.register_forward_hook(
+                    lambda m, args, out, path=path, role=role: at_end(path, role),
+                    prepend=True))
+            except Exception:  # noqa: BLE001 - a module that refuses hooks: not watched
+                continue
+        for g in range(1, _GENERATIONS + 1):
+            generation[0] = g
+            case.run(pipeline)
+    finally:
+        for handle in handles:
+            handle.remove()
+        backend.disable()
+    if not observed:
+        not_applicable("no swapped component's forward could be watched (its modules refuse "
+                       "hooks)")
+    if problems:
+        lines = list(problems.values())
+        fail(f"model-level residency violated: {'; '.join(lines[:4])}"
+             f"{f' and {len(lines) - 4} more' if len(lines) > 4 else ''}.  A model-level "
+             "offloader keeps one swapped component on the device at a time, in every "
+             "generation (a hook that parks a component must stay installed while enabled)",
+             severity="memory")
 
 
 # -- §F: the device index the offloader was given ----------------------------------------------

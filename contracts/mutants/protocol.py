@@ -33,7 +33,8 @@ _protocol(
 
 _protocol(
     "simple_keeps_everything",
-    kills={"check_peak_device_bytes_stay_within_the_plan_bound"},
+    kills={"check_peak_device_bytes_stay_within_the_plan_bound",
+           "check_model_level_keeps_the_other_components_off_the_device_in_every_generation"},
 )
 
 _protocol(
@@ -103,4 +104,46 @@ declare(
     kills={"check_offloader_keeps_to_the_device_index_it_was_given"},
     impl=offloader_implementation(ignores_the_device_index,
                                   name=f"{__name__}:ignores_the_device_index", validate=False),
+)
+
+
+class _ParkHookRemovesItself(simple_offloader.SimpleOffloader):
+    """Model level by a pair of hooks per component, as many offloaders are written: the forward
+    pre-hook loads the component, the forward hook parks it -- and that forward hook removes
+    itself after its first call.  The first generation parks every component; from the second
+    on each stays on the device once loaded (the text encoder and the DiT together: an OOM at
+    the second generation of a real model)."""
+
+    def enable(self, pipeline) -> None:
+        self._parked_once: set[int] = set()
+        super().enable(pipeline)
+
+    def _enter(self, unit, args, kwargs) -> None:
+        self.current = unit  # no switch: the forward hook is what parks
+        super()._enter(unit, args, kwargs)
+
+    def _leave(self, unit) -> None:
+        super()._leave(unit)
+        if self.strategy == "model_level" and id(unit) not in self._parked_once:
+            self._parked_once.add(id(unit))
+            unit.park()
+            self.handles[2 * self.units.index(unit) + 1].remove()  # its own forward hook
+
+
+def park_hook_removes_itself(device, strategy: str) -> simple_offloader.SimpleOffloader:
+    """``factory(device, strategy)`` of an offloader whose park hook removes itself."""
+    if strategy != "model_level":
+        raise NotImplementedError("park_hook_removes_itself swaps whole components only")
+    return _ParkHookRemovesItself(device, strategy)
+
+
+declare(
+    "simple_park_hook_removes_itself",
+    "model level whose park (forward) hook removes itself after its first call: from the second "
+    "generation on every swapped component stays on the device",
+    dict(pipelines=("flux2", "wan22_t2v"), sections=("F",), strategies=("model_level",)),
+    kills={"check_peak_device_bytes_stay_within_the_plan_bound",
+           "check_model_level_keeps_the_other_components_off_the_device_in_every_generation"},
+    impl=offloader_implementation(park_hook_removes_itself,
+                                  name=f"{__name__}:park_hook_removes_itself", validate=False),
 )
