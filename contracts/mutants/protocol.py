@@ -115,7 +115,7 @@ class _ParkHookRemovesItself(simple_offloader.SimpleOffloader):
     the second generation of a real model)."""
 
     def enable(self, pipeline) -> None:
-        self._parked_once: set[int] = set()
+        self.parked_once: set[int] = set()
         super().enable(pipeline)
 
     def _enter(self, unit, args, kwargs) -> None:
@@ -124,8 +124,8 @@ class _ParkHookRemovesItself(simple_offloader.SimpleOffloader):
 
     def _leave(self, unit) -> None:
         super()._leave(unit)
-        if self.strategy == "model_level" and id(unit) not in self._parked_once:
-            self._parked_once.add(id(unit))
+        if self.strategy == "model_level" and id(unit) not in self.parked_once:
+            self.parked_once.add(id(unit))
             unit.park()
             self.handles[2 * self.units.index(unit) + 1].remove()  # its own forward hook
 
