@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["Installed", "observe_enable", "offloader_cause", "running_hook", "tensor_kind"]
+__all__ = ["Installed", "named_modules", "observe_enable", "offloader_cause", "running_hook", "tensor_kind"]
 
 #: the torch.nn.Module machinery a module's hooks and forward are called from
 _CALL_MACHINERY = frozenset({"_call_impl", "_wrapped_call_impl", "inner", "__call__"})
@@ -81,7 +81,9 @@ def _hooks_of(module: nn.Module) -> dict[tuple[str, int], Any]:
     return out
 
 
-def _named_modules(pipeline: Any) -> list[tuple[str, nn.Module]]:
+def named_modules(pipeline: Any) -> list[tuple[str, nn.Module]]:
+    """Every module of ``pipeline`` once (a module reachable at several paths: its first), with
+    its dotted path (``""``: the pipeline itself when it is a module)."""
     if isinstance(pipeline, nn.Module):
         return list(pipeline.named_modules())
     out, seen = [], set()
@@ -96,7 +98,7 @@ def _named_modules(pipeline: Any) -> list[tuple[str, nn.Module]]:
 
 def _tensor_places(pipeline: Any) -> dict[str, str]:
     out: dict[str, str] = {}
-    for path, module in _named_modules(pipeline):
+    for path, module in named_modules(pipeline):
         for registry in ("_parameters", "_buffers"):
             for name, t in module.__dict__.get(registry, {}).items():
                 if t is not None:
@@ -143,12 +145,12 @@ def observe_enable(pipeline: Any, enable: Callable[[], None], *, name: str,
                    ignore: frozenset[int] = frozenset()) -> Installed:
     """Run ``enable()`` and record the hooks it added and the tensors it moved.  ``ignore``:
     the handle ids of hooks that are not the offloader's (the kit's own module windows)."""
-    modules = _named_modules(pipeline)
+    modules = named_modules(pipeline)
     before = {p: set(_hooks_of(m)) for p, m in modules}
     places = _tensor_places(pipeline)
     enable()
     installed = Installed(name, is_enabled, device, before=before)
-    for path, module in _named_modules(pipeline):
+    for path, module in named_modules(pipeline):
         added = {k: h for k, h in _hooks_of(module).items()
                  if k not in before.get(path, set()) and k[1] not in ignore}
         if added:

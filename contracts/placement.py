@@ -38,7 +38,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .blame import Installed, hook_cause, observe_enable, offloader_cause, running_hook
+from .blame import (Installed, hook_cause, named_modules, observe_enable, offloader_cause,
+                    running_hook)
 
 __all__ = ["ModuleWindows", "Owners", "PlacementWatch", "Read", "cached_tensors", "code_line",
            "entry_point",
@@ -66,21 +67,6 @@ def is_device_error(message: str) -> bool:
 
 
 # -- who owns what -----------------------------------------------------------------------------
-
-
-def named_modules(pipeline: Any) -> list[tuple[str, nn.Module]]:
-    """Every module of ``pipeline`` once (a module reachable at several paths: its first), with
-    its dotted path (``""``: the pipeline itself when it is a module)."""
-    if isinstance(pipeline, nn.Module):
-        return list(pipeline.named_modules())
-    out, seen = [], set()
-    for name, value in vars(pipeline).items():
-        if isinstance(value, nn.Module):
-            for p, m in value.named_modules():
-                if id(m) not in seen:
-                    seen.add(id(m))
-                    out.append((f"{name}.{p}" if p else name, m))
-    return out
 
 
 def named_tensors(pipeline: Any) -> dict[int, str]:
