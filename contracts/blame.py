@@ -30,7 +30,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["Installed", "named_modules", "observe_enable", "offloader_cause", "running_hook", "tensor_kind"]
+__all__ = ["Installed", "named_modules", "observe_enable", "offloader_cause", "running_hook",
+           "tensor_kind", "where_code"]
 
 #: the torch.nn.Module machinery a module's hooks and forward are called from
 _CALL_MACHINERY = frozenset({"_call_impl", "_wrapped_call_impl", "inner", "__call__"})
@@ -41,7 +42,9 @@ def _within(path: str, owner: str) -> bool:
     return owner == "" or path == owner or path.startswith(owner + ".")
 
 
-def _where_code(code: CodeType, line: int | None = None) -> str:
+def where_code(code: CodeType, line: int | None = None) -> str:
+    """``file:line`` of ``code`` (its first line unless ``line``), the file relative to the
+    working folder or to site-packages."""
     filename = code.co_filename
     cwd = os.getcwd().rstrip(os.sep) + os.sep
     if filename.startswith(cwd):
@@ -64,7 +67,7 @@ def _callable_code(fn: Any) -> CodeType | None:
 def _describe(fn: Any) -> str:
     code = _callable_code(fn)
     name = getattr(getattr(fn, "__func__", fn), "__qualname__", None) or type(fn).__qualname__
-    return f"{name} ({_where_code(code)})" if code is not None else name
+    return f"{name} ({where_code(code)})" if code is not None else name
 
 
 def _hooks_of(module: nn.Module) -> dict[tuple[str, int], Any]:
@@ -199,7 +202,7 @@ def running_hook(active: Callable[[nn.Module], bool],
             hook_code = child.f_code
             reading = _innermost_line_of(hook_code)
             return Hook(module, kind, getattr(hook_code, "co_qualname", hook_code.co_name),
-                        _where_code(hook_code), reading or _where_code(hook_code, child.f_lineno),
+                        where_code(hook_code), reading or where_code(hook_code, child.f_lineno),
                         installed is not None and hook_code in installed.codes)
         child = frame
         frame = frame.f_back
@@ -211,7 +214,7 @@ def _innermost_line_of(code: CodeType) -> str | None:
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is code:
-            return _where_code(code, frame.f_lineno)
+            return where_code(code, frame.f_lineno)
         frame = frame.f_back
     return None
 

@@ -39,7 +39,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .blame import (Installed, hook_cause, named_modules, observe_enable, offloader_cause,
-                    running_hook)
+                    running_hook, where_code)
 
 __all__ = ["ModuleWindows", "Owners", "PlacementWatch", "Read", "cached_tensors", "code_line",
            "entry_point",
@@ -256,13 +256,7 @@ def _offloader_calls() -> bool:
 
 
 def _where(frame: FrameType) -> str:
-    filename = frame.f_code.co_filename
-    cwd = os.getcwd().rstrip(os.sep) + os.sep
-    if filename.startswith(cwd):
-        filename = filename[len(cwd):]
-    elif "site-packages" + os.sep in filename:
-        filename = filename.split("site-packages" + os.sep, 1)[1]
-    return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+    return f"{where_code(frame.f_code, frame.f_lineno)} in {frame.f_code.co_name}"
 
 
 def entry_point(module: nn.Module) -> tuple[str, str] | None:
