@@ -34,28 +34,42 @@ import os
 import shutil
 import sys
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 __all__ = [
+    "CHECK_STREAMS_ENV",
     "CRASH_FILE_ENV",
     "CRASH_RECORD_PREFIX",
     "DEVICE_TYPE",
+    "Access",
+    "Race",
     "SimulatedAcceleratorUnavailable",
     "available",
     "capacity",
+    "check_streams",
+    "clear_races",
     "describe_device",
     "device",
     "load",
+    "races",
     "set_capacity",
+    "set_tensor_namer",
+    "stream_checking",
     "unavailable_reason",
 ]
 
 DEVICE_TYPE = "hpu"
 #: the environment variable naming the file the crash record is appended to (read at load)
 CRASH_FILE_ENV = "OFFLOAD_REF_SIM_CRASH_FILE"
+#: the environment variable that turns stream checking on for plain library use (the kit turns it
+#: on itself)
+CHECK_STREAMS_ENV = "OFFLOAD_REF_SIM_CHECK_STREAMS"
 #: how the crash record's one line starts
 CRASH_RECORD_PREFIX = "offload-ref simulated accelerator: fatal signal "
 _SOURCE = Path(__file__).with_name("simdevice.cpp")
@@ -239,6 +253,9 @@ def load() -> ModuleType:
                         from ._device_module import build_device_module
 
                         torch._register_device_module(DEVICE_TYPE, build_device_module(module))
+                    if os.environ.get(CHECK_STREAMS_ENV, "0").strip().lower() in (
+                            "1", "true", "yes", "on"):
+                        module.check_streams(True)
                     _patch_manual_seed(module)
                     module.manual_seed(torch.initial_seed() & 0xFFFF_FFFF_FFFF_FFFF)
                     import atexit
@@ -294,3 +311,130 @@ def capacity(index: int = 0) -> int | None:
     """Device ``index``'s capacity in bytes (None: unlimited)."""
     value = load().capacity(index)
     return None if value < 0 else int(value)
+
+
+# -- stream checking (Note [Stream sanitizer] in simdevice.cpp) -------------------------------------
+
+
+@dataclass(frozen=True)
+class Access:
+    """One access to device (or pinned host) memory, as the stream sanitizer recorded it."""
+
+    #: ``torch.Stream.stream_id``; 0 is the device's default stream, -1 the host
+    stream: int
+    #: "the default stream of hpu:0", "stream 3 of hpu:0", "the host"
+    stream_name: str
+    #: "aten::addmm", "copy host to device (non_blocking)", "free", ...
+    op: str
+    #: the schema argument ("mat2", "self", "src"); "" when there is none
+    argument: str
+    write: bool
+    #: the innermost frames outside torch, "path/file.py:123 in forward"; () when not captured
+    where: tuple[str, ...]
+
+    def describe(self) -> str:
+        verb = "wrote" if self.write else "read"
+        what = f"{self.op}" + (f" ({self.argument})" if self.argument else "")
+        place = f" at {self.where[0]}" if self.where else " (no source line captured)"
+        return f"{self.stream_name} {verb} it in {what}{place}"
+
+
+@dataclass(frozen=True)
+class Race:
+    """Two accesses to the same memory on different streams, neither ordered before the other,
+    at least one a write (or memory reused while another stream may still use it)."""
+
+    kind: str
+    device: int
+    tensor: str
+    current: Access
+    previous: Access
+    freed_at: tuple[str, ...]
+    advice: str
+
+    def __str__(self) -> str:
+        text = (f"stream race ({self.kind}) on {self.tensor} (hpu:{self.device}, offload-ref's "
+                f"simulated accelerator): {self.current.describe()}, while earlier "
+                f"{self.previous.describe()}, and nothing ordered that before this")
+        if self.freed_at:
+            text += f"; the memory was freed at {self.freed_at[0]} and reused"
+        return f"{text}. {self.advice}" if self.advice else f"{text}."
+
+
+def check_streams(enabled: bool | None = None) -> bool:
+    """Turn stream checking on or off (None: leave it) and return whether it is on.
+
+    Off for plain library use unless ``OFFLOAD_REF_SIM_CHECK_STREAMS=1``; the kit turns it on."""
+    module = load()
+    if enabled is not None:
+        module.check_streams(bool(enabled))
+    return bool(module.checking_streams())
+
+
+@contextmanager
+def stream_checking(enabled: bool = True) -> Iterator[None]:
+    """Stream checking on (or off) inside the block; the previous setting is restored after."""
+    previous = check_streams()
+    check_streams(enabled)
+    try:
+        yield
+    finally:
+        check_streams(previous)
+
+
+def _access(raw: dict) -> Access:
+    return Access(int(raw["stream"]), str(raw["stream_name"]), str(raw["op"]),
+                  str(raw["argument"]), bool(raw["write"]), tuple(raw["where"]))
+
+
+def _advice(kind: str, current: Access, previous: Access) -> str:
+    """The missing ordering, in words."""
+    now, then = current.stream_name, previous.stream_name
+    if kind == "read-after-write":
+        return (f"Make {now} wait for the write before it reads: record an event on {then} "
+                f"after the write (event.record()) and call wait_event on {now} before the read "
+                f"(or {now}.wait_stream({then})).")
+    if kind == "write-after-read":
+        return (f"{now} overwrote memory that {then} may still be reading: before the write, "
+                f"make {now} wait for an event recorded on {then} after its last read.")
+    if kind == "write-after-write":
+        return (f"Order the two writes: make {now} wait for an event recorded on {then} after "
+                f"its write.")
+    if kind == "use-after-free":
+        return (f"The memory was freed while {then} may still have been using it, and the "
+                f"allocator gave it to {now}: call tensor.record_stream() with {then} before "
+                f"dropping the tensor, or make the allocating stream wait for {then} before the "
+                f"tensor is freed.")
+    if kind == "host-read-before-sync":
+        return (f"A non_blocking copy by {then} is complete only after a synchronization: call "
+                f"synchronize() on that stream, or on an event recorded after the copy, before "
+                f"the host reads the result.")
+    if kind == "host-write-before-copy-done":
+        return (f"The host changed pinned memory that a non_blocking copy by {then} may still "
+                f"be using: synchronize on an event recorded after the copy before reusing the "
+                f"buffer.")
+    return ""
+
+
+def races(*, clear: bool = False) -> list[Race]:
+    """The races found since the last :func:`clear_races` (each distinct race once)."""
+    found = []
+    for r in load().races(bool(clear)):
+        current, previous = _access(r["current"]), _access(r["previous"])
+        found.append(Race(str(r["kind"]), int(r["device"]), str(r["tensor"]), current,
+                          previous, tuple(r["freed_at"]),
+                          _advice(str(r["kind"]), current, previous)))
+    return found
+
+
+def clear_races() -> None:
+    """Forget the races found so far."""
+    load().races(True)
+
+
+def set_tensor_namer(fn: Callable[[int, int, int], str | None] | None) -> None:
+    """``fn(device_index, address, nbytes)`` names the memory ``[address, address + nbytes)`` of
+    ``hpu:device_index`` when a race is found there (a module path, say), or returns None.  It is
+    called with the GIL held while the racing op runs (the sanitizer's own lock released), and must
+    run no device op itself."""
+    load().set_tensor_namer(fn)

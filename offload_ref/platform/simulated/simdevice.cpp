@@ -31,6 +31,7 @@
 #include <ATen/ops/unfold_native.h>
 #include <ATen/ops/view_native.h>
 #include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/_to_copy_native.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -50,7 +51,9 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <limits>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace simdev {
@@ -249,6 +252,590 @@ void install_crash_handler() {
   g_crash_handler_installed = true;
 }
 
+// -- current device and stream of each thread -------------------------------------------------------
+
+thread_local c10::DeviceIndex tls_device = 0;
+thread_local std::unordered_map<int, c10::StreamId> tls_stream;  // device -> current stream id
+std::atomic<c10::StreamId> g_next_stream{1};
+
+c10::StreamId current_stream_id(c10::DeviceIndex device) {
+  auto it = tls_stream.find(device);
+  return it == tls_stream.end() ? 0 : it->second;
+}
+
+// -- stream sanitizer ----------------------------------------------------------------------------------
+//
+// Note [Stream sanitizer]
+//   The device runs every op at once, in program order, so a missing wait between streams never
+//   changes a result here; on a GPU it does, sometimes.  The sanitizer finds such races by
+//   happens-before, not by timing (torch's CUDA sanitizer is the model, torch/cuda/_sanitizer.py):
+//   * each stream has a sequence number, bumped by every op launched on it, and a vector clock
+//     (what it has waited for); an event's record takes a copy of its stream's clock, a stream's
+//     wait on an event merges that copy in; a host synchronization (stream, event, device, and
+//     every blocking copy, which is a copy followed by a stream synchronize, as on CUDA) merges
+//     the synchronized clock into the host's, and every stream takes the host's, since any later
+//     launch comes after;
+//   * every access to device memory (an op's tensor arguments, written when its schema says so,
+//     read otherwise; fresh results are written; copies read the source and write the
+//     destination) is recorded per byte range of its block with its stream and sequence number,
+//     and checked against the block's earlier accesses: one on another stream, overlapping, not
+//     ordered before this one, with one of the two a write, is a race;
+//   * pinned host memory is a block too: a non_blocking copy from or to it is an access by the
+//     stream, and while such an access is not yet ordered before the host, the thread that
+//     launched it watches every op (the TESTING_ONLY_GenericMode key in its thread-local included
+//     set) for a host read or write of that memory;
+//   * the allocator caches freed blocks per (device, allocation stream), as CUDA's does: a block's
+//     history outlives a free, except the accesses of streams named by record_stream (the
+//     allocator waits for those), so a reuse that another stream's unordered access may still
+//     touch is a race, reported as a use after free.
+//   Source lines are captured (with the GIL) for accesses on streams other than the default one,
+//   for non_blocking copies, and for every access to a block some such stream has touched: the
+//   accesses that can race.  Races are kept once each, named through the namer the kit installs.
+
+namespace san {
+
+std::atomic<bool> g_on{false};
+constexpr int64_t kHost = std::numeric_limits<int64_t>::min();
+
+int64_t key_of(c10::DeviceIndex device, c10::StreamId id) {
+  return (static_cast<int64_t>(device) << 48) + id;
+}
+c10::DeviceIndex device_of(int64_t key) { return static_cast<c10::DeviceIndex>(key >> 48); }
+c10::StreamId id_of(int64_t key) { return key - (static_cast<int64_t>(device_of(key)) << 48); }
+
+using Clock = std::unordered_map<int64_t, uint64_t>;
+using Where = std::shared_ptr<const std::vector<std::string>>;
+
+void merge(Clock& into, const Clock& from) {
+  for (const auto& [key, seq] : from) {
+    auto& mine = into[key];
+    if (seq > mine) mine = seq;
+  }
+}
+
+struct Record {
+  int64_t stream;
+  uint64_t seq;
+  size_t lo, hi;  // byte range in the block
+  bool write;
+  const char* op;
+  std::string argument;
+  Where where;
+  uint64_t generation;  // the block's generation (frees) when it was made
+  bool reported = false;  // a race with it was reported: one report for each earlier access
+};
+
+struct Block {
+  std::vector<Record> records;
+  uint64_t generation = 0;
+  bool shared = false;  // touched by a stream other than the default one
+  bool pinned = false;
+  int64_t alloc_stream = 0;
+  std::vector<int64_t> recorded;  // record_stream
+  Where freed_at;
+};
+
+struct Conflict {
+  std::string kind;
+  int device;
+  uintptr_t address;
+  size_t nbytes;
+  std::string tensor;  // "a float32 tensor of shape (8, 8)"
+  int64_t stream;
+  const char* op;
+  std::string argument;
+  bool write;
+  Where where;
+  Record previous;
+  Where freed_at;
+};
+
+std::recursive_mutex g_mu;
+std::unordered_map<int64_t, Clock> g_streams;  // stream key -> its clock
+Clock g_host;
+std::unordered_map<uintptr_t, Block> g_blocks;
+std::unordered_set<uintptr_t> g_pinned_pending;  // pinned blocks with unsynchronized accesses
+std::atomic<size_t> g_pinned_pending_count{0};
+
+std::mutex g_races_mu;
+std::vector<py::dict>* g_races = nullptr;  // guarded by the GIL
+std::unordered_set<std::string> g_race_keys;
+py::object* g_namer = nullptr;             // guarded by the GIL
+constexpr size_t kMaxRaces = 256;
+constexpr size_t kMaxRecords = 256;
+
+bool on() { return g_on.load(std::memory_order_relaxed); }
+
+Clock& stream_clock(int64_t key) {
+  auto it = g_streams.find(key);
+  if (it != g_streams.end()) return it->second;
+  Clock& clock = g_streams[key];
+  clock = g_host;  // launched after everything the host has waited for
+  clock[key];
+  return clock;
+}
+
+bool ordered(const Record& r, int64_t stream, const Clock& clock) {
+  if (r.stream == stream) return true;
+  auto it = clock.find(r.stream);
+  return it != clock.end() && it->second >= r.seq;
+}
+
+bool host_ordered(const Record& r) { return ordered(r, kHost, g_host); }
+
+void prune_pinned() {
+  for (auto it = g_pinned_pending.begin(); it != g_pinned_pending.end();) {
+    auto block = g_blocks.find(*it);
+    if (block != g_blocks.end()) {
+      auto& records = block->second.records;
+      records.erase(std::remove_if(records.begin(), records.end(), host_ordered), records.end());
+      if (!records.empty()) {
+        ++it;
+        continue;
+      }
+    }
+    it = g_pinned_pending.erase(it);
+  }
+  g_pinned_pending_count = g_pinned_pending.size();
+}
+
+void host_learns(const Clock& clock) {
+  merge(g_host, clock);
+  for (auto& [key, state] : g_streams) merge(state, g_host);
+  prune_pinned();
+}
+
+const char* dtype_name(c10::ScalarType type) {
+  switch (type) {
+    case c10::ScalarType::Float: return "float32";
+    case c10::ScalarType::Double: return "float64";
+    case c10::ScalarType::Half: return "float16";
+    case c10::ScalarType::BFloat16: return "bfloat16";
+    case c10::ScalarType::ComplexFloat: return "complex64";
+    case c10::ScalarType::ComplexDouble: return "complex128";
+    case c10::ScalarType::Long: return "int64";
+    case c10::ScalarType::Int: return "int32";
+    case c10::ScalarType::Short: return "int16";
+    case c10::ScalarType::Char: return "int8";
+    case c10::ScalarType::Byte: return "uint8";
+    case c10::ScalarType::Bool: return "bool";
+    default: return c10::toString(type);
+  }
+}
+
+std::string describe_tensor(const at::Tensor& t) {
+  std::ostringstream out;
+  out << "a " << dtype_name(t.scalar_type()) << " tensor of shape (";
+  for (int64_t d = 0; d < t.dim(); ++d) out << (d ? ", " : "") << t.size(d);
+  out << (t.dim() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+// The byte range of `t` in its storage; false when it touches no byte.
+bool range_of(const at::Tensor& t, uintptr_t& base, size_t& lo, size_t& hi) {
+  if (!t.defined() || !t.has_storage() || t.numel() == 0) return false;
+  const void* data = t.storage().data();
+  if (data == nullptr) return false;
+  int64_t span = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) span += (t.size(d) - 1) * std::abs(t.stride(d));
+  base = reinterpret_cast<uintptr_t>(data);
+  lo = static_cast<size_t>(t.storage_offset()) * t.element_size();
+  hi = lo + static_cast<size_t>(span) * t.element_size();
+  return true;
+}
+
+struct Access {
+  at::Tensor tensor;
+  uintptr_t base;
+  size_t lo, hi;
+  bool write;
+  std::string argument;
+};
+
+const char* kind_of(const Record& previous, bool write, const Block& block) {
+  if (previous.generation < block.generation) return "use-after-free";
+  if (previous.write && write) return "write-after-write";
+  return previous.write ? "read-after-write" : "write-after-read";
+}
+
+// Check `a` (by `stream`, whose clock is `clock`) against the block's records and record it.
+void check_and_record(Block& block, int64_t stream, uint64_t seq, const Clock& clock,
+                      const Access& a, const char* op, const Where& where, int device,
+                      std::vector<Conflict>& found) {
+  auto& records = block.records;
+  for (Record& r : records) {
+    if (r.hi <= a.lo || a.hi <= r.lo) continue;
+    if (!r.write && !a.write) continue;
+    if (ordered(r, stream, clock)) continue;
+    if (r.reported) break;
+    r.reported = true;
+    found.push_back(Conflict{kind_of(r, a.write, block), device, a.base + a.lo, a.hi - a.lo,
+                             describe_tensor(a.tensor), stream, op, a.argument, a.write, where,
+                             r, block.freed_at});
+    break;
+  }
+  records.erase(std::remove_if(records.begin(), records.end(),
+                               [&](const Record& r) {
+                                 bool inside = a.lo <= r.lo && r.hi <= a.hi;
+                                 if (!inside) return false;
+                                 return a.write || (r.stream == stream && !r.write);
+                               }),
+                records.end());
+  if (records.size() >= kMaxRecords) {
+    records.erase(std::remove_if(records.begin(), records.end(), host_ordered), records.end());
+    if (records.size() >= kMaxRecords) records.erase(records.begin());
+  }
+  records.push_back(Record{stream, seq, a.lo, a.hi, a.write, op, a.argument, where,
+                           block.generation});
+  if (id_of(stream) != 0) block.shared = true;
+}
+
+// Where the calling Python code is: the innermost frames outside torch and offload-ref's
+// platform layer ("path.py:12 in forward"); empty on a thread without Python frames.
+bool skipped_file(const char* file) {
+  return std::strstr(file, "/torch/") != nullptr ||
+         std::strstr(file, "/offload_ref/platform/") != nullptr ||
+         std::strstr(file, "contextlib.py") != nullptr || file[0] == '<';
+}
+
+Where capture_where() {
+  if (!Py_IsInitialized()) return nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+  if (Py_IsFinalizing()) return nullptr;
+#else
+  if (_Py_IsFinalizing()) return nullptr;
+#endif
+  PyGILState_STATE gil = PyGILState_Ensure();
+  auto frames = std::make_shared<std::vector<std::string>>();
+  PyFrameObject* frame = PyEval_GetFrame();
+  Py_XINCREF(frame);
+  while (frame != nullptr && frames->size() < 3) {
+    PyCodeObject* code = PyFrame_GetCode(frame);
+    PyObject* filename = PyObject_GetAttrString(reinterpret_cast<PyObject*>(code), "co_filename");
+    PyObject* name = PyObject_GetAttrString(reinterpret_cast<PyObject*>(code), "co_name");
+    const char* file = filename ? PyUnicode_AsUTF8(filename) : nullptr;
+    const char* function = name ? PyUnicode_AsUTF8(name) : nullptr;
+    if (file != nullptr && !skipped_file(file)) {
+      std::ostringstream out;
+      out << file << ":" << PyFrame_GetLineNumber(frame) << " in "
+          << (function ? function : "?");
+      frames->push_back(out.str());
+    }
+    PyErr_Clear();
+    Py_XDECREF(filename);
+    Py_XDECREF(name);
+    Py_DECREF(code);
+    PyFrameObject* back = PyFrame_GetBack(frame);
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  PyGILState_Release(gil);
+  return frames;
+}
+
+py::list where_list(const Where& where) {
+  py::list out;
+  if (where) {
+    for (const auto& line : *where) out.append(line);
+  }
+  return out;
+}
+
+std::string stream_name(int64_t key) {
+  if (key == kHost) return "the host";
+  std::ostringstream out;
+  auto id = id_of(key);
+  if (id == 0) {
+    out << "the default stream of hpu:" << static_cast<int>(device_of(key));
+  } else {
+    out << "stream " << id << " of hpu:" << static_cast<int>(device_of(key));
+  }
+  return out.str();
+}
+
+py::dict access_dict(int64_t stream, const char* op, const std::string& argument, bool write,
+                     const Where& where) {
+  py::dict d;
+  d["stream"] = stream == kHost ? -1 : id_of(stream);
+  d["stream_name"] = stream_name(stream);
+  d["op"] = op ? op : "?";
+  d["argument"] = argument;
+  d["write"] = write;
+  d["where"] = where_list(where);
+  return d;
+}
+
+// Name and keep the races found (outside the sanitizer's lock; takes the GIL).
+void report(std::vector<Conflict>& found) {
+  if (found.empty() || !Py_IsInitialized()) return;
+  py::gil_scoped_acquire gil;
+  if (g_races == nullptr) g_races = new std::vector<py::dict>();
+  for (auto& c : found) {
+    std::string tensor = c.tensor;
+    if (g_namer != nullptr && !g_namer->is_none()) {
+      try {
+        py::object name = (*g_namer)(c.device, c.address, c.nbytes);
+        if (!name.is_none()) tensor = py::str(name);
+      } catch (py::error_already_set& e) {
+        tensor += " (the namer raised " + std::string(e.what()) + ")";
+      }
+    }
+    auto first = [](const Where& w) { return (w && !w->empty()) ? (*w)[0] : std::string(); };
+    std::ostringstream key;
+    key << c.kind << "|" << c.op << "|" << c.argument << "|" << first(c.where) << "|"
+        << c.previous.op << "|" << c.previous.argument << "|" << first(c.previous.where) << "|"
+        << id_of(c.stream) << "|" << id_of(c.previous.stream) << "|" << tensor;
+    if (!g_race_keys.insert(key.str()).second || g_races->size() >= kMaxRaces) continue;
+    py::dict race;
+    race["kind"] = c.kind;
+    race["device"] = c.device;
+    race["tensor"] = tensor;
+    race["current"] = access_dict(c.stream, c.op, c.argument, c.write, c.where);
+    race["previous"] = access_dict(c.previous.stream, c.previous.op, c.previous.argument,
+                                   c.previous.write, c.previous.where);
+    race["freed_at"] = c.kind == "use-after-free" ? where_list(c.freed_at) : py::list();
+    g_races->push_back(race);
+  }
+}
+
+// One launch on the current stream of `device` with its accesses (an op, a copy).
+class Launch {
+ public:
+  Launch(c10::DeviceIndex device, const char* op) : device_(device), op_(op) {}
+
+  void add(const at::Tensor& t, bool write, std::string argument) {
+    Access a{t, 0, 0, 0, write, std::move(argument)};
+    if (range_of(t, a.base, a.lo, a.hi)) accesses_.push_back(std::move(a));
+  }
+  void capture() { capture_ = true; }
+  void host_sync_after() { host_sync_ = true; }
+  // an access by the stream to pinned host memory, asynchronous to the host
+  void add_pinned(const at::Tensor& t, bool write, std::string argument) {
+    Access a{t, 0, 0, 0, write, std::move(argument)};
+    if (range_of(t, a.base, a.lo, a.hi)) pinned_.push_back(std::move(a));
+  }
+
+  void commit() {
+    if (accesses_.empty() && pinned_.empty() && !host_sync_) return;
+    int64_t stream = key_of(device_, current_stream_id(device_));
+    bool need_where = capture_ || id_of(stream) != 0 || !pinned_.empty();
+    if (!need_where) {
+      std::lock_guard<std::recursive_mutex> lock(g_mu);
+      for (const Access& a : accesses_) {
+        auto it = g_blocks.find(a.base);
+        if (it != g_blocks.end() && it->second.shared) need_where = true;
+      }
+    }
+    Where where = need_where ? capture_where() : nullptr;
+    std::vector<Conflict> found;
+    {
+      std::lock_guard<std::recursive_mutex> lock(g_mu);
+      Clock& clock = stream_clock(stream);
+      uint64_t seq = ++clock[stream];
+      for (const Access& a : accesses_) {
+        check_and_record(g_blocks[a.base], stream, seq, clock, a, op_, where, device_, found);
+      }
+      for (const Access& a : pinned_) {
+        Block& block = g_blocks[a.base];
+        block.pinned = true;
+        check_and_record(block, stream, seq, clock, a, op_, where, device_, found);
+        g_pinned_pending.insert(a.base);
+      }
+      g_pinned_pending_count = g_pinned_pending.size();
+      if (host_sync_) host_learns(clock);
+    }
+    if (!pinned_.empty()) {
+      c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::TESTING_ONLY_GenericMode, true);
+    }
+    report(found);
+  }
+
+ private:
+  c10::DeviceIndex device_;
+  const char* op_;
+  std::vector<Access> accesses_;
+  std::vector<Access> pinned_;
+  bool capture_ = false;
+  bool host_sync_ = false;
+};
+
+// Ops that read no element of their tensors (metadata, pinning state).
+bool touches_no_data(const c10::FunctionSchema& schema) {
+  static const std::unordered_set<std::string> names = {
+      "aten::is_pinned",  "aten::size",         "aten::stride",       "aten::sym_size",
+      "aten::sym_stride", "aten::sym_numel",    "aten::is_same_size", "aten::record_stream",
+      "aten::sym_storage_offset", "aten::_has_same_storage_numel", "aten::is_set_to"};
+  return names.count(schema.name()) > 0;
+}
+
+// A host op's accesses to pinned memory that a stream may still be copying from or to.
+void check_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const auto n = schema.arguments().size();
+  auto arguments = torch::jit::last(stack, n);
+  std::vector<Conflict> found;
+  Where where;
+  bool captured = false;
+  auto visit = [&](const at::Tensor& t, bool write, const std::string& argument) {
+    if (!t.defined() || !t.device().is_cpu()) return;
+    uintptr_t base;
+    size_t lo, hi;
+    if (!range_of(t, base, lo, hi)) return;
+    {
+      std::lock_guard<std::recursive_mutex> lock(g_mu);
+      if (!g_pinned_pending.count(base)) return;
+    }
+    if (!captured) {
+      where = capture_where();
+      captured = true;
+    }
+    std::lock_guard<std::recursive_mutex> lock(g_mu);
+    auto it = g_blocks.find(base);
+    if (it == g_blocks.end()) return;
+    for (Record& r : it->second.records) {
+      if (r.hi <= lo || hi <= r.lo) continue;
+      if (!r.write && !write) continue;
+      if (host_ordered(r)) continue;
+      if (r.reported) break;
+      r.reported = true;
+      found.push_back(Conflict{write ? "host-write-before-copy-done" : "host-read-before-sync",
+                               static_cast<int>(device_of(r.stream)), base + lo, hi - lo,
+                               describe_tensor(t), kHost, schema.name().c_str(), argument,
+                               write, where, r, nullptr});
+      break;
+    }
+  };
+  if (touches_no_data(schema)) return;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& argument = schema.arguments()[i];
+    const auto* alias = argument.alias_info();
+    bool write = alias != nullptr && alias->isWrite();
+    if (alias != nullptr && !write) continue;  // a view of it: no data is touched
+    const auto& value = arguments[i];
+    if (value.isTensor()) {
+      visit(value.toTensor(), write, argument.name());
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorList()) visit(t, write, argument.name());
+    }
+  }
+  report(found);
+}
+
+void host_watch(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                torch::jit::Stack* stack) {
+  if (on() && g_pinned_pending_count.load() > 0) {
+    check_host(op, stack);
+  } else {
+    c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::TESTING_ONLY_GenericMode, false);
+  }
+  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER,
+                                                c10::DispatchKey::TESTING_ONLY_GenericMode),
+                     stack);
+}
+
+// -- events and synchronizations --------------------------------------------------------------
+
+void event_record(Clock& event_clock, bool& has_clock, int64_t stream) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  event_clock = stream_clock(stream);
+  has_clock = true;
+}
+
+void stream_waits(int64_t stream, const Clock& event_clock) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  merge(stream_clock(stream), event_clock);
+}
+
+void host_syncs_stream(int64_t stream) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  Clock copy = stream_clock(stream);
+  host_learns(copy);
+}
+
+void host_syncs_event(const Clock& event_clock) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  host_learns(event_clock);
+}
+
+void host_syncs_device(c10::DeviceIndex device) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  Clock all;
+  for (const auto& [key, clock] : g_streams) {
+    if (device < 0 || device_of(key) == device) merge(all, clock);
+  }
+  host_learns(all);
+}
+
+// -- the allocator's hooks --------------------------------------------------------------------------
+
+void record_stream(uintptr_t base, int64_t stream) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  Block& block = g_blocks[base];
+  if (std::find(block.recorded.begin(), block.recorded.end(), stream) == block.recorded.end()) {
+    block.recorded.push_back(stream);
+  }
+}
+
+// A block returns to its allocation stream's pool: the accesses of record_stream's streams are
+// waited for by the allocator; the others stay, to be checked against the reuse.
+void freed(uintptr_t base, int64_t alloc_stream) {
+  bool need_where = false;
+  {
+    std::lock_guard<std::recursive_mutex> lock(g_mu);
+    auto it = g_blocks.find(base);
+    if (it == g_blocks.end()) return;
+    Block& block = it->second;
+    auto& records = block.records;
+    records.erase(std::remove_if(records.begin(), records.end(),
+                                 [&](const Record& r) {
+                                   return std::find(block.recorded.begin(), block.recorded.end(),
+                                                    r.stream) != block.recorded.end() ||
+                                          host_ordered(r);
+                                 }),
+                  records.end());
+    block.recorded.clear();
+    block.generation += 1;
+    block.freed_at = nullptr;
+    for (const Record& r : records) {
+      if (r.stream != alloc_stream) need_where = true;
+    }
+    if (records.empty()) {
+      g_blocks.erase(it);
+      return;
+    }
+  }
+  if (!need_where) return;
+  Where where = capture_where();
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  auto it = g_blocks.find(base);
+  if (it != g_blocks.end()) it->second.freed_at = where;
+}
+
+// The memory goes back to the system (or a pinned block is freed: CUDA's host allocator waits
+// for the streams that used it before it reuses the memory).
+void forget(uintptr_t base) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  g_blocks.erase(base);
+  if (g_pinned_pending.erase(base)) g_pinned_pending_count = g_pinned_pending.size();
+}
+
+void set_on(bool enabled) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  if (enabled && !g_on.load()) {
+    // a fresh start: what happened unchecked is unknown
+    g_blocks.clear();
+    g_streams.clear();
+    g_host.clear();
+    g_pinned_pending.clear();
+    g_pinned_pending_count = 0;
+  }
+  g_on = enabled;
+}
+
+}  // namespace san
+
+
 // -- memory ------------------------------------------------------------------------------------
 
 void* aligned_alloc_bytes(size_t nbytes) {
@@ -265,12 +852,25 @@ struct DeviceState {
   int64_t capacity = -1;  // bytes; -1: unlimited
 };
 
+// Note [Caching allocator]
+//   As CUDA's caching allocator does, a freed block goes back to a pool of its device and of the
+//   stream that was current when it was allocated, and the next allocation of the same rounded
+//   size on that stream takes it (the last freed first); so an offloader that frees a block
+//   another stream may still use, without record_stream or a wait, gets it reused at once, and
+//   the stream sanitizer sees the reuse (Note [Stream sanitizer]).  The statistics count live
+//   bytes (allocated, active, requested and reserved alike, as before the cache); at most
+//   kCacheLimit bytes per device are kept cached, empty_cache() returns them.
 class SimAllocator final : public c10::DeviceAllocator {
  public:
+  static constexpr size_t kRound = 512;
+  static constexpr size_t kCacheLimit = size_t(1) << 30;
+
   struct Context {
     void* ptr;
     size_t nbytes;
+    size_t rounded;
     c10::DeviceIndex device;
+    c10::StreamId stream;
     SimAllocator* owner;
   };
 
@@ -280,6 +880,9 @@ class SimAllocator final : public c10::DeviceAllocator {
   }
 
   c10::DataPtr allocate_on(size_t nbytes, c10::DeviceIndex device) {
+    size_t rounded = nbytes ? ((nbytes + kRound - 1) / kRound) * kRound : 0;
+    c10::StreamId stream = current_stream_id(device);
+    void* ptr = nullptr;
     {
       std::lock_guard<std::mutex> guard(mutex_);
       DeviceState& state = states_[device];
@@ -292,29 +895,82 @@ class SimAllocator final : public c10::DeviceAllocator {
             state.capacity, " bytes (OFFLOAD_REF_SIM_CAPACITY or set_capacity() sets it)");
       }
       increase(state, nbytes);
+      if (rounded) {
+        auto& pool = pools_[device][stream];
+        auto range = pool.equal_range(rounded);
+        if (range.first != range.second) {
+          auto last = std::prev(range.second);
+          ptr = last->second;
+          pool.erase(last);
+          cached_[device] -= rounded;
+        }
+      }
     }
-    void* ptr = nbytes ? aligned_alloc_bytes(nbytes) : nullptr;
-    auto* ctx = new Context{ptr, nbytes, device, this};
+    if (rounded && ptr == nullptr) ptr = aligned_alloc_bytes(rounded);
+    auto* ctx = new Context{ptr, nbytes, rounded, device, stream, this};
     return c10::DataPtr(ptr, ctx, &SimAllocator::deleter, c10::Device(kDev, device));
   }
 
   static void deleter(void* raw) {
     auto* ctx = static_cast<Context*>(raw);
-    if (ctx->ptr) std::free(ctx->ptr);
-    ctx->owner->release(ctx->nbytes, ctx->device);
+    if (ctx->ptr && san::on()) {
+      san::freed(reinterpret_cast<uintptr_t>(ctx->ptr), san::key_of(ctx->device, ctx->stream));
+    }
+    ctx->owner->release(*ctx);
     delete ctx;
   }
 
-  void release(size_t nbytes, c10::DeviceIndex device) {
+  void release(const Context& ctx) {
+    bool keep = false;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      DeviceState& state = states_[ctx.device];
+      for (auto* stat : {&state.stats.allocated_bytes, &state.stats.reserved_bytes,
+                         &state.stats.active_bytes, &state.stats.requested_bytes}) {
+        (*stat)[0].decrease(ctx.nbytes);
+      }
+      for (auto* stat : {&state.stats.allocation, &state.stats.segment, &state.stats.active}) {
+        (*stat)[0].decrease(1);
+      }
+      if (ctx.ptr && cached_[ctx.device] + ctx.rounded <= kCacheLimit) {
+        pools_[ctx.device][ctx.stream].emplace(ctx.rounded, ctx.ptr);
+        cached_[ctx.device] += ctx.rounded;
+        keep = true;
+      }
+    }
+    if (ctx.ptr && !keep) {
+      if (san::on()) san::forget(reinterpret_cast<uintptr_t>(ctx.ptr));
+      std::free(ctx.ptr);
+    }
+  }
+
+  // Does `ptr` belong to this allocator (a DataPtr it made)?
+  static const Context* context_of(const c10::DataPtr& data) {
+    if (data.get_deleter() != &SimAllocator::deleter) return nullptr;
+    return static_cast<const Context*>(data.get_context());
+  }
+
+  void empty_cache() {
+    std::vector<void*> blocks;
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      for (int d = 0; d < kMaxDevices; ++d) {
+        for (auto& [stream, pool] : pools_[d]) {
+          for (auto& [size, ptr] : pool) blocks.push_back(ptr);
+        }
+        pools_[d].clear();
+        cached_[d] = 0;
+      }
+    }
+    for (void* ptr : blocks) {
+      if (san::on()) san::forget(reinterpret_cast<uintptr_t>(ptr));
+      std::free(ptr);
+    }
+  }
+
+  size_t cached_bytes(c10::DeviceIndex device) {
     std::lock_guard<std::mutex> guard(mutex_);
-    DeviceState& state = states_[device];
-    for (auto* stat : {&state.stats.allocated_bytes, &state.stats.reserved_bytes,
-                       &state.stats.active_bytes, &state.stats.requested_bytes}) {
-      (*stat)[0].decrease(nbytes);
-    }
-    for (auto* stat : {&state.stats.allocation, &state.stats.segment, &state.stats.active}) {
-      (*stat)[0].decrease(1);
-    }
+    return cached_[check(device)];
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
@@ -324,8 +980,12 @@ class SimAllocator final : public c10::DeviceAllocator {
   }
 
   bool initialized() override { return true; }
-  void emptyCache(c10::MempoolId_t) override {}
-  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+  void emptyCache(c10::MempoolId_t) override { empty_cache(); }
+  void recordStream(const c10::DataPtr& data, c10::Stream stream) override {
+    if (!san::on() || context_of(data) == nullptr || data.get() == nullptr) return;
+    san::record_stream(reinterpret_cast<uintptr_t>(data.get()),
+                       san::key_of(stream.device_index(), stream.id()));
+  }
 
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> guard(mutex_);
@@ -394,6 +1054,9 @@ class SimAllocator final : public c10::DeviceAllocator {
 
   std::mutex mutex_;
   DeviceState states_[kMaxDevices];
+  // device -> allocation stream -> rounded size -> cached blocks
+  std::unordered_map<c10::StreamId, std::multimap<size_t, void*>> pools_[kMaxDevices];
+  size_t cached_[kMaxDevices] = {};
 };
 
 SimAllocator g_allocator;
@@ -424,6 +1087,7 @@ class PinnedAllocator final : public c10::Allocator {
     if (ctx->ptr) {
       std::lock_guard<std::mutex> guard(ctx->owner->mutex_);
       ctx->owner->ranges_.erase(reinterpret_cast<uintptr_t>(ctx->ptr));
+      if (san::on()) san::forget(reinterpret_cast<uintptr_t>(ctx->ptr));
       ctx->owner->total_ -= ctx->nbytes;
       std::free(ctx->ptr);
     }
@@ -460,16 +1124,14 @@ PinnedAllocator g_pinned;
 
 // -- device guard: current device, synchronous streams and events ---------------------------------
 
-thread_local c10::DeviceIndex tls_device = 0;
-thread_local std::unordered_map<int, c10::StreamId> tls_stream;  // device -> current stream id
-std::atomic<c10::StreamId> g_next_stream{1};
-
 c10::DeviceIndex SimAllocator::current_device() { return tls_device; }
 
 struct SimEvent {
   bool recorded = false;
   std::chrono::steady_clock::time_point time;
   c10::DeviceIndex device = 0;
+  san::Clock clock;  // the recording stream's clock (Note [Stream sanitizer])
+  bool has_clock = false;
 };
 
 class SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
@@ -534,9 +1196,17 @@ class SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     sim->recorded = true;
     sim->time = std::chrono::steady_clock::now();
     sim->device = device_index >= 0 ? device_index : stream.device_index();
+    sim->has_clock = false;
+    if (san::on()) {
+      san::event_record(sim->clock, sim->has_clock, san::key_of(stream.device_index(), stream.id()));
+    }
   }
 
-  void block(void* /*event*/, const c10::Stream& /*stream*/) const override {}
+  void block(void* event, const c10::Stream& stream) const override {
+    auto* sim = static_cast<SimEvent*>(event);
+    if (sim == nullptr || !sim->has_clock || !san::on()) return;
+    san::stream_waits(san::key_of(stream.device_index(), stream.id()), sim->clock);
+  }
 
   bool queryEvent(void* /*event*/) const override { return true; }
 
@@ -545,10 +1215,19 @@ class SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
 
   bool queryStream(const c10::Stream& /*stream*/) const override { return true; }
-  void synchronizeStream(const c10::Stream& /*stream*/) const override {}
-  void synchronizeEvent(void* /*event*/) const override {}
-  void synchronizeDevice(const c10::DeviceIndex /*device_index*/) const override {}
-  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  void synchronizeStream(const c10::Stream& stream) const override {
+    if (san::on()) san::host_syncs_stream(san::key_of(stream.device_index(), stream.id()));
+  }
+  void synchronizeEvent(void* event) const override {
+    auto* sim = static_cast<SimEvent*>(event);
+    if (sim != nullptr && sim->has_clock && san::on()) san::host_syncs_event(sim->clock);
+  }
+  void synchronizeDevice(const c10::DeviceIndex device_index) const override {
+    if (san::on()) san::host_syncs_device(device_index);
+  }
+  void recordDataPtrOnStream(const c10::DataPtr& data, const c10::Stream& stream) const override {
+    g_allocator.recordStream(data, stream);
+  }
 
   double elapsedTime(void* event1, void* event2,
                      const c10::DeviceIndex /*device_index*/) const override {
@@ -769,8 +1448,49 @@ at::Tensor empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride,
   return device_empty_strided(size, stride, type, index_of(device));
 }
 
+// A copy's accesses (Note [Stream sanitizer]): on the current stream of the device side; a
+// non_blocking copy from or to pinned host memory is asynchronous to the host, any other copy
+// with a host side ends in a host synchronization with the stream, as on CUDA (a blocking copy
+// synchronizes its stream; a device-to-host copy into pageable memory returns when done).
+bool is_pinned_host(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.has_storage() && t.storage().data() != nullptr &&
+         g_pinned.contains(t.storage().data());
+}
+
+void sanitize_copy(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
+  if (is_dev(src) && is_dev(dst)) {
+    san::Launch launch(dst.device().index(), "copy device to device");
+    launch.add(src, false, "src");
+    launch.add(dst, true, "self");
+    launch.commit();
+  } else if (is_dev(dst)) {
+    bool pinned = is_pinned_host(src);
+    san::Launch launch(dst.device().index(),
+                       !non_blocking ? "copy host to device"
+                       : pinned      ? "copy host to device (non_blocking, from pinned memory)"
+                                     : "copy host to device (non_blocking, from pageable memory)");
+    launch.add(dst, true, "self");
+    if (non_blocking && pinned) launch.add_pinned(src, false, "src");
+    if (!non_blocking) launch.host_sync_after();
+    launch.commit();
+  } else if (is_dev(src)) {
+    bool pinned = is_pinned_host(dst);
+    san::Launch launch(src.device().index(),
+                       !non_blocking ? "copy device to host"
+                       : pinned      ? "copy device to host (non_blocking, into pinned memory)"
+                                     : "copy device to host (non_blocking, into pageable memory)");
+    launch.add(src, false, "src");
+    if (non_blocking && pinned) {
+      launch.add_pinned(dst, true, "self");
+    } else {
+      launch.host_sync_after();
+    }
+    launch.commit();
+  }
+}
+
 // Plain byte-level copies in both directions (the memory is host memory on both sides).
-at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_blocking*/) {
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   OpScope scope("aten::_copy_from");
   at::Tensor src_view = is_dev(self) ? cpu_alias(self) : self;
   at::Tensor dst_view = is_dev(dst) ? cpu_alias(dst) : dst;
@@ -778,6 +1498,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_b
               "offload-ref's simulated accelerator copies to and from the host only, not ",
               self.device(), " -> ", dst.device());
   dst_view.copy_(src_view);
+  if (san::on()) sanitize_copy(self, dst, non_blocking);
   return dst;
 }
 
@@ -898,7 +1619,14 @@ at::Tensor unfold(const at::Tensor& self, int64_t dimension, int64_t size, int64
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
   OpScope scope("aten::_local_scalar_dense");
-  return at::_local_scalar_dense(cpu_alias(self));
+  at::Scalar value = at::_local_scalar_dense(cpu_alias(self));
+  if (san::on()) {  // .item(): a device-to-host copy that the host waits for
+    san::Launch launch(self.device().index(), "aten::_local_scalar_dense (item)");
+    launch.add(self, false, "self");
+    launch.host_sync_after();
+    launch.commit();
+  }
+  return value;
 }
 
 // A fresh CPU result copied once into device memory (so the allocator counts it).
@@ -939,7 +1667,16 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
   if (bias.has_value() && bias->defined()) host_bias = host_of(*bias);
   at::Tensor out = at::convolution(host_of(input), host_of(weight), host_bias, stride, padding,
                                    dilation, transposed, output_padding, groups);
-  return to_device(out, input.device().index());
+  at::Tensor result = to_device(out, input.device().index());
+  if (san::on()) {
+    san::Launch launch(input.device().index(), "aten::convolution");
+    launch.add(input, false, "input");
+    launch.add(weight, false, "weight");
+    if (bias.has_value()) launch.add(*bias, false, "bias");
+    launch.add(result, true, "result");
+    launch.commit();
+  }
+  return result;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
@@ -953,8 +1690,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
                                         c10::IntArrayRef(bias_sizes), stride, padding, dilation,
                                         transposed, output_padding, groups, output_mask);
   auto index = input.device().index();
-  return {to_device(std::get<0>(grads), index), to_device(std::get<1>(grads), index),
-          to_device(std::get<2>(grads), index)};
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> result{
+      to_device(std::get<0>(grads), index), to_device(std::get<1>(grads), index),
+      to_device(std::get<2>(grads), index)};
+  if (san::on()) {
+    san::Launch launch(index, "aten::convolution_backward");
+    launch.add(grad_output, false, "grad_output");
+    launch.add(input, false, "input");
+    launch.add(weight, false, "weight");
+    launch.add(std::get<0>(result), true, "result");
+    launch.add(std::get<1>(result), true, "result");
+    launch.add(std::get<2>(result), true, "result");
+    launch.commit();
+  }
+  return result;
 }
 
 // -- the fallback: every other op runs CPU's kernel on the same bytes -------------------------------
@@ -1148,6 +1897,8 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   // 3. CPU's kernel on the same bytes
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  std::optional<san::Launch> launch;  // the op's accesses (Note [Stream sanitizer])
+  if (san::on()) launch.emplace(index, schema.name().c_str());
 
   // 4. mutated arguments: copy replaced outs back, follow metadata changes of in-place ops
   for (size_t i = 0; i < num_arguments; ++i) {
@@ -1178,7 +1929,9 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   auto map_back = [&](const at::Tensor& t) -> at::Tensor {
     if (!t.defined() || !t.device().is_cpu()) return t;
     if (const c10::Storage* storage = aliases.find(t)) return device_view(*storage, t);
-    return to_device(t, index);
+    at::Tensor fresh = to_device(t, index);
+    if (launch.has_value()) launch->add(fresh, true, "result");
+    return fresh;
   };
   for (size_t r = 0; r < num_returns; ++r) {
     auto& value = returns[r];
@@ -1231,6 +1984,30 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       for (const at::Tensor& t : list) mapped.push_back(map_back(t));
       value = mapped;
     }
+  }
+  if (launch.has_value() && !san::touches_no_data(schema)) {
+    // the arguments, with the geometry the op left them (an out= it resized); an argument the
+    // op only takes a view of is not an access
+    for (size_t i = 0; i < num_arguments; ++i) {
+      const auto& argument = schema.arguments()[i];
+      const auto* alias_info = argument.alias_info();
+      const bool write = alias_info != nullptr && alias_info->isWrite();
+      if (alias_info != nullptr && !write) continue;
+      const auto& value = originals[i];
+      if (value.isTensor()) {
+        if (is_dev(value.toTensor())) launch->add(value.toTensor(), write, argument.name());
+      } else if (value.isTensorList()) {
+        for (const at::Tensor& t : value.toTensorList()) {
+          if (is_dev(t)) launch->add(t, write, argument.name());
+        }
+      } else if (value.isOptionalTensorList()) {
+        for (const auto& item : value.toOptionalTensorList()) {
+          std::optional<at::Tensor> opt = item;
+          if (opt.has_value() && is_dev(*opt)) launch->add(*opt, write, argument.name());
+        }
+      }
+    }
+    launch->commit();
   }
 }
 
@@ -1292,7 +2069,17 @@ at::Tensor sdpa_on_device_from(const at::Tensor& q, const at::Tensor& k, const a
   if (dropout_p > 0) random.emplace(index, nullptr, random_start);
   at::Tensor out = at::scaled_dot_product_attention(host(q), host(k), host(v), host_mask,
                                                     dropout_p, is_causal, scale, enable_gqa);
-  return to_device(out, index);
+  at::Tensor result = to_device(out, index);
+  if (san::on()) {
+    san::Launch launch(index, "aten::scaled_dot_product_attention");
+    launch.add(q, false, "query");
+    launch.add(k, false, "key");
+    launch.add(v, false, "value");
+    if (mask.has_value()) launch.add(*mask, false, "attn_mask");
+    launch.add(result, true, "result");
+    launch.commit();
+  }
+  return result;
 }
 
 at::Tensor sdpa_on_device(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1384,6 +2171,15 @@ struct SdpaFunction : public torch::autograd::Function<SdpaFunction> {
     for (size_t j = 0; j < positions.size(); ++j) {
       result[positions[j]] = to_device(computed[j], index);
     }
+    if (san::on()) {
+      san::Launch launch(index, "aten::scaled_dot_product_attention (backward)");
+      for (const auto& t : saved) launch.add(t, false, "saved");
+      launch.add(grads[0], false, "grad_output");
+      for (const auto& t : result) {
+        if (t.defined()) launch.add(t, true, "result");
+      }
+      launch.commit();
+    }
     return result;
   }
 };
@@ -1427,6 +2223,29 @@ at::Tensor sdpa_autograd(const at::Tensor& q, const at::Tensor& k, const at::Ten
 }
 
 std::vector<std::unique_ptr<torch::Library>>& libraries();
+
+// `x.to("cpu", non_blocking=True)` of a device tensor lands in pinned memory, as on CUDA (torch's
+// _to_copy pins the result for CUDA and PrivateUse1 only), so the copy is asynchronous to the host
+// and the stream sanitizer checks that the host waits before it reads it.
+at::Tensor to_copy(const at::Tensor& self, std::optional<c10::ScalarType> dtype,
+                   std::optional<c10::Layout> layout, std::optional<c10::Device> device,
+                   std::optional<bool> pin_memory, bool non_blocking,
+                   std::optional<c10::MemoryFormat> memory_format) {
+  bool pin_out = non_blocking && is_dev(self) && device.has_value() && device->is_cpu() &&
+                 (!layout.has_value() || *layout == c10::Layout::Strided);
+  if (pin_out) pin_memory = true;
+  return at::native::_to_copy(self, dtype, layout, device, pin_memory, non_blocking,
+                              memory_format);
+}
+
+// Tensor.record_stream(s): the caching allocator waits for `s` before it reuses the block.
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  TORCH_CHECK(is_dev(self), "record_stream: expected a tensor of offload-ref's simulated "
+              "accelerator (hpu), got one on ", self.device());
+  TORCH_CHECK(stream.device_type() == kDev, "record_stream: expected a stream of hpu, got one of ",
+              stream.device());
+  if (self.has_storage()) g_allocator.recordStream(self.storage().data_ptr(), stream);
+}
 
 // Note [Composites the CPU overrides]
 //   An op with a CompositeImplicitAutograd kernel (a decomposition into other ops) and its own
@@ -1531,6 +2350,8 @@ void register_ops() {
   aten->impl("as_strided", TORCH_FN(as_strided));
   aten->impl("unfold", TORCH_FN(unfold));
   aten->impl("_local_scalar_dense", TORCH_FN(local_scalar_dense));
+  aten->impl("_to_copy", TORCH_FN(to_copy));
+  aten->impl("record_stream", TORCH_FN(record_stream));
   aten->impl("convolution_overrideable", TORCH_FN(convolution_overrideable));
   aten->impl("convolution_backward_overrideable", TORCH_FN(convolution_backward_overrideable));
   // Composite kernels that are not CPU's (torch 2.13): run CPU's kernel through the fallback.
@@ -1569,6 +2390,11 @@ void register_ops() {
       torch::Library::IMPL, "aten", c10::DispatchKey::AutogradHPU, __FILE__, __LINE__);
   autograd->impl("scaled_dot_product_attention", TORCH_FN(sdpa_autograd));
   libraries().push_back(std::move(autograd));
+
+  auto host_watch = std::make_unique<torch::Library>(
+      torch::Library::IMPL, "_", c10::DispatchKey::TESTING_ONLY_GenericMode, __FILE__, __LINE__);
+  host_watch->fallback(torch::CppFunction::makeFromBoxedFunction<&san::host_watch>());
+  libraries().push_back(std::move(host_watch));
 
   auto fallback_lib = std::make_unique<torch::Library>(torch::Library::IMPL, "_", kKey,
                                                        __FILE__, __LINE__);
@@ -1658,4 +2484,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_rng_state", &simdev::set_rng_state);
   m.def("initial_seed", &simdev::initial_seed);
   m.def("device_count", []() { return simdev::g_device_count.load(); });
+  m.def("check_streams", &simdev::san::set_on, "turn the stream sanitizer on or off");
+  m.def("checking_streams", &simdev::san::on);
+  m.def("races", [](bool clear) {
+    py::list out;
+    if (simdev::san::g_races != nullptr) {
+      for (const auto& race : *simdev::san::g_races) out.append(race);
+      if (clear) {
+        simdev::san::g_races->clear();
+        simdev::san::g_race_keys.clear();
+      }
+    }
+    return out;
+  });
+  m.def("set_tensor_namer", [](py::object namer) {
+    if (simdev::san::g_namer == nullptr) simdev::san::g_namer = new py::object();
+    *simdev::san::g_namer = std::move(namer);
+  });
+  m.def("cached_bytes", [](int64_t device) {
+    return simdev::g_allocator.cached_bytes(static_cast<c10::DeviceIndex>(device));
+  });
 }
