@@ -30,8 +30,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["Installed", "named_modules", "observe_enable", "offloader_cause", "running_hook",
-           "tensor_kind", "where_code"]
+__all__ = ["Installed", "code_file", "hooks_of", "named_modules", "observe_enable", "offloader_cause",
+           "race_party", "running_hook", "short_path", "tensor_kind", "where_code"]
 
 #: the torch.nn.Module machinery a module's hooks and forward are called from
 _CALL_MACHINERY = frozenset({"_call_impl", "_wrapped_call_impl", "inner", "__call__"})
@@ -42,16 +42,21 @@ def _within(path: str, owner: str) -> bool:
     return owner == "" or path == owner or path.startswith(owner + ".")
 
 
+def short_path(filename: str) -> str:
+    """``filename`` relative to the working folder or to site-packages (else as it is): how the
+    kit writes a source file."""
+    cwd = os.getcwd().rstrip(os.sep) + os.sep
+    if filename.startswith(cwd):
+        return filename[len(cwd):]
+    if "site-packages" + os.sep in filename:
+        return filename.split("site-packages" + os.sep, 1)[1]
+    return filename
+
+
 def where_code(code: CodeType, line: int | None = None) -> str:
     """``file:line`` of ``code`` (its first line unless ``line``), the file relative to the
     working folder or to site-packages."""
-    filename = code.co_filename
-    cwd = os.getcwd().rstrip(os.sep) + os.sep
-    if filename.startswith(cwd):
-        filename = filename[len(cwd):]
-    elif "site-packages" + os.sep in filename:
-        filename = filename.split("site-packages" + os.sep, 1)[1]
-    return f"{filename}:{code.co_firstlineno if line is None else line}"
+    return f"{short_path(code.co_filename)}:{code.co_firstlineno if line is None else line}"
 
 
 def _callable_code(fn: Any) -> CodeType | None:
@@ -70,7 +75,7 @@ def _describe(fn: Any) -> str:
     return f"{name} ({where_code(code)})" if code is not None else name
 
 
-def _hooks_of(module: nn.Module) -> dict[tuple[str, int], Any]:
+def hooks_of(module: nn.Module) -> dict[tuple[str, int], Any]:
     """What hooks ``module`` has now: (kind, key) -> the hook (``forward`` replaced on the
     instance counts, keyed by the identity of the replacement)."""
     out: dict[tuple[str, int], Any] = {}
@@ -130,7 +135,7 @@ class Installed:
 
     def removed(self, path: str, module: nn.Module) -> list[str]:
         """The hooks the enable added to ``module`` that are gone now, described."""
-        now = _hooks_of(module)
+        now = hooks_of(module)
         return [f"{kind} {_describe(hook)}" for (kind, key), hook in
                 self.hooks.get(path, {}).items() if (kind, key) not in now]
 
@@ -149,12 +154,12 @@ def observe_enable(pipeline: Any, enable: Callable[[], None], *, name: str,
     """Run ``enable()`` and record the hooks it added and the tensors it moved.  ``ignore``:
     the handle ids of hooks that are not the offloader's (the kit's own module windows)."""
     modules = named_modules(pipeline)
-    before = {p: set(_hooks_of(m)) for p, m in modules}
+    before = {p: set(hooks_of(m)) for p, m in modules}
     places = _tensor_places(pipeline)
     enable()
     installed = Installed(name, is_enabled, device, before=before)
     for path, module in named_modules(pipeline):
-        added = {k: h for k, h in _hooks_of(module).items()
+        added = {k: h for k, h in hooks_of(module).items()
                  if k not in before.get(path, set()) and k[1] not in ignore}
         if added:
             installed.hooks[path] = added
@@ -324,3 +329,56 @@ def offloader_cause(path: str, t: torch.Tensor, reader: str, line: str, *,
             f"on {t.device} while {reader} computed on {installed.device} (an offloader defect, "
             f"not the pipeline's: {path} is state of {top} that the offloader does not "
             f"manage).{note}")
+
+
+# -- stream races ------------------------------------------------------------------------------
+
+
+def code_file(obj: Any) -> str | None:
+    """The absolute source file of ``obj``: a function, method or ``functools.partial`` (its
+    code), a class (its module), any other object (its class's module); None when unknown."""
+    import inspect
+
+    if not inspect.isclass(obj):
+        code = _callable_code(obj) if callable(obj) else None
+        if code is not None:
+            return os.path.abspath(code.co_filename)
+        obj = type(obj)
+    module = sys.modules.get(getattr(obj, "__module__", "") or "")
+    path = getattr(module, "__file__", None)
+    return os.path.abspath(path) if path else None
+
+
+def _frame_file(frame: str) -> str:
+    """The file of a frame as the stream sanitizer writes it: ``path/file.py:123 in forward``."""
+    text = frame.rsplit(" in ", 1)[0] if " in " in frame else frame
+    head, _, line = text.rpartition(":")
+    return head if head and line.strip().isdigit() else text
+
+
+def _known(frame: str, files: set[str]) -> bool:
+    path = _frame_file(frame)
+    return path in files or os.path.abspath(path) in files or any(
+        short_path(f) == path for f in files)
+
+
+def race_party(current: tuple[str, ...], previous: tuple[str, ...], offloader_files: set[str],
+               pipeline_files: set[str]) -> tuple[str, str]:
+    """Who made a stream race, from the frames of its two accesses (innermost first, as the
+    sanitizer records them): ``("pipeline", why)`` when both were made in the pipeline's own code
+    (the innermost frame of each in ``pipeline_files``, no frame of either in
+    ``offloader_files``): the pipeline uses streams itself and orders them wrongly; else
+    ``("offloader", why)``: the streams that carry weights are the offloader's to order."""
+    def in_pipeline(frames: tuple[str, ...]) -> bool:
+        return bool(frames) and _known(frames[0], pipeline_files) and not any(
+            _known(f, offloader_files) for f in frames)
+
+    if in_pipeline(current) and in_pipeline(previous):
+        return ("pipeline", f"both accesses are the pipeline's own code ({current[0]}, "
+                            f"{previous[0]}), on streams it drives itself: order them there")
+    mine = [f for f in (*previous, *current) if _known(f, offloader_files)]
+    if mine:
+        return ("offloader", f"the offloader's code made the unordered access ({mine[0]}); an "
+                             "offloader orders the streams it moves weights on")
+    return ("offloader", "the streams that move weights are the offloader's to order (neither "
+                         "access is in the pipeline's own code alone)")

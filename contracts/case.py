@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,6 +130,12 @@ def _make_platform() -> Any:
     return CpuPlatform(device=kit_device(), race_amplifier=True)
 
 
+def _make_accelerator_platform() -> Any:
+    from offload_ref.platform.accelerator import AcceleratorPlatform
+
+    return AcceleratorPlatform(kit_device())
+
+
 def _load_safetensors(module: Any, paths: Any, **kwargs: Any) -> Any:
     from offload_ref.loading import load_safetensors
 
@@ -152,6 +159,12 @@ class Implementation:
     config_from_mapping: Callable[..., OffloadConfig] = OffloadConfig.from_mapping
     make_backend: Callable[[OffloadConfig, Any], Any] = _make_backend
     make_platform: Callable[[], Any] = _make_platform
+    #: The platform ``check_device_accesses_are_ordered_across_streams`` (§S) runs offload-ref's
+    #: backends on: :class:`~offload_ref.platform.accelerator.AcceleratorPlatform` on the kit's
+    #: device, the ``torch.Stream`` / ``torch.Event`` code a GPU runs, whose streams the
+    #: simulated accelerator's sanitizer orders (the CPU platform's copy threads all run on the
+    #: device's default stream: its own order checker judges them).
+    make_accelerator_platform: Callable[[], Any] = _make_accelerator_platform
     #: What the kit can see of it (:mod:`.capabilities` decides which checks apply from this).
     capabilities: Capabilities = OFFLOAD_REF
     #: ``(strategy, why)`` for each strategy it does not offer: those cases are not applicable.
@@ -212,12 +225,25 @@ class CheckCase:
     _host_reference: Any = None
     _host_reference_run: Run | None = None
     _device: torch.device | None = None
+    #: weak references to the pipelines :meth:`build` made (the stream sanitizer names racing
+    #: memory by their tensors' module paths: contracts/streams.py)
+    _built: list[Any] = field(default_factory=list)
 
     # -- pipelines ------------------------------------------------------------------------------
 
     def build(self) -> Any:
         assert self.spec is not None, "a global check has no pipeline"
-        return self.spec.build()
+        pipeline = self.spec.build()
+        try:
+            self._built.append(weakref.ref(pipeline))
+        except TypeError:  # an object that takes no weak reference: its tensors go unnamed
+            pass
+        return pipeline
+
+    def built_pipelines(self) -> list[Any]:
+        """The pipelines :meth:`build` made that are still alive (held weakly)."""
+        alive = [ref() for ref in self._built]
+        return [p for p in alive if p is not None]
 
     @property
     def device(self) -> torch.device:
@@ -343,6 +369,12 @@ class CheckCase:
 
     def platform(self) -> Any:
         p = self.impl.make_platform()
+        self._platforms.append(p)
+        return p
+
+    def accelerator_platform(self) -> Any:
+        """A platform of ``impl.make_accelerator_platform`` (closed with the case)."""
+        p = self.impl.make_accelerator_platform()
         self._platforms.append(p)
         return p
 

@@ -29,7 +29,7 @@ __all__ = ["AREAS_JUDGED", "Cell", "PeerRow", "judge_peer", "level_of", "measure
 
 #: The areas a protocol offloader is judged in (the others test offload-ref's own resolver,
 #: config parser, split-model delegation and distributed backend: :mod:`.capabilities`).
-AREAS_JUDGED = ("B", "C", "D", "F", "J")
+AREAS_JUDGED = ("B", "C", "D", "F", "J", "S")
 _DIAGNOSED = "diagnosis: cause:"
 #: Failing cases shown in full per check and offloader (the rest are named)
 _SHOWN = 3

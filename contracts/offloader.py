@@ -77,6 +77,11 @@ class ProtocolBackend:
         self.offloader, self.name, self.strategy = offloader, name, strategy
 
     def enable(self, pipeline: Any) -> None:
+        from .blame import hooks_of, named_modules
+        from .streams import note_offloader
+
+        before = {id(m): set(hooks_of(m)) for _, m in named_modules(pipeline)}
+        note_offloader(self.offloader)
         try:
             self.offloader.enable(pipeline)
         except NotImplementedError as exc:
@@ -86,6 +91,10 @@ class ProtocolBackend:
         except BaseException as exc:
             _mark(exc, f"the offloader {self.name}'s enable()")
             raise
+        # the code of the hooks it added is the offloader's (a stream race's party: blame.py)
+        note_offloader(*(hook for _, m in named_modules(pipeline)
+                         for key, hook in hooks_of(m).items()
+                         if key not in before.get(id(m), ())))
 
     def disable(self) -> None:
         try:

@@ -71,6 +71,7 @@ AREAS = {
     "G": "config",
     "H": "distributed",
     "J": "misuse",
+    "S": "streams",
 }
 
 
@@ -99,6 +100,7 @@ DOCS: dict[str, str] = {
     "J.1": "docs/strategies.md#interrupts-and-faults",
     "J.2": "docs/strategies.md#interrupts-and-faults",
     "J.7": "docs/model-authors.md#1-declare-components",
+    "S": "docs/model-authors.md#reading-a-race-report",
 }
 
 

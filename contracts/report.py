@@ -86,15 +86,18 @@ def rows_from_results(results: Iterable[Any]) -> list[Row]:
 
 def kit_device_line() -> str:
     """Where the kit computes, in words: the simulated accelerator (placement checks on), or the
-    CPU alone and why (placement checks off)."""
+    CPU alone and why (placement checks off); and whether stream ordering is checked (the
+    simulated accelerator's happens-before sanitizer: contracts/streams.py), or why not."""
     from offload_ref.platform import simulated
+
+    from .streams import header_text
 
     reason = simulated.unavailable_reason()
     if reason is None:
         return ("hpu:0 (offload-ref's simulated accelerator; host memory on cpu) through "
-                "CpuPlatform, race amplifier on; placement checks ON")
+                f"CpuPlatform, race amplifier on; placement checks ON; {header_text()}")
     return (f"cpu (CpuPlatform, race amplifier on; host and device are both the CPU); "
-            f"PLACEMENT CHECKS OFF: {reason}")
+            f"PLACEMENT CHECKS OFF: {reason}; {header_text()}")
 
 
 def header(*, implementation: str = "offload_ref", pipelines: Mapping[str, str] | None = None,

@@ -19,6 +19,7 @@ from .severity import judge as judge_severity
 from .registry import (CATALOGUE, CheckFailure, CheckInfo, CheckNotApplicable, applicability,
                        closest, strategy_names)
 from .spec import PipelineSpec
+from .streams import watching
 from .traits import required_traits
 
 __all__ = ["CaseId", "CheckResult", "PlannedCase", "RunObserver", "expected_failures_for",
@@ -283,19 +284,21 @@ def run_case(info: CheckInfo, spec: PipelineSpec | None, strategy: str | None,
              impl: Implementation = DEFAULT_IMPLEMENTATION) -> None:
     """Run one case; raises :class:`CheckFailure` (or any error) when the contract does not hold."""
     case = CheckCase(spec, OffloadStrategy(strategy) if strategy else None, impl)
-    try:
-        info.func(case)
-    except Exception as exc:
-        if spec is not None and strategy is not None and is_device_error(str(exc)):
-            # Once per (spec, strategy, implementation): the same cause fails many checks.
-            key = (spec, strategy, impl)
-            if key not in _PLACEMENT_DIAGNOSES:
-                _PLACEMENT_DIAGNOSES[key] = diagnose_device_error(
-                    CheckCase(spec, OffloadStrategy(strategy), impl))
-            exc.add_note(_PLACEMENT_DIAGNOSES[key].lstrip("\n"))
-        raise
-    finally:
-        case.close()
+    # Note [The kit's stream checking]: every case under the stream sanitizer; a race fails it
+    with watching(case, offloader_name(impl)):
+        try:
+            info.func(case)
+        except Exception as exc:
+            if spec is not None and strategy is not None and is_device_error(str(exc)):
+                # Once per (spec, strategy, implementation): the same cause fails many checks.
+                key = (spec, strategy, impl)
+                if key not in _PLACEMENT_DIAGNOSES:
+                    _PLACEMENT_DIAGNOSES[key] = diagnose_device_error(
+                        CheckCase(spec, OffloadStrategy(strategy), impl))
+                exc.add_note(_PLACEMENT_DIAGNOSES[key].lstrip("\n"))
+            raise
+        finally:
+            case.close()
 
 
 #: (spec, strategy, implementation) -> the placement diagnosis of its device errors.
@@ -306,6 +309,12 @@ def offloader_ref(impl: Implementation) -> str | None:
     """What ``--offloader`` names ``impl`` by, in reproduction lines; None for offload-ref's own
     backends."""
     return None if impl.capabilities.internals else impl.name
+
+
+def offloader_name(impl: Implementation) -> str:
+    """How a message names the implementation under test: ``--offloader``'s reference, or
+    offload-ref's backends."""
+    return offloader_ref(impl) or f"offload-ref's backends ({impl.name})"
 
 
 def message_of(exc: BaseException) -> str:

@@ -126,7 +126,7 @@ def test_the_capability_record_names_real_checks_and_areas() -> None:
     assert set(NEEDS_BY_AREA) <= set(AREAS)
     judged = [i for i in catalogue.values() if inapplicable(i.id, i.section, PROTOCOL) is None]
     # what judges a foreign offloader: every area where an offloader's behaviour shows
-    assert {i.area for i in judged} == {"B", "C", "D", "F", "J"}
+    assert {i.area for i in judged} == {"B", "C", "D", "F", "J", "S"}
     for info in judged:  # they drive the backend through the protocol only
         used = set(info.func.__code__.co_names)
         internals = used & {"stats", "fault_injector", "edit_weights", "use_component"}

@@ -9,3 +9,4 @@ from . import observable  # noqa: F401
 from . import plan  # noqa: F401
 from . import residency  # noqa: F401
 from . import split  # noqa: F401
+from . import streams  # noqa: F401

@@ -1,0 +1,310 @@
+"""Stream ordering: every case the kit runs on the simulated accelerator runs under its
+happens-before stream sanitizer, and a race is a failure of that case.
+
+Note [The kit's stream checking]: the simulated accelerator (``hpu``) runs every stream in
+program order, so its values are right whatever an offloader's streams do; its sanitizer
+(offload_ref/platform/simulated, Note [Stream sanitizer] in simdevice.cpp) keeps per-stream vector
+clocks instead and reports two accesses to the same memory on different streams, neither ordered
+before the other, at least one a write (or memory reused while another stream may still use it).
+On a GPU such a race computes with bytes still being copied, or overwrites bytes still being
+read: a silently wrong output that shows only sometimes.  The check is by happens-before, not by
+timing, so here it shows every run.
+
+:func:`watching` wraps every case (``runner.run_case``: both ``offload-ref check`` and the pytest
+route): stream checking on for the case, the races of earlier cases forgotten, a namer installed
+that names racing memory by the module path of the pipeline tensor over it, and at the end the
+races collected; any race fails the case (:class:`~.registry.CheckFailure`, severity ``wrong
+output``) with :func:`race_report`'s message.  The party at fault is judged by
+:func:`~.blame.race_party`.  ``check_device_accesses_are_ordered_across_streams``
+(checks/streams.py) gives every pipeline and strategy a stream verdict of its own.
+
+Where the simulated accelerator is unavailable (``--single-device``, ``OFFLOAD_REF_SIM=0``, no
+compiler) stream checking is off, and the report's header says so and why (:func:`header_text`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .registry import CheckFailure, CheckNotApplicable
+
+__all__ = ["DOC", "header_text", "name_memory", "off_reason", "race_report", "watching"]
+
+#: Where a race report is explained.
+DOC = "docs/model-authors.md#reading-a-race-report"
+
+#: Races shown in full in one failure (the others are counted, one line each).
+_SHOWN = 4
+_LISTED = 8
+
+
+def off_reason() -> str | None:
+    """None when the kit checks stream ordering; else why it does not."""
+    from offload_ref.platform import simulated
+
+    reason = simulated.unavailable_reason()
+    if reason is not None:
+        if "OFFLOAD_REF_SIM=0" in reason:
+            return ("--single-device (OFFLOAD_REF_SIM=0): host and device are both the CPU, with "
+                    "no accelerator streams to check")
+        return f"the simulated accelerator is unavailable: {reason}"
+    if not hasattr(simulated.load(), "check_streams"):
+        return ("this build of the simulated accelerator has no stream sanitizer "
+                "(offload_ref/platform/simulated/simdevice.cpp)")
+    return None
+
+
+def header_text() -> str:
+    """The report header's words on stream checking."""
+    reason = off_reason()
+    if reason is None:
+        return "stream checking ON (happens-before, hpu streams)"
+    return f"STREAM CHECKING OFF: {reason}"
+
+
+# -- naming racing memory ----------------------------------------------------------------------
+
+
+def _span(t: Any) -> tuple[int, int]:
+    """``(first byte, bytes)`` a tensor's elements cover in memory."""
+    if t.numel() == 0:
+        return t.data_ptr(), 0
+    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), extent * t.element_size()
+
+
+def name_memory(pipelines: Iterable[Any], address: int, nbytes: int) -> str | None:
+    """The module path (``transformer.blocks.3.ff.weight``) of the parameter or buffer of
+    ``pipelines`` whose elements cover most of ``[address, address + nbytes)``; else, of one whose
+    storage holds it (``the storage of PATH``: a slot's padding, a freed slab); None when no
+    tensor of theirs is there."""
+    from .blame import named_modules
+
+    end = address + max(int(nbytes), 1)
+    best: tuple[int, str] | None = None
+    holder: str | None = None
+    for pipeline in pipelines:
+        for path, module in named_modules(pipeline):
+            for registry in ("_parameters", "_buffers"):
+                for name, t in module.__dict__.get(registry, {}).items():
+                    if t is None or t.is_meta:
+                        continue
+                    start, size = _span(t)
+                    overlap = min(end, start + size) - max(address, start)
+                    full = f"{path}.{name}" if path else name
+                    if overlap > 0:
+                        if best is None or overlap > best[0]:
+                            best = (overlap, full)
+                    elif holder is None:
+                        storage = t.untyped_storage()
+                        base = storage.data_ptr()
+                        if base <= address < base + storage.nbytes():
+                            holder = f"the storage of {full}"
+    return best[1] if best is not None else holder
+
+
+class _Namer:
+    """The namer one case installs: the pipelines that case built (weakly held)."""
+
+    def __init__(self, case: Any) -> None:
+        self.case = case
+
+    def __call__(self, device: int, address: int, nbytes: int) -> str | None:
+        try:
+            return name_memory(self.case.built_pipelines(), address, nbytes)
+        except Exception:  # noqa: BLE001 - a name is a courtesy; the race is reported anyway
+            return None
+
+
+# -- whose code ---------------------------------------------------------------------------------
+
+#: Source files of the offloader under test seen in this case: its hooks, its class, its factory
+#: (:func:`note_offloader`).  offload-ref's own library files always count (its backends, its
+#: platforms, the peers' adapters), its fixtures never (they are pipelines).
+_OFFLOADER_FILES: set[str] = set()
+
+
+def note_offloader(*objects: Any) -> None:
+    """Remember the source files of ``objects`` (an offloader, its class, hooks, a factory) as
+    the offloader's code for the races of the running case."""
+    from .blame import code_file
+
+    for obj in objects:
+        path = code_file(obj)
+        if path:
+            _OFFLOADER_FILES.add(path)
+
+
+def _offloader_files() -> set[str]:
+    import offload_ref
+
+    own = os.path.dirname(os.path.abspath(offload_ref.__file__))
+    files = set(_OFFLOADER_FILES)
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None) or ""
+        if path.startswith(own + os.sep) and not path.startswith(
+                os.path.join(own, "fixtures") + os.sep):
+            files.add(os.path.abspath(path))
+    return files
+
+
+def _pipeline_files(case: Any) -> set[str]:
+    """Source files of the pipelines' own code: their classes, their modules' classes, the spec's
+    factory and inputs."""
+    from .blame import code_file, named_modules
+
+    files: set[str] = set()
+    for pipeline in case.built_pipelines():
+        files.add(code_file(type(pipeline)) or "")
+        for _, module in named_modules(pipeline):
+            files.add(code_file(type(module)) or "")
+    spec = getattr(case, "spec", None)
+    for ref in (getattr(spec, "factory", None), getattr(spec, "inputs", None)):
+        if isinstance(ref, str) and ":" in ref:
+            module = sys.modules.get(ref.partition(":")[0])
+            files.add(os.path.abspath(getattr(module, "__file__", "") or "") if module else "")
+        elif ref is not None:
+            files.add(code_file(ref) or "")
+    files.discard("")
+    return files
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+#: What a race of each kind means on a GPU, and the usual fix (where the sanitizer gives none).
+_MEANING = {
+    "read-after-write": ("it reads bytes another stream may still be writing",
+                         "record an event on the writing stream after the write and wait on it "
+                         "(stream.wait_event, or wait_stream) before the read"),
+    "write-after-read": ("it overwrites bytes another stream may still be reading",
+                         "record an event on the reading stream after its last read and wait on "
+                         "it before the write (a slot is refilled only after its block ran)"),
+    "write-after-write": ("two streams write the same bytes in no fixed order",
+                          "order the second write after the first with an event wait"),
+    "use-after-free": ("the memory was handed out again while another stream may still use it",
+                       "call tensor.record_stream(stream) for each stream that used it, or make "
+                       "the freeing stream wait for that stream, before dropping the tensor"),
+    "host-read-before-sync": ("the host reads a non_blocking copy that may not have landed",
+                              "synchronize the copying stream (or an event recorded after the "
+                              "copy) before the host reads the result"),
+    "host-write-before-copy-done": ("the host rewrites pinned memory a non_blocking copy may still "
+                                    "be reading", "synchronize the copying stream (or an event "
+                                    "recorded after the copy) before the host writes it again"),
+}
+
+
+def _access(access: Any) -> str:
+    verb = "wrote" if access.write else "read"
+    op = access.op + (f" ({access.argument})" if access.argument else "")
+    where = (f" at {access.where[0]}" if access.where else " (no source line captured)")
+    return f"{access.stream_name} {verb} it in {op}{where}"
+
+
+def _earlier(access: Any) -> str:
+    noun = "write" if access.write else "read"
+    op = access.op + (f" ({access.argument})" if access.argument else "")
+    where = (f" at {access.where[0]}" if access.where else " (no source line captured)")
+    return f"the {noun} by {access.stream_name} in {op}{where}"
+
+
+def _headline(race: Any) -> str:
+    text = (f"stream race ({race.kind}) on {race.tensor} (hpu:{race.device}): "
+            f"{_access(race.current)}, while {_earlier(race.previous)} was not ordered before it")
+    if race.freed_at:
+        text += f"; the memory had been freed at {race.freed_at[0]} and was handed out again"
+    return text
+
+
+def race_report(races: Sequence[Any], case: Any, offloader: str) -> str:
+    """The failure message of the races one case found: the first in full (the tensor, both
+    accesses, the missing ordering, the party at fault, why it matters), then the others."""
+    from .blame import race_party
+
+    offloader_files, pipeline_files = _offloader_files(), _pipeline_files(case)
+    race = races[0]
+    meaning, fix = _MEANING.get(race.kind, ("", ""))
+    lines = [_headline(race)]
+    callers = [f"{' <- '.join(a.where[1:4])} (the {which} {'write' if a.write else 'read'})"
+               for which, a in (("later", race.current), ("earlier", race.previous))
+               if len(a.where) > 1]
+    if callers:
+        lines.append(f"  called from: {'; '.join(callers)}")
+    lines.append(f"  missing ordering: {race.advice or fix}")
+    party, why = race_party(race.current.where, race.previous.where, offloader_files,
+                            pipeline_files)
+    who = f"the offloader {offloader}" if party == "offloader" else "the pipeline"
+    lines.append(f"  at fault: {who}: {why}")
+    lines.append(f"  on a GPU {meaning or 'the two accesses run in no fixed order'}: a silently "
+                 "wrong output, seen only sometimes. The simulated accelerator runs each stream "
+                 "in program order, so its values here were right; its sanitizer judges by "
+                 f"happens-before, so the race shows on every run ({DOC})")
+    for other in races[1:_SHOWN]:
+        lines.append(f"  also: {_headline(other)}")
+    if len(races) > _SHOWN:
+        lines.append(f"  and {len(races) - _SHOWN} more race(s): "
+                     + "; ".join(f"{r.kind} on {r.tensor}" for r in races[_SHOWN:_LISTED])
+                     + (" ..." if len(races) > _LISTED else ""))
+    return "\n".join(lines)
+
+
+# -- one case under the sanitizer ------------------------------------------------------------
+
+_ACTIVE: list[Any] = []
+
+
+class watching:  # noqa: N801 - used as a context manager, like contextlib's
+    """Stream checking on for one case (``case``: a :class:`~.case.CheckCase`; ``offloader``: how
+    the report names the implementation under test): the previous setting is restored after,
+    the races of earlier cases are forgotten first, and any race found is a
+    :class:`~.registry.CheckFailure` raised on exit (an exception the case raised is kept as its
+    cause, and its first line noted).  Nested inside another, it does nothing (the outer one
+    reports).  Where stream checking is off (:func:`off_reason`) it does nothing."""
+
+    def __init__(self, case: Any, offloader: str) -> None:
+        self.case, self.offloader = case, offloader
+        self.on = False
+        self.previous = False
+
+    def __enter__(self) -> watching:
+        if _ACTIVE or off_reason() is not None:
+            return self
+        from offload_ref.platform import simulated
+
+        self.on = True
+        _ACTIVE.append(self)
+        _OFFLOADER_FILES.clear()
+        self.previous = simulated.check_streams()
+        simulated.clear_races()
+        simulated.set_tensor_namer(_Namer(self.case))
+        simulated.check_streams(True)
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        if not self.on:
+            return False
+        from offload_ref.platform import simulated
+
+        try:
+            simulated.check_streams(self.previous)
+            found = simulated.races(clear=True)
+        finally:
+            simulated.set_tensor_namer(None)
+            _ACTIVE.remove(self)
+        if not found or (exc is not None and not isinstance(exc, Exception)):
+            return False  # a KeyboardInterrupt, SystemExit: the runner's to report
+        message = race_report(found, self.case, self.offloader)
+        if exc is not None:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            if isinstance(exc, CheckFailure):
+                message += f"\n  the case also failed: {first}"
+            elif isinstance(exc, CheckNotApplicable):
+                message += f"\n  (the check then found it does not apply: {first})"
+            else:
+                message += f"\n  the case also raised {type(exc).__name__}: {first}"
+        failure = CheckFailure(message, "wrong output")
+        if exc is not None:
+            raise failure from exc
+        raise failure
