@@ -4,10 +4,10 @@ torch imports a device type's module to initialize it lazily (``tensor.to``), an
 code (``torch.get_device_module("hpu")``, diffusers' ``TorchDeviceBackend``) reaches streams,
 events, random-number state and memory statistics through it.  :func:`build_device_module` makes
 it over the loaded extension.  It offers what ``torch.cuda`` offers for those, with CUDA's
-signatures and semantics: :class:`Stream` and :class:`Event` (subclasses of ``torch.Stream`` and
-``torch.Event``), ``current_stream``, ``default_stream``, ``set_stream``, ``stream`` (a
-:class:`StreamContext`), ``synchronize``, the device queries and the memory statistics (which
-``torch.accelerator`` serves from the extension's allocator)."""
+signatures and semantics: :class:`Stream` (a ``torch.Stream`` subclass) and :class:`Event` (which
+makes a ``torch.Event`` of the device), ``current_stream``, ``default_stream``, ``set_stream``,
+``stream`` (a :class:`StreamContext`), ``synchronize``, the device queries and the memory
+statistics (which ``torch.accelerator`` serves from the extension's allocator)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,11 @@ class Stream(torch.Stream, metaclass=_StreamType):
 
     def __new__(cls, device: _Device = None, priority: int = 0, **kwargs: Any) -> Stream:
         if kwargs:  # an existing stream: stream_id=, device_index=, device_type=
-            return super().__new__(cls, **kwargs)
+            existing = super().__new__(cls, **kwargs)
+            if existing.device.type != DEVICE_TYPE:
+                raise ValueError(f"torch.{DEVICE_TYPE}.Stream: {kwargs} names a stream of "
+                                 f"{existing.device}, not of offload-ref's simulated accelerator")
+            return existing
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"torch.{DEVICE_TYPE}.Stream: priority is an int, not "
                             f"{type(priority).__name__}")
