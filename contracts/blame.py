@@ -373,12 +373,16 @@ def race_party(current: tuple[str, ...], previous: tuple[str, ...], offloader_fi
         return bool(frames) and _known(frames[0], pipeline_files) and not any(
             _known(f, offloader_files) for f in frames)
 
+    def text(frame: str) -> str:
+        path, sep, rest = frame.partition(":")
+        return short_path(path) + sep + rest if sep else frame
+
     if in_pipeline(current) and in_pipeline(previous):
-        return ("pipeline", f"both accesses are the pipeline's own code ({current[0]}, "
-                            f"{previous[0]}), on streams it drives itself: order them there")
+        return ("pipeline", f"both accesses are the pipeline's own code ({text(current[0])}, "
+                            f"{text(previous[0])}), on streams it drives itself: order them there")
     mine = [f for f in (*previous, *current) if _known(f, offloader_files)]
     if mine:
-        return ("offloader", f"the offloader's code made the unordered access ({mine[0]}); an "
-                             "offloader orders the streams it moves weights on")
+        return ("offloader", f"the offloader's code made the unordered access ({text(mine[0])}); "
+                             "an offloader orders the streams it moves weights on")
     return ("offloader", "the streams that move weights are the offloader's to order (neither "
                          "access is in the pipeline's own code alone)")

@@ -196,25 +196,38 @@ _MEANING = {
 }
 
 
+def frame_text(frame: str) -> str:
+    """A frame as the sanitizer writes it (``/abs/path/file.py:123 in forward``) with its file
+    as the kit writes files (relative to the working folder or site-packages)."""
+    from .blame import short_path
+
+    path, sep, rest = frame.partition(":")
+    return short_path(path) + sep + rest if sep else frame
+
+
+def _at(access: Any) -> str:
+    return (f" at {frame_text(access.where[0])}" if access.where else
+            " (no source line captured)")
+
+
 def _access(access: Any) -> str:
     verb = "wrote" if access.write else "read"
     op = access.op + (f" ({access.argument})" if access.argument else "")
-    where = (f" at {access.where[0]}" if access.where else " (no source line captured)")
-    return f"{access.stream_name} {verb} it in {op}{where}"
+    return f"{access.stream_name} {verb} it in {op}{_at(access)}"
 
 
 def _earlier(access: Any) -> str:
     noun = "write" if access.write else "read"
     op = access.op + (f" ({access.argument})" if access.argument else "")
-    where = (f" at {access.where[0]}" if access.where else " (no source line captured)")
-    return f"the {noun} by {access.stream_name} in {op}{where}"
+    return f"the {noun} by {access.stream_name} in {op}{_at(access)}"
 
 
 def _headline(race: Any) -> str:
     text = (f"stream race ({race.kind}) on {race.tensor} (hpu:{race.device}): "
             f"{_access(race.current)}, while {_earlier(race.previous)} was not ordered before it")
     if race.freed_at:
-        text += f"; the memory had been freed at {race.freed_at[0]} and was handed out again"
+        text += (f"; the memory had been freed at {frame_text(race.freed_at[0])} and was handed "
+                 "out again")
     return text
 
 
@@ -227,7 +240,8 @@ def race_report(races: Sequence[Any], case: Any, offloader: str) -> str:
     race = races[0]
     meaning, fix = _MEANING.get(race.kind, ("", ""))
     lines = [_headline(race)]
-    callers = [f"{' <- '.join(a.where[1:4])} (the {which} {'write' if a.write else 'read'})"
+    callers = [f"{' <- '.join(map(frame_text, a.where[1:4]))} "
+               f"(the {which} {'write' if a.write else 'read'})"
                for which, a in (("later", race.current), ("earlier", race.previous))
                if len(a.where) > 1]
     if callers:
