@@ -271,10 +271,10 @@ c10::StreamId current_stream_id(c10::DeviceIndex device) {
 //   happens-before, not by timing (torch's CUDA sanitizer is the model, torch/cuda/_sanitizer.py):
 //   * each stream has a sequence number, bumped by every op launched on it, and a vector clock
 //     (what it has waited for); an event's record takes a copy of its stream's clock, a stream's
-//     wait on an event merges that copy in; a host synchronization (stream, event, device, and
-//     every blocking copy, which is a copy followed by a stream synchronize, as on CUDA) merges
-//     the synchronized clock into the host's, and every stream takes the host's, since any later
-//     launch comes after;
+//     wait on an event merges that copy in; a host synchronization (stream, event, device, a
+//     query that answers "done", and every blocking copy, which is a copy followed by a stream
+//     synchronize, as on CUDA) merges the synchronized clock into the host's, and every stream
+//     takes the host's, since any later launch comes after;
 //   * every access to device memory (an op's tensor arguments, written when its schema says so,
 //     read otherwise; fresh results are written; copies read the source and write the
 //     destination) is recorded per byte range of its block with its stream and sequence number,
@@ -1208,13 +1208,22 @@ class SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     san::stream_waits(san::key_of(stream.device_index(), stream.id()), sim->clock);
   }
 
-  bool queryEvent(void* /*event*/) const override { return true; }
+  // A query that answers "done" tells the host the work is complete: what it launches next comes
+  // after (the device is synchronous, so every query answers "done").
+  bool queryEvent(void* event) const override {
+    auto* sim = static_cast<SimEvent*>(event);
+    if (sim != nullptr && sim->has_clock && san::on()) san::host_syncs_event(sim->clock);
+    return true;
+  }
 
   void destroyEvent(void* event, const c10::DeviceIndex /*device_index*/) const noexcept override {
     delete static_cast<SimEvent*>(event);
   }
 
-  bool queryStream(const c10::Stream& /*stream*/) const override { return true; }
+  bool queryStream(const c10::Stream& stream) const override {
+    if (san::on()) san::host_syncs_stream(san::key_of(stream.device_index(), stream.id()));
+    return true;
+  }
   void synchronizeStream(const c10::Stream& stream) const override {
     if (san::on()) san::host_syncs_stream(san::key_of(stream.device_index(), stream.id()));
   }
