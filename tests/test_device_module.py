@@ -282,3 +282,45 @@ def test_the_sanitizer_sees_diffusers_stream_copies_a_skipped_wait_is_a_race(
     race = next(r for r in found if r.kind == "read-after-write")
     assert race.previous.write and "copy" in race.previous.op
     assert race.current.stream == 0 and race.previous.stream != 0
+
+
+class _BuffersOnly(torch.nn.Module):
+    """A module whose only state is its own buffers (a mel filterbank, say): no leaf layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("basis", torch.linspace(-1.0, 1.0, 48).reshape(6, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.basis  # the read of the buffer
+
+
+@pytest.mark.parametrize("record_stream", [False, True], ids=["no_record", "record_stream"])
+def test_diffusers_leaf_level_streams_compute_on_a_buffers_only_module_before_its_copy(
+        hpu, record_stream) -> None:
+    """A finding of the sanitizer in the installed diffusers (0.42): at leaf level with streams, a
+    module with its own buffers and no leaf layer is one group that onloads itself, copying
+    ``non_blocking`` on the transfer stream, and nothing waits for that copy before its forward
+    reads the buffer (``stream.synchronize()`` runs before the copies; no next group follows).
+    On a GPU the read may see the memory before the copy lands.  The fixture ``soulx_singer``'s
+    ``mel`` component is such a module; the outputs here are still exact, as streams compute
+    synchronously."""
+    from diffusers.hooks import apply_group_offloading
+
+    model, x = _BuffersOnly(), torch.randn(2, 6)
+    expected = (x.to(D0) @ model.basis.to(D0)).cpu()
+    apply_group_offloading(model, onload_device=D0, offload_device=torch.device("cpu"),
+                           offload_type="leaf_level", use_stream=True,
+                           record_stream=record_stream)
+    simulated.clear_races()
+    with simulated.stream_checking(), torch.no_grad():
+        outputs = [model(x.to(D0)).cpu() for _ in range(2)]
+        found = simulated.races(clear=True)
+    assert all(torch.equal(out, expected) for out in outputs)
+    race = next((r for r in found if r.kind == "read-after-write"), None)
+    assert race is not None, f"the un-waited copy of the buffer went unreported: {found}"
+    assert race.current.stream == 0 and race.current.op == "aten::mm"
+    assert any("test_device_module.py" in frame for frame in race.current.where)
+    assert race.previous.write and race.previous.stream != 0
+    assert "copy host to device" in race.previous.op
+    assert any("group_offloading.py" in frame for frame in race.previous.where)
