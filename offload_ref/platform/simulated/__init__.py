@@ -392,8 +392,8 @@ def _advice(kind: str, current: Access, previous: Access) -> str:
     now, then = current.stream_name, previous.stream_name
     if kind == "read-after-write":
         return (f"Make {now} wait for the write before it reads: record an event on {then} "
-                f"after the write (event.record()) and call wait_event on {now} before the read "
-                f"(or {now}.wait_stream({then})).")
+                f"after the write and call wait_event(event) on {now} before the read (or "
+                f"wait_stream on {now} for all of {then}'s work).")
     if kind == "write-after-read":
         return (f"{now} overwrote memory that {then} may still be reading: before the write, "
                 f"make {now} wait for an event recorded on {then} after its last read.")

@@ -34,6 +34,7 @@
 #include <ATen/ops/_to_copy_native.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -319,10 +320,12 @@ struct Record {
   size_t lo, hi;  // byte range in the block
   bool write;
   const char* op;
-  std::string argument;
+  const char* argument;  // a schema's argument name (lives as long as the op) or a literal
   Where where;
   uint64_t generation;  // the block's generation (frees) when it was made
   bool reported = false;  // a race with it was reported: one report for each earlier access
+  bool hashed = false;    // a stream's read of pinned memory: the bytes' hash when it was made
+  uint64_t hash = 0;
 };
 
 struct Block {
@@ -343,7 +346,7 @@ struct Conflict {
   std::string tensor;  // "a float32 tensor of shape (8, 8)"
   int64_t stream;
   const char* op;
-  std::string argument;
+  const char* argument;
   bool write;
   Where where;
   Record previous;
@@ -355,7 +358,8 @@ std::unordered_map<int64_t, Clock> g_streams;  // stream key -> its clock
 Clock g_host;
 std::unordered_map<uintptr_t, Block> g_blocks;
 std::unordered_set<uintptr_t> g_pinned_pending;  // pinned blocks with unsynchronized accesses
-std::atomic<size_t> g_pinned_pending_count{0};
+std::atomic<size_t> g_pinned_pending_count{0};   // of those, blocks a stream writes (host watch)
+std::vector<Conflict> g_deferred;  // found under the lock, reported after it (flush())
 
 std::mutex g_races_mu;
 std::vector<py::dict>* g_races = nullptr;  // guarded by the GIL
@@ -383,20 +387,64 @@ bool ordered(const Record& r, int64_t stream, const Clock& clock) {
 
 bool host_ordered(const Record& r) { return ordered(r, kHost, g_host); }
 
+// A hash of bytes [base + lo, base + hi) of host memory.
+uint64_t hash_bytes(uintptr_t base, size_t lo, size_t hi) {
+  const auto* bytes = reinterpret_cast<const unsigned char*>(base) + lo;
+  size_t n = hi - lo;
+  uint64_t h = 0x9E3779B97F4A7C15ULL ^ n;
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, bytes + i, 8);
+    h = (h ^ word) * 0xBF58476D1CE4E5B9ULL;
+    h ^= h >> 31;
+  }
+  for (; i < n; ++i) h = (h ^ bytes[i]) * 0x100000001B3ULL;
+  return h;
+}
+
+// Note [Host writes to pinned memory a copy reads]
+//   A stream's non_blocking read of pinned memory keeps a hash of the bytes it read.  When the
+//   read becomes ordered before the host (a synchronization), when another copy reads the same
+//   bytes while it is still pending, and when the races are collected, the bytes are hashed
+//   again: a difference means the host (any thread) wrote them while the copy may still have
+//   been reading them.  Writes are found without watching every host op of every thread; the
+//   writer's own line is not known, the place where the change was found is.
+void verify(uintptr_t base, Record& r, const char* found_at) {
+  if (!r.hashed || r.reported || hash_bytes(base, r.lo, r.hi) == r.hash) return;
+  r.reported = true;
+  g_deferred.push_back(Conflict{"host-write-before-copy-done", static_cast<int>(device_of(r.stream)),
+                                base + r.lo, r.hi - r.lo, "", kHost, found_at, "", true, nullptr,
+                                r, nullptr});
+}
+
 void prune_pinned() {
+  size_t written = 0;
   for (auto it = g_pinned_pending.begin(); it != g_pinned_pending.end();) {
     auto block = g_blocks.find(*it);
     if (block != g_blocks.end()) {
       auto& records = block->second.records;
+      for (Record& r : records) {
+        if (host_ordered(r)) {
+          verify(*it, r, "a host write seen by its effect (the bytes changed after the copy "
+                         "read them; noticed at this synchronization)");
+        }
+      }
       records.erase(std::remove_if(records.begin(), records.end(), host_ordered), records.end());
       if (!records.empty()) {
+        for (const Record& r : records) {
+          if (r.write) {
+            ++written;
+            break;
+          }
+        }
         ++it;
         continue;
       }
     }
     it = g_pinned_pending.erase(it);
   }
-  g_pinned_pending_count = g_pinned_pending.size();
+  g_pinned_pending_count = written;
 }
 
 void host_learns(const Clock& clock) {
@@ -449,7 +497,8 @@ struct Access {
   uintptr_t base;
   size_t lo, hi;
   bool write;
-  std::string argument;
+  const char* argument;
+  uint64_t hash = 0;  // a read of pinned memory: its bytes' hash
 };
 
 const char* kind_of(const Record& previous, bool write, const Block& block) {
@@ -498,6 +547,35 @@ bool skipped_file(const char* file) {
          std::strstr(file, "contextlib.py") != nullptr || file[0] == '<';
 }
 
+// Per code object (held for the life of the process, so its address is never reused): its file,
+// whether it is skipped, and "file:LINE in name" without the line.  Guarded by the GIL.
+struct CodeInfo {
+  bool skipped;
+  std::string file;
+  std::string name;
+};
+
+CodeInfo& code_info(PyCodeObject* code) {
+  static auto* cache = new std::unordered_map<PyCodeObject*, CodeInfo>();
+  auto it = cache->find(code);
+  if (it != cache->end()) return it->second;
+  Py_INCREF(code);
+  CodeInfo info{true, "", "?"};
+  PyObject* filename = PyObject_GetAttrString(reinterpret_cast<PyObject*>(code), "co_filename");
+  PyObject* name = PyObject_GetAttrString(reinterpret_cast<PyObject*>(code), "co_name");
+  const char* file = filename ? PyUnicode_AsUTF8(filename) : nullptr;
+  const char* function = name ? PyUnicode_AsUTF8(name) : nullptr;
+  if (file != nullptr) {
+    info.file = file;
+    info.skipped = skipped_file(file);
+  }
+  if (function != nullptr) info.name = function;
+  PyErr_Clear();
+  Py_XDECREF(filename);
+  Py_XDECREF(name);
+  return cache->emplace(code, std::move(info)).first->second;
+}
+
 Where capture_where() {
   if (!Py_IsInitialized()) return nullptr;
 #if PY_VERSION_HEX >= 0x030D0000
@@ -511,19 +589,11 @@ Where capture_where() {
   Py_XINCREF(frame);
   while (frame != nullptr && frames->size() < 3) {
     PyCodeObject* code = PyFrame_GetCode(frame);
-    PyObject* filename = PyObject_GetAttrString(reinterpret_cast<PyObject*>(code), "co_filename");
-    PyObject* name = PyObject_GetAttrString(reinterpret_cast<PyObject*>(code), "co_name");
-    const char* file = filename ? PyUnicode_AsUTF8(filename) : nullptr;
-    const char* function = name ? PyUnicode_AsUTF8(name) : nullptr;
-    if (file != nullptr && !skipped_file(file)) {
-      std::ostringstream out;
-      out << file << ":" << PyFrame_GetLineNumber(frame) << " in "
-          << (function ? function : "?");
-      frames->push_back(out.str());
+    const CodeInfo& info = code_info(code);
+    if (!info.skipped) {
+      frames->push_back(info.file + ":" + std::to_string(PyFrame_GetLineNumber(frame)) + " in " +
+                        info.name);
     }
-    PyErr_Clear();
-    Py_XDECREF(filename);
-    Py_XDECREF(name);
     Py_DECREF(code);
     PyFrameObject* back = PyFrame_GetBack(frame);
     Py_DECREF(frame);
@@ -554,13 +624,13 @@ std::string stream_name(int64_t key) {
   return out.str();
 }
 
-py::dict access_dict(int64_t stream, const char* op, const std::string& argument, bool write,
+py::dict access_dict(int64_t stream, const char* op, const char* argument, bool write,
                      const Where& where) {
   py::dict d;
   d["stream"] = stream == kHost ? -1 : id_of(stream);
   d["stream_name"] = stream_name(stream);
   d["op"] = op ? op : "?";
-  d["argument"] = argument;
+  d["argument"] = argument ? argument : "";
   d["write"] = write;
   d["where"] = where_list(where);
   return d;
@@ -583,8 +653,10 @@ void report(std::vector<Conflict>& found) {
     }
     auto first = [](const Where& w) { return (w && !w->empty()) ? (*w)[0] : std::string(); };
     std::ostringstream key;
-    key << c.kind << "|" << c.op << "|" << c.argument << "|" << first(c.where) << "|"
-        << c.previous.op << "|" << c.previous.argument << "|" << first(c.previous.where) << "|"
+    auto text = [](const char* p) { return p ? p : ""; };
+    key << c.kind << "|" << text(c.op) << "|" << text(c.argument) << "|" << first(c.where) << "|"
+        << text(c.previous.op) << "|" << text(c.previous.argument) << "|"
+        << first(c.previous.where) << "|"
         << id_of(c.stream) << "|" << id_of(c.previous.stream) << "|" << tensor;
     if (!g_race_keys.insert(key.str()).second || g_races->size() >= kMaxRaces) continue;
     py::dict race;
@@ -599,62 +671,116 @@ void report(std::vector<Conflict>& found) {
   }
 }
 
+// Report what was found under the lock (g_deferred), with where it was found.
+void flush() {
+  std::vector<Conflict> deferred;
+  {
+    std::lock_guard<std::recursive_mutex> lock(g_mu);
+    if (g_deferred.empty()) return;
+    deferred.swap(g_deferred);
+  }
+  Where where = capture_where();
+  for (auto& c : deferred) {
+    if (!c.where) c.where = where;
+    if (c.tensor.empty()) c.tensor = "pinned host memory (" + std::to_string(c.nbytes) + " bytes)";
+  }
+  report(deferred);
+}
+
+// Check every pending read of pinned memory (the races are being collected).
+void verify_all() {
+  {
+    std::lock_guard<std::recursive_mutex> lock(g_mu);
+    for (uintptr_t base : g_pinned_pending) {
+      auto it = g_blocks.find(base);
+      if (it == g_blocks.end()) continue;
+      for (Record& r : it->second.records) {
+        if (!host_ordered(r)) {
+          verify(base, r, "a host write seen by its effect (the bytes changed after the copy "
+                          "read them; noticed when the races were collected)");
+        }
+      }
+    }
+  }
+  flush();
+}
+
 // One launch on the current stream of `device` with its accesses (an op, a copy).
 class Launch {
  public:
   Launch(c10::DeviceIndex device, const char* op) : device_(device), op_(op) {}
 
-  void add(const at::Tensor& t, bool write, std::string argument) {
-    Access a{t, 0, 0, 0, write, std::move(argument)};
+  void add(const at::Tensor& t, bool write, const char* argument) {
+    Access a{t, 0, 0, 0, write, argument};
     if (range_of(t, a.base, a.lo, a.hi)) accesses_.push_back(std::move(a));
   }
   void capture() { capture_ = true; }
   void host_sync_after() { host_sync_ = true; }
   // an access by the stream to pinned host memory, asynchronous to the host
-  void add_pinned(const at::Tensor& t, bool write, std::string argument) {
-    Access a{t, 0, 0, 0, write, std::move(argument)};
-    if (range_of(t, a.base, a.lo, a.hi)) pinned_.push_back(std::move(a));
+  void add_pinned(const at::Tensor& t, bool write, const char* argument) {
+    Access a{t, 0, 0, 0, write, argument};
+    if (!range_of(t, a.base, a.lo, a.hi)) return;
+    if (!write) a.hash = hash_bytes(a.base, a.lo, a.hi);
+    pinned_.push_back(std::move(a));
   }
 
   void commit() {
     if (accesses_.empty() && pinned_.empty() && !host_sync_) return;
     int64_t stream = key_of(device_, current_stream_id(device_));
     bool need_where = capture_ || id_of(stream) != 0 || !pinned_.empty();
+    std::vector<Conflict> found;
+    std::unique_lock<std::recursive_mutex> lock(g_mu);
     if (!need_where) {
-      std::lock_guard<std::recursive_mutex> lock(g_mu);
       for (const Access& a : accesses_) {
         auto it = g_blocks.find(a.base);
         if (it != g_blocks.end() && it->second.shared) need_where = true;
       }
     }
-    Where where = need_where ? capture_where() : nullptr;
-    std::vector<Conflict> found;
+    Where where;
+    if (need_where) {
+      lock.unlock();  // never wait for the GIL holding the sanitizer's lock
+      where = capture_where();
+      lock.lock();
+    }
     {
-      std::lock_guard<std::recursive_mutex> lock(g_mu);
       Clock& clock = stream_clock(stream);
       uint64_t seq = ++clock[stream];
       for (const Access& a : accesses_) {
         check_and_record(g_blocks[a.base], stream, seq, clock, a, op_, where, device_, found);
       }
+      bool watch = false;
       for (const Access& a : pinned_) {
         Block& block = g_blocks[a.base];
         block.pinned = true;
+        for (Record& r : block.records) {
+          if (r.hi <= a.lo || a.hi <= r.lo || host_ordered(r)) continue;
+          verify(a.base, r, "a host write seen by its effect (the bytes changed after the "
+                            "copy read them; noticed at this later copy from them)");
+        }
         check_and_record(block, stream, seq, clock, a, op_, where, device_, found);
+        Record& made = block.records.back();
+        made.hashed = !a.write;
+        made.hash = a.hash;
         g_pinned_pending.insert(a.base);
+        watch = watch || a.write;
       }
-      g_pinned_pending_count = g_pinned_pending.size();
+      if (watch) g_pinned_pending_count += 1;
       if (host_sync_) host_learns(clock);
+      if (watch) {
+        // a stream writes pinned memory: this thread's host ops are watched until it is synchronized
+        c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::TESTING_ONLY_GenericMode,
+                                                 true);
+      }
     }
-    if (!pinned_.empty()) {
-      c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::TESTING_ONLY_GenericMode, true);
-    }
+    lock.unlock();
     report(found);
+    flush();
   }
 
  private:
   c10::DeviceIndex device_;
   const char* op_;
-  std::vector<Access> accesses_;
+  c10::SmallVector<Access, 4> accesses_;
   std::vector<Access> pinned_;
   bool capture_ = false;
   bool host_sync_ = false;
@@ -677,7 +803,7 @@ void check_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   std::vector<Conflict> found;
   Where where;
   bool captured = false;
-  auto visit = [&](const at::Tensor& t, bool write, const std::string& argument) {
+  auto visit = [&](const at::Tensor& t, bool write, const char* argument) {
     if (!t.defined() || !t.device().is_cpu()) return;
     uintptr_t base;
     size_t lo, hi;
@@ -714,9 +840,9 @@ void check_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (alias != nullptr && !write) continue;  // a view of it: no data is touched
     const auto& value = arguments[i];
     if (value.isTensor()) {
-      visit(value.toTensor(), write, argument.name());
+      visit(value.toTensor(), write, argument.name().c_str());
     } else if (value.isTensorList()) {
-      for (const at::Tensor& t : value.toTensorList()) visit(t, write, argument.name());
+      for (const at::Tensor& t : value.toTensorList()) visit(t, write, argument.name().c_str());
     }
   }
   report(found);
@@ -748,23 +874,32 @@ void stream_waits(int64_t stream, const Clock& event_clock) {
 }
 
 void host_syncs_stream(int64_t stream) {
-  std::lock_guard<std::recursive_mutex> lock(g_mu);
-  Clock copy = stream_clock(stream);
-  host_learns(copy);
+  {
+    std::lock_guard<std::recursive_mutex> lock(g_mu);
+    Clock copy = stream_clock(stream);
+    host_learns(copy);
+  }
+  flush();
 }
 
 void host_syncs_event(const Clock& event_clock) {
-  std::lock_guard<std::recursive_mutex> lock(g_mu);
-  host_learns(event_clock);
+  {
+    std::lock_guard<std::recursive_mutex> lock(g_mu);
+    host_learns(event_clock);
+  }
+  flush();
 }
 
 void host_syncs_device(c10::DeviceIndex device) {
-  std::lock_guard<std::recursive_mutex> lock(g_mu);
-  Clock all;
-  for (const auto& [key, clock] : g_streams) {
-    if (device < 0 || device_of(key) == device) merge(all, clock);
+  {
+    std::lock_guard<std::recursive_mutex> lock(g_mu);
+    Clock all;
+    for (const auto& [key, clock] : g_streams) {
+      if (device < 0 || device_of(key) == device) merge(all, clock);
+    }
+    host_learns(all);
   }
-  host_learns(all);
+  flush();
 }
 
 // -- the allocator's hooks --------------------------------------------------------------------------
@@ -816,8 +951,18 @@ void freed(uintptr_t base, int64_t alloc_stream) {
 // for the streams that used it before it reuses the memory).
 void forget(uintptr_t base) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
-  g_blocks.erase(base);
-  if (g_pinned_pending.erase(base)) g_pinned_pending_count = g_pinned_pending.size();
+  auto it = g_blocks.find(base);
+  if (it == g_blocks.end()) return;
+  if (it->second.pinned) {
+    for (Record& r : it->second.records) {
+      if (!host_ordered(r)) {
+        verify(base, r, "a host write seen by its effect (the bytes changed after the copy "
+                        "read them; noticed when the pinned memory was freed)");
+      }
+    }
+  }
+  g_blocks.erase(it);
+  if (g_pinned_pending.erase(base)) prune_pinned();
 }
 
 void set_on(bool enabled) {
@@ -829,6 +974,7 @@ void set_on(bool enabled) {
     g_host.clear();
     g_pinned_pending.clear();
     g_pinned_pending_count = 0;
+    g_deferred.clear();
   }
   g_on = enabled;
 }
@@ -2004,15 +2150,15 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       if (alias_info != nullptr && !write) continue;
       const auto& value = originals[i];
       if (value.isTensor()) {
-        if (is_dev(value.toTensor())) launch->add(value.toTensor(), write, argument.name());
+        if (is_dev(value.toTensor())) launch->add(value.toTensor(), write, argument.name().c_str());
       } else if (value.isTensorList()) {
         for (const at::Tensor& t : value.toTensorList()) {
-          if (is_dev(t)) launch->add(t, write, argument.name());
+          if (is_dev(t)) launch->add(t, write, argument.name().c_str());
         }
       } else if (value.isOptionalTensorList()) {
         for (const auto& item : value.toOptionalTensorList()) {
           std::optional<at::Tensor> opt = item;
-          if (opt.has_value() && is_dev(*opt)) launch->add(*opt, write, argument.name());
+          if (opt.has_value() && is_dev(*opt)) launch->add(*opt, write, argument.name().c_str());
         }
       }
     }
@@ -2496,6 +2642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_streams", &simdev::san::set_on, "turn the stream sanitizer on or off");
   m.def("checking_streams", &simdev::san::on);
   m.def("races", [](bool clear) {
+    simdev::san::verify_all();
     py::list out;
     if (simdev::san::g_races != nullptr) {
       for (const auto& race : *simdev::san::g_races) out.append(race);
