@@ -20,7 +20,7 @@ from ._declare import Mutant, backend_with, declared, with_ring
 
 # Importing a module declares its mutants: MUTANTS lists them in this order.
 from . import (  # noqa: F401
-    plan, lifecycle, aliases, split, residency, misuse, distributed, protocol,
+    plan, lifecycle, aliases, split, residency, misuse, distributed, protocol, streams,
 )
 
 __all__ = ["MUTANTS", "Mutant", "backend_with", "in_rank", "with_ring"]
