@@ -256,11 +256,11 @@ def _mmap_loaded(path: str) -> nn.Module:
     return pipeline
 
 
-@pytest.mark.parametrize("slots", [None, 3])
-def test_the_pinned_staging_pool_leaves_no_race(checkpoint: str, slots: int | None) -> None:
-    """Note [Pinned staging]: the staging thread writes a pinned slot on the host after the copy
-    that last read it (its event, synchronized on the host), the copy stream reads it after the
-    staging's event; the sanitizer tracks the pinned memory as it tracks device memory."""
+def _staged_run(checkpoint: str, slots: int | None) -> tuple[list[simulated.Race], list[bool],
+                                                             Any]:
+    """The mmap-loaded twin streamed through the pinned staging pool (``staging_slots``) on the
+    accelerator platform: three generations, disable, the slots' memory reused.  The races
+    found, whether each generation matched, and the backend's stats."""
     with torch.inference_mode():
         want = st.mmap_twin(MMAP_BLOCKS)(st.mmap_input())
     pipeline = _mmap_loaded(checkpoint)
@@ -280,9 +280,34 @@ def test_the_pinned_staging_pool_leaves_no_race(checkpoint: str, slots: int | No
         finally:
             backend.disable()
         _reuse_freed_device_memory(sizes)
+    return races, got, stats
+
+
+@pytest.mark.parametrize("slots", [None, 3])
+def test_the_pinned_staging_pool_leaves_no_race(checkpoint: str, slots: int | None) -> None:
+    """Note [Pinned staging]: the staging thread writes a pinned slot on the host after the copy
+    that last read it (its event, synchronized on the host), the copy stream reads it after the
+    staging's event; the sanitizer tracks the pinned memory as it tracks device memory."""
+    races, got, stats = _staged_run(checkpoint, slots)
     assert not races, _explain(races)
     assert got == [True] * 3
     assert stats.staging_hits > 0 and stats.staging_bytes > 0
+
+
+def test_a_staging_slot_rewritten_before_its_copy_is_a_host_race(checkpoint: str,
+                                                                  monkeypatch) -> None:
+    """The control of the test above: a pool whose staging thread does not wait for the copy
+    that last read a slot writes pinned memory a non_blocking copy may still be reading."""
+    from offload_ref.backends import layerwise, staging
+
+    class Hasty(staging.StagingPool):
+        def _after_reader(self, p: int) -> None:
+            pass  # neither the host wait nor the staging stream's wait for read[p]
+
+    monkeypatch.setattr(layerwise, "StagingPool", Hasty)
+    races, got, _ = _staged_run(checkpoint, None)
+    assert "host-write-before-copy-done" in {r.kind for r in races}, _explain(races)
+    assert got == [True] * 3
 
 
 # -- distributed layerwise across two gloo ranks --------------------------------------------------
