@@ -331,11 +331,6 @@ class Access:
     write: bool
     #: the innermost frames outside torch, "path/file.py:123 in forward"; () when not captured
     where: tuple[str, ...]
-    #: the tensor the op was given, as ``torch.Tensor._cdata`` identifies it (a Parameter keeps
-    #: its identity when an offloader rebinds its ``.data``, so a live pipeline tensor with this
-    #: ``_cdata`` is the one that was accessed); 0 when unknown (the host, a write seen by its
-    #: effect)
-    tensor_id: int = 0
 
     def describe(self) -> str:
         verb = "wrote" if self.write else "read"
@@ -389,8 +384,7 @@ def stream_checking(enabled: bool = True) -> Iterator[None]:
 
 def _access(raw: dict) -> Access:
     return Access(int(raw["stream"]), str(raw["stream_name"]), str(raw["op"]),
-                  str(raw["argument"]), bool(raw["write"]), tuple(raw["where"]),
-                  int(raw.get("tensor_id", 0)))
+                  str(raw["argument"]), bool(raw["write"]), tuple(raw["where"]))
 
 
 def _advice(kind: str, current: Access, previous: Access) -> str:

@@ -326,7 +326,6 @@ struct Record {
   bool reported = false;  // a race with it was reported: one report for each earlier access
   bool hashed = false;    // a stream's read of pinned memory: the bytes' hash when it was made
   uint64_t hash = 0;
-  uintptr_t impl = 0;     // the TensorImpl the op was given (torch.Tensor._cdata): an identity
 };
 
 struct Block {
@@ -345,7 +344,6 @@ struct Conflict {
   uintptr_t address;
   size_t nbytes;
   std::string tensor;  // "a float32 tensor of shape (8, 8)"
-  uintptr_t impl;      // the current access's TensorImpl
   int64_t stream;
   const char* op;
   const char* argument;
@@ -416,8 +414,8 @@ void verify(uintptr_t base, Record& r, const char* found_at) {
   if (!r.hashed || r.reported || hash_bytes(base, r.lo, r.hi) == r.hash) return;
   r.reported = true;
   g_deferred.push_back(Conflict{"host-write-before-copy-done", static_cast<int>(device_of(r.stream)),
-                                base + r.lo, r.hi - r.lo, "", 0, kHost, found_at, "", true,
-                                nullptr, r, nullptr});
+                                base + r.lo, r.hi - r.lo, "", kHost, found_at, "", true, nullptr,
+                                r, nullptr});
 }
 
 void prune_pinned() {
@@ -521,9 +519,8 @@ void check_and_record(Block& block, int64_t stream, uint64_t seq, const Clock& c
     if (r.reported) break;
     r.reported = true;
     found.push_back(Conflict{kind_of(r, a.write, block), device, a.base + a.lo, a.hi - a.lo,
-                             describe_tensor(a.tensor),
-                             reinterpret_cast<uintptr_t>(a.tensor.unsafeGetTensorImpl()), stream,
-                             op, a.argument, a.write, where, r, block.freed_at});
+                             describe_tensor(a.tensor), stream, op, a.argument, a.write, where,
+                             r, block.freed_at});
     break;
   }
   records.erase(std::remove_if(records.begin(), records.end(),
@@ -539,7 +536,6 @@ void check_and_record(Block& block, int64_t stream, uint64_t seq, const Clock& c
   }
   records.push_back(Record{stream, seq, a.lo, a.hi, a.write, op, a.argument, where,
                            block.generation});
-  records.back().impl = reinterpret_cast<uintptr_t>(a.tensor.unsafeGetTensorImpl());
   if (id_of(stream) != 0) block.shared = true;
 }
 
@@ -629,9 +625,8 @@ std::string stream_name(int64_t key) {
 }
 
 py::dict access_dict(int64_t stream, const char* op, const char* argument, bool write,
-                     const Where& where, uintptr_t impl) {
+                     const Where& where) {
   py::dict d;
-  d["tensor_id"] = impl;
   d["stream"] = stream == kHost ? -1 : id_of(stream);
   d["stream_name"] = stream_name(stream);
   d["op"] = op ? op : "?";
@@ -668,9 +663,9 @@ void report(std::vector<Conflict>& found) {
     race["kind"] = c.kind;
     race["device"] = c.device;
     race["tensor"] = tensor;
-    race["current"] = access_dict(c.stream, c.op, c.argument, c.write, c.where, c.impl);
+    race["current"] = access_dict(c.stream, c.op, c.argument, c.write, c.where);
     race["previous"] = access_dict(c.previous.stream, c.previous.op, c.previous.argument,
-                                   c.previous.write, c.previous.where, c.previous.impl);
+                                   c.previous.write, c.previous.where);
     race["freed_at"] = c.kind == "use-after-free" ? where_list(c.freed_at) : py::list();
     g_races->push_back(race);
   }
@@ -832,9 +827,8 @@ void check_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       r.reported = true;
       found.push_back(Conflict{write ? "host-write-before-copy-done" : "host-read-before-sync",
                                static_cast<int>(device_of(r.stream)), base + lo, hi - lo,
-                               describe_tensor(t),
-                               reinterpret_cast<uintptr_t>(t.unsafeGetTensorImpl()), kHost,
-                               schema.name().c_str(), argument, write, where, r, nullptr});
+                               describe_tensor(t), kHost, schema.name().c_str(), argument,
+                               write, where, r, nullptr});
       break;
     }
   };
