@@ -31,7 +31,8 @@ from typing import Any
 
 from .registry import CheckFailure, CheckNotApplicable
 
-__all__ = ["DOC", "header_text", "name_memory", "off_reason", "race_report", "watching"]
+__all__ = ["DOC", "header_text", "name_memory", "name_range", "off_reason", "race_report",
+           "watching"]
 
 #: Where a race report is explained.
 DOC = "docs/model-authors.md#reading-a-race-report"
@@ -76,6 +77,16 @@ def _span(t: Any) -> tuple[int, int]:
     return t.data_ptr(), extent * t.element_size()
 
 
+#: ``(address, bytes, name)`` of memory the running case named itself (:func:`name_range`).
+_NAMED: list[tuple[int, int, str]] = []
+
+
+def name_range(address: int, nbytes: int, name: str) -> None:
+    """Name ``[address, address + nbytes)`` for the races of the running case (memory the kit
+    allocates itself, such as the blocks §S reuses)."""
+    _NAMED.append((address, nbytes, name))
+
+
 def name_memory(pipelines: Iterable[Any], address: int, nbytes: int) -> str | None:
     """The module path (``transformer.blocks.3.ff.weight``) of the parameter or buffer of
     ``pipelines`` whose elements cover most of ``[address, address + nbytes)``; else, of one whose
@@ -84,6 +95,9 @@ def name_memory(pipelines: Iterable[Any], address: int, nbytes: int) -> str | No
     from .blame import named_modules
 
     end = address + max(int(nbytes), 1)
+    for start, size, name in reversed(_NAMED):
+        if start < end and address < start + size:
+            return name
     best: tuple[int, str] | None = None
     holder: str | None = None
     for pipeline in pipelines:
@@ -290,6 +304,7 @@ class watching:  # noqa: N801 - used as a context manager, like contextlib's
         self.on = True
         _ACTIVE.append(self)
         _OFFLOADER_FILES.clear()
+        _NAMED.clear()
         self.previous = simulated.check_streams()
         simulated.clear_races()
         simulated.set_tensor_namer(_Namer(self.case))
@@ -307,6 +322,7 @@ class watching:  # noqa: N801 - used as a context manager, like contextlib's
         finally:
             simulated.set_tensor_namer(None)
             _ACTIVE.remove(self)
+            _NAMED.clear()
         if not found or (exc is not None and not isinstance(exc, Exception)):
             return False  # a KeyboardInterrupt, SystemExit: the runner's to report
         message = race_report(found, self.case, self.offloader)

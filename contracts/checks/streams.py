@@ -3,9 +3,10 @@
 Every case of the kit runs under the sanitizer (Note [The kit's stream checking] in
 contracts/streams.py), so a race fails whatever case it happens in.  The check here gives each
 pipeline and strategy a stream verdict of its own, even where no other check fails: it drives
-the offloader through ``enable()``, two generations and ``disable()``, then computes once more on
-the device with the pipeline resident (an allocation that reuses the memory the offloader freed:
-a block freed while another stream may still use it is then reported).  offload-ref's own
+the offloader through ``enable()``, two generations and ``disable()``, then allocates and writes
+one block of each size the pipeline's tensors were bound to on the device (the memory the
+offloader freed, reused: a block freed while another stream may still use it is then reported)
+and computes once more with the pipeline resident.  offload-ref's own
 backends run here on the accelerator platform (``Implementation.make_accelerator_platform``:
 ``torch.Stream`` / ``torch.Event``, the code a GPU runs); any other offloader brings its own
 streams.
@@ -13,10 +14,13 @@ streams.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from ..registry import check, not_applicable
-from ..streams import off_reason, watching
+from ..blame import named_modules
+from ..streams import name_range, off_reason, watching
 from .lifecycle import BACKENDS
 
 __all__ = ["STREAM_CHECKS"]
@@ -29,8 +33,8 @@ _GENERATIONS = 2
 
 @check("S", strategies=BACKENDS)
 def check_device_accesses_are_ordered_across_streams(case) -> None:
-    """From ``enable()`` through two generations and ``disable()``, and a resident generation
-    after it that reuses the freed device memory, every device access is ordered across streams:
+    """From ``enable()`` through two generations and ``disable()``, and allocations after it that
+    reuse the device memory the offloader freed, every device access is ordered across streams:
     no read of bytes a copy stream's write was not waited for, no slot refilled while a read of
     it may still run, no device memory freed and reused while another stream may still use it,
     no ``non_blocking`` device-to-host copy read before a synchronize."""
@@ -41,13 +45,57 @@ def check_device_accesses_are_ordered_across_streams(case) -> None:
     with watching(case, case.impl.name):  # nothing under the runner, which watches every case
         pipeline = case.build()
         backend = case.backend(platform=platform)
+        storages: dict[int, tuple[int, str]] = {}
         backend.enable(pipeline)
+        paths = {id(m): p for p, m in named_modules(pipeline)}
+        watch = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda module, args: _note_storages(module, paths, case.device, storages))
         try:
             for _ in range(_GENERATIONS):
                 with torch.inference_mode():
                     pipeline(**case.inputs())
         finally:
+            watch.remove()
             backend.disable()
         del pipeline, backend
+        gc.collect()
+        _reuse(storages, case.device)
         with torch.inference_mode():
             case.build_resident()(**case.inputs())
+
+
+def _note_storages(module: torch.nn.Module, paths: dict[int, str], device: torch.device,
+                   storages: dict[int, tuple[int, str]]) -> None:
+    """Record the device storages ``module``'s own tensors are bound to as it runs (address ->
+    bytes and the first tensor's module path): a slot, a swapped component's copy, whatever the
+    offloader allocated."""
+    path = paths.get(id(module))
+    if path is None:
+        return
+    for registry in (module._parameters, module._buffers):
+        for name, t in registry.items():
+            if t is not None and t.device == device:
+                storage = t.untyped_storage()
+                storages.setdefault(storage.data_ptr(),
+                                    (storage.nbytes(), f"{path}.{name}" if path else name))
+
+
+def _reuse(storages: dict[int, tuple[int, str]], device: torch.device) -> None:
+    """Allocate and write, on the current stream, one block of each size the offloader's device
+    storages had, as many as there were: the simulated allocator hands a freed block to the next
+    request of its rounded size (Note [Caching allocator] in simdevice.cpp), so memory freed while
+    another stream may still use it is reused here, and the sanitizer reports it, naming the
+    tensor that memory held."""
+    blocks = []
+    for nbytes, _ in sorted(storages.values()):
+        if nbytes:
+            block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            held = storages.get(block.data_ptr())
+            if held is not None:
+                name_range(block.data_ptr(), nbytes,
+                           f"the device memory {held[1]} was bound to (freed at disable(), "
+                           "allocated again by the kit)")
+            blocks.append(block)
+    for block in blocks:
+        block.zero_()
+    del blocks
