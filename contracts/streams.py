@@ -269,13 +269,35 @@ def race_report(races: Sequence[Any], case: Any, offloader: str) -> str:
                  "wrong output, seen only sometimes. The simulated accelerator runs each stream "
                  "in program order, so its values here were right; its sanitizer judges by "
                  f"happens-before, so the race shows on every run ({DOC})")
-    for other in races[1:_SHOWN]:
-        lines.append(f"  also: {_headline(other)}")
-    if len(races) > _SHOWN:
-        lines.append(f"  and {len(races) - _SHOWN} more race(s): "
-                     + "; ".join(f"{r.kind} on {r.tensor}" for r in races[_SHOWN:_LISTED])
-                     + (" ..." if len(races) > _LISTED else ""))
+    groups: dict[tuple[Any, ...], list[Any]] = {}
+    for r in races:  # one missing ordering, many tensors (a block's weights)
+        groups.setdefault(_signature(r), []).append(r)
+    first, *others = groups.values()
+    if len(first) > 1:
+        lines.append(f"  the same race between these two streams on {len(first) - 1} more "
+                     "tensor(s): "
+                     + _names(first[1:]))
+    for group in others[:_SHOWN - 1]:
+        more = f" (and on {len(group) - 1} more tensor(s): {_names(group[1:])})" \
+            if len(group) > 1 else ""
+        lines.append(f"  also: {_headline(group[0])}{more}")
+    rest = [r for group in others[_SHOWN - 1:] for r in group]
+    if rest:
+        lines.append(f"  and {len(rest)} more race(s): "
+                     + "; ".join(f"{r.kind} on {r.tensor}" for r in rest[:_LISTED])
+                     + (" ..." if len(rest) > _LISTED else ""))
     return "\n".join(lines)
+
+
+def _signature(race: Any) -> tuple[Any, ...]:
+    """A race's kind and its two streams: one missing ordering races on every tensor the two
+    streams share (each weight of a block, read by its own op)."""
+    return (race.kind, race.current.stream_name, race.previous.stream_name)
+
+
+def _names(races: Sequence[Any]) -> str:
+    names = [r.tensor for r in races]
+    return ", ".join(names[:_LISTED]) + (" ..." if len(names) > _LISTED else "")
 
 
 # -- one case under the sanitizer ------------------------------------------------------------

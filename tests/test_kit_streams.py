@@ -344,7 +344,11 @@ def test_the_report_names_the_tensor_both_accesses_the_ordering_and_the_party(mo
     monkeypatch.setattr(kit_streams, "_pipeline_files", lambda case: {"fixtures/flux2.py"})
     race = _Race("read-after-write", 0, "transformer.transformer_blocks.1.ff.weight", _READ,
                  _COPY, (), "")
-    text = kit_streams.race_report([race, race], None, "my_engine.offload:factory")
+    same = _Race("read-after-write", 0, "transformer.transformer_blocks.1.ff.bias", _READ, _COPY,
+                 (), "")
+    refill = _Race("write-after-read", 0, "transformer.transformer_blocks.0.ff.weight", _COPY,
+                   _READ, (), "")
+    text = kit_streams.race_report([race, same, refill], None, "my_engine.offload:factory")
     lines = text.splitlines()
     assert lines[0] == (
         "stream race (read-after-write) on transformer.transformer_blocks.1.ff.weight (hpu:0): "
@@ -355,7 +359,12 @@ def test_the_report_names_the_tensor_both_accesses_the_ordering_and_the_party(mo
     assert ("  at fault: the offloader my_engine.offload:factory: the offloader's code made the "
             "unordered access (my_engine/offload.py:77 in prefetch)") in text
     assert "on a GPU it reads bytes another stream may still be writing" in text
-    assert lines[-1].startswith("  also: stream race (read-after-write)")
+    # one missing ordering between two streams races on many tensors: named once, then counted
+    assert lines[-2] == ("  the same race between these two streams on 1 more tensor(s): "
+                         "transformer.transformer_blocks.1.ff.bias")
+    assert lines[-1].startswith("  also: stream race (write-after-read) on "
+                                "transformer.transformer_blocks.0.ff.weight (hpu:0): stream 1 of "
+                                "hpu:0 wrote it in copy host to device"), lines[-1]
     # the sanitizer's own advice wins over the kit's generic one
     advised = _Race("use-after-free", 0, "x", _READ, _COPY, ("my_engine/offload.py:99 in park",),
                     "call record_stream(compute) before dropping it")
