@@ -27,6 +27,8 @@ from offload_ref.contracts.runner import run_checks  # noqa: I001
 from offload_ref.contracts.spec import PipelineSpec
 from offload_ref.fixtures import get_spec
 
+pytest_plugins = ["pytester"]
+
 STREAMS = "check_device_accesses_are_ordered_across_streams"
 PARITY = "check_offloaded_output_matches_reference_bitwise"
 CHECKING = kit_streams.off_reason() is None
@@ -260,6 +262,30 @@ def test_stream_checking_is_restored_after_each_case() -> None:
     _run(prefetcher, [STREAMS])
     assert simulated.check_streams() == before
     assert simulated.races() == []
+
+
+_AUTHOR = f'''
+from offload_ref.fixtures import get_spec
+
+OFFLOAD_REF_SPECS = [get_spec("flux2")]
+OFFLOAD_REF_OFFLOADER = "{__name__}:racy_prefetcher"
+
+
+def test_offload(offload_ref_check):
+    offload_ref_check()
+'''
+
+
+@needs_sanitizer
+def test_the_pytest_route_runs_every_case_under_the_sanitizer_too(pytester) -> None:
+    pytester.makepyfile(test_author=_AUTHOR)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-q", "-m", "contract", "-k",
+                                f"{STREAMS} or {PARITY}")
+    result.assert_outcomes(failed=2, skipped=2)  # layer_wise fails; model_level: not offered
+    out = "\n".join(result.outlines)
+    assert out.count("stream race (read-after-write) on text_encoder.blocks.0.norm1.weight") >= 2
+    assert f"at fault: the offloader {__name__}:racy_prefetcher" in out
+    assert "stream checking ON (happens-before, hpu streams)" in out  # the matrix's device line
 
 
 # -- without the sanitizer: the header, the catalogue, naming, words, the party -------------------
