@@ -375,9 +375,16 @@ def _cmd_peers(args: argparse.Namespace) -> int:
     device = kit_device()
     head = report.header(threads=args.torch_threads,
                          device=describe_device(device))
+    from offload_ref import peers
+
+    try:  # Note [Upstream stream reports] in offload_ref/peers.py
+        findings: Any = peers.probe_upstream_reports()
+    except RuntimeError as exc:
+        findings = str(exc)
     page = conformance.render_markdown(rows, header=head,
                                        command=command,
-                                       pipelines=[spec.name for spec in specs])
+                                       pipelines=[spec.name for spec in specs],
+                                       notes=peers.upstream_reports_markdown(findings))
     if args.markdown:
         with open(args.markdown, "w", encoding="utf-8") as f:
             f.write(page)
