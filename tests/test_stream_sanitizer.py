@@ -245,6 +245,11 @@ def _copy_then_read(order: str) -> None:
     else:
         raise AssertionError(order)
     (weight * 2).sum()
+    # weight was allocated on the copy stream and read on compute: without record_stream, its
+    # free would hand the memory to the copy stream's next allocation while compute may still
+    # read it (Note [Freed memory another stream may still use]); a host synchronization above
+    # orders everything anyway
+    weight.record_stream(compute)
 
 
 @pytest.mark.parametrize("order", ["wait_event", "wait_stream", "stream.synchronize",

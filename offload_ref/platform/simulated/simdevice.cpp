@@ -336,6 +336,7 @@ struct Block {
   int64_t alloc_stream = 0;
   std::vector<int64_t> recorded;  // record_stream
   Where freed_at;
+  bool free = false;  // in its allocation stream's pool (freed, not yet handed out again)
 };
 
 struct Conflict {
@@ -786,6 +787,16 @@ class Launch {
   bool host_sync_ = false;
 };
 
+// Whether an op writes `argument`: its schema says so, or it is an output of one of c10d's
+// collectives, whose schemas do not (allgather's output_tensor, allreduce's tensors, ...).
+bool writes_argument(const c10::FunctionSchema& schema, const c10::Argument& argument) {
+  const auto* alias = argument.alias_info();
+  if (alias != nullptr && alias->isWrite()) return true;
+  if (schema.name().rfind("c10d::", 0) != 0) return false;
+  const auto& name = argument.name();
+  return name.rfind("output", 0) == 0 || (name == "tensors" && schema.name() != "c10d::send");
+}
+
 // Ops that read no element of their tensors (metadata, pinning state).
 bool touches_no_data(const c10::FunctionSchema& schema) {
   static const std::unordered_set<std::string> names = {
@@ -932,6 +943,8 @@ void freed(uintptr_t base, int64_t alloc_stream) {
     block.recorded.clear();
     block.generation += 1;
     block.freed_at = nullptr;
+    block.free = true;
+    block.alloc_stream = alloc_stream;
     for (const Record& r : records) {
       if (r.stream != alloc_stream) need_where = true;
     }
@@ -945,6 +958,37 @@ void freed(uintptr_t base, int64_t alloc_stream) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
   auto it = g_blocks.find(base);
   if (it != g_blocks.end()) it->second.freed_at = where;
+}
+
+// A cached block is handed out again.
+void allocated(uintptr_t base) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  auto it = g_blocks.find(base);
+  if (it != g_blocks.end()) it->second.free = false;
+}
+
+// Note [Freed memory another stream may still use]
+//   A block in its allocation stream's pool goes to the next allocation on that stream, of any
+//   size on a real allocator (which splits blocks); here only of the same rounded size.  So when
+//   the races are collected, every free block whose earlier access by another stream is still
+//   not ordered before its allocation stream is reported as a use after free: the allocation
+//   that would get it next would race with that access, whatever its size.  (A free followed by
+//   a wait of the allocation stream before the next allocation is ordered by then: no report.)
+void check_freed() {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  for (auto& [base, block] : g_blocks) {
+    if (!block.free || block.pinned) continue;
+    const Clock& clock = stream_clock(block.alloc_stream);
+    for (Record& r : block.records) {
+      if (r.reported || ordered(r, block.alloc_stream, clock)) continue;
+      r.reported = true;
+      g_deferred.push_back(Conflict{
+          "use-after-free", static_cast<int>(device_of(block.alloc_stream)), base + r.lo,
+          r.hi - r.lo, "device memory freed earlier (" + std::to_string(r.hi - r.lo) + " bytes)",
+          block.alloc_stream, "the next allocation on it (the memory is free in its pool)", "",
+          true, block.freed_at, r, block.freed_at});
+    }
+  }
 }
 
 // The memory goes back to the system (or a pinned block is freed: CUDA's host allocator waits
@@ -1049,6 +1093,7 @@ class SimAllocator final : public c10::DeviceAllocator {
           ptr = last->second;
           pool.erase(last);
           cached_[device] -= rounded;
+          if (san::on()) san::allocated(reinterpret_cast<uintptr_t>(ptr));
         }
       }
     }
@@ -2146,19 +2191,27 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     for (size_t i = 0; i < num_arguments; ++i) {
       const auto& argument = schema.arguments()[i];
       const auto* alias_info = argument.alias_info();
-      const bool write = alias_info != nullptr && alias_info->isWrite();
+      const bool write = san::writes_argument(schema, argument);
       if (alias_info != nullptr && !write) continue;
       const auto& value = originals[i];
-      if (value.isTensor()) {
-        if (is_dev(value.toTensor())) launch->add(value.toTensor(), write, argument.name().c_str());
-      } else if (value.isTensorList()) {
-        for (const at::Tensor& t : value.toTensorList()) {
-          if (is_dev(t)) launch->add(t, write, argument.name().c_str());
+      const char* name = argument.name().c_str();
+      auto visit_list = [&](const c10::List<at::Tensor>& list) {
+        for (const at::Tensor& t : list) {
+          if (is_dev(t)) launch->add(t, write, name);
         }
+      };
+      if (value.isTensor()) {
+        if (is_dev(value.toTensor())) launch->add(value.toTensor(), write, name);
+      } else if (value.isTensorList()) {
+        visit_list(value.toTensorList());
       } else if (value.isOptionalTensorList()) {
         for (const auto& item : value.toOptionalTensorList()) {
           std::optional<at::Tensor> opt = item;
-          if (opt.has_value() && is_dev(*opt)) launch->add(*opt, write, argument.name().c_str());
+          if (opt.has_value() && is_dev(*opt)) launch->add(*opt, write, name);
+        }
+      } else if (value.isList()) {  // Tensor[][] (c10d's allgather_ outputs)
+        for (const c10::IValue& inner : value.toListRef()) {
+          if (inner.isTensorList()) visit_list(inner.toTensorList());
         }
       }
     }
@@ -2642,6 +2695,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_streams", &simdev::san::set_on, "turn the stream sanitizer on or off");
   m.def("checking_streams", &simdev::san::on);
   m.def("races", [](bool clear) {
+    simdev::san::check_freed();
     simdev::san::verify_all();
     py::list out;
     if (simdev::san::g_races != nullptr) {
