@@ -49,6 +49,23 @@ def _in(access, path: str, function: str) -> bool:
     return bool(access.where) and path in access.where[0] and f"in {function}" in access.where[0]
 
 
+def _check_reuse(found, copied_in: str, freed_in: str | None) -> None:
+    """Use-after-free races, each naming the compute stream's read and the transfer stream's
+    later write into the memory; the copies among those writes are made by diffusers'
+    ``copied_in``, and the memory was freed by ``freed_in`` (None: no frame of the free is
+    captured, as when autograd's device thread frees it)."""
+    assert found and {r.kind for r in found} == {"use-after-free"}
+    for race in found:
+        assert race.current.stream > 0 and race.current.write
+        assert race.previous.stream == 0 and not race.previous.write
+    copies = [r for r in found if r.current.op.startswith("copy host to device")]
+    assert copies and all(_in(r.current, GO, copied_in) for r in copies)
+    if freed_in is not None:
+        freed = [r for r in found if r.freed_at]
+        assert freed and all(GO in r.freed_at[0] and f"in {freed_in}" in r.freed_at[0]
+                             for r in freed)
+
+
 # -- the adapters of the stream variants ----------------------------------------------------------
 
 
@@ -120,14 +137,7 @@ def test_12673_record_stream_on_the_transfer_stream_frees_memory_the_compute_str
     installed, _ = _probe(12673, offload_type, patches=(), device=device)
     assert installed == [], "\n".join(map(str, installed))
     found, _ = _probe(12673, offload_type, device=device)
-    assert found and {r.kind for r in found} == {"use-after-free"}
-    for race in found:  # the transfer stream's copy into memory the compute stream still read
-        assert race.current.stream > 0 and race.current.write
-        assert race.current.op.startswith("copy host to device")
-        assert _in(race.current, GO, "_transfer_tensor_to_device")
-        assert race.previous.stream == 0 and not race.previous.write
-        assert race.freed_at and GO in race.freed_at[0]
-        assert "_offload_to_memory" in race.freed_at[0]
+    _check_reuse(found, "_transfer_tensor_to_device", "_offload_to_memory")
 
 
 @pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
@@ -136,11 +146,7 @@ def test_14657_the_disk_path_freeing_before_the_compute_stream_finished_is_a_rac
     installed, _ = _probe(14657, offload_type, patches=(), device=device)
     assert installed == [], "\n".join(map(str, installed))
     found, _ = _probe(14657, offload_type, device=device)
-    assert found and {r.kind for r in found} == {"use-after-free"}
-    for race in found:
-        assert race.current.stream > 0 and _in(race.current, GO, "_onload_from_disk")
-        assert race.previous.stream == 0 and not race.previous.write
-        assert race.freed_at and "_offload_to_disk" in race.freed_at[0]
+    _check_reuse(found, "_onload_from_disk", "_offload_to_disk")
 
 
 @pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
@@ -181,17 +187,16 @@ def test_13502_is_still_in_the_installed_diffusers_on_a_model_with_nothing_aroun
 
 
 def test_backward_without_record_stream_frees_a_saved_weight_the_compute_stream_read(
-        device, monkeypatch) -> None:
+        device) -> None:
     """Found by the probes, not one of the upstream reports: a weight autograd saved outlives the
     leaf group's offload, is freed after backward read it, and its memory is handed to the next
     onload on the transfer stream; with record_stream=True the allocator knows, and it is not."""
     report = next(r for r in peers.UPSTREAM_REPORTS if r.number is None)
     assert report.backward
     found, exact = peers._probe_once(report, "leaf_level", "linear", device, ())
-    assert exact and found and {r.kind for r in found} == {"use-after-free"}
-    for race in found:
-        assert race.previous.stream == 0 and race.previous.op == "aten::mm"
-        assert race.current.stream > 0 and _in(race.current, GO, "_transfer_tensor_to_device")
+    assert exact
+    _check_reuse(found, "_transfer_tensor_to_device", None)
+    assert {r.previous.op for r in found} == {"aten::mm"}  # backward's read of the saved weight
     recorded = peers.UpstreamReport(**{**report.__dict__, "options": (("record_stream", True),)})
     found, _ = peers._probe_once(recorded, "leaf_level", "linear", device, ())
     assert found == [], "\n".join(map(str, found))
