@@ -16,6 +16,13 @@ those cases not applicable.
 Strategies: ``model_level`` is a peer that swaps whole components; ``layer_wise`` one that
 streams parts of them (blocks, or every leaf module).  A peer asked for the other raises
 ``NotImplementedError``.
+
+diffusers' group offloading is judged in each mode its documentation offers: without streams,
+and with ``use_stream=True`` alone, with ``record_stream=True`` and with
+``low_cpu_mem_usage=True`` (``*_stream``, ``*_stream_record``, ``*_stream_low_cpu_mem``), at block
+and leaf level.  :func:`probe_upstream_reports` checks the installed diffusers for the stream
+races reported upstream (Note [Upstream stream reports]); docs/peers.md shows its findings below
+the table.
 """
 
 from __future__ import annotations
@@ -408,13 +415,19 @@ class _BackendSkippingSynchronize:
 
 
 @contextmanager
-def _replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = owner.__dict__[name]
+def _replaced(owner: type, name: str, value: Any) -> Iterator[None]:
+    """``owner.name = value`` inside the block, whether ``owner`` defines ``name`` or inherits it
+    (then the inherited one is found again after)."""
+    own = name in owner.__dict__
+    original = owner.__dict__.get(name)
     setattr(owner, name, value)
     try:
         yield
     finally:
-        setattr(owner, name, original)
+        if own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
 
 
 def _restore_11981(g: Any, device: torch.device) -> AbstractContextManager[None]:
@@ -482,28 +495,13 @@ def _restore_13502(g: Any, device: torch.device) -> AbstractContextManager[None]
             return None
         return original(self)
 
-    return _replaced_anywhere(stream_type, "synchronize", synchronize)
-
-
-@contextmanager
-def _replaced_anywhere(owner: type, name: str, value: Any) -> Iterator[None]:
-    """``owner.name = value`` inside the block, whether ``owner`` defines ``name`` or inherits it
-    (then the inherited one is found again after)."""
-    own = name in owner.__dict__
-    original = owner.__dict__.get(name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        if own:
-            setattr(owner, name, original)
-        else:
-            delattr(owner, name)
+    return _replaced(stream_type, "synchronize", synchronize)
 
 
 def _repair_13502(g: Any, device: torch.device) -> AbstractContextManager[None]:
-    """#13502's proposed fix, on top of :func:`_restore_13502`: after each onload, the compute
-    stream waits for the transfer stream (``wait_stream``, a device-side ordering)."""
+    """#13502's proposed change (on its own, or on top of :func:`_restore_13502`): after each
+    onload, the compute stream waits for the transfer stream (``wait_stream``, a device-side
+    ordering)."""
     original = g.ModuleGroup.onload_
 
     def onload_(self: Any) -> Any:
