@@ -37,7 +37,8 @@ __all__ = ["DOC", "header_text", "name_memory", "name_range", "off_reason", "rac
 #: Where a race report is explained.
 DOC = "docs/model-authors.md#reading-a-race-report"
 
-#: Races shown in full in one failure (the others are counted, one line each).
+#: Groups of races (a kind between two streams) a failure shows: the first in full, the next
+#: ones a line each, the rest counted; tensors named per group.
 _SHOWN = 4
 _LISTED = 8
 
