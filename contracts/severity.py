@@ -6,7 +6,9 @@ from it, one of four levels, worst first (:class:`Severity`):
 ``wrong output``
     a generation, or a value the user reads (a weight through ``.data`` or ``state_dict()``, a
     gradient), differs from the un-offloaded truth, or the pipeline's tensors are no longer the
-    model as built (another dtype, device, layout or sharing): silently wrong numbers.
+    model as built (another dtype, device, layout or sharing): silently wrong numbers.  A
+    stream race (:mod:`.streams`) is one too: the simulated accelerator's values are right, but
+    on a GPU the same ordering computes with bytes still being copied.
 ``error``
     an exception raised into the user's generation, ``enable()`` or ``disable()`` (a device
     mismatch, a crash, a retry that fails), the wrong exception where a clear one is the
