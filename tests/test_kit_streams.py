@@ -174,6 +174,24 @@ def test_a_prefetcher_whose_compute_never_waits_for_its_copy_fails_naming_tensor
 
 
 @needs_sanitizer
+def test_the_docs_example_is_the_report_the_kit_gives(monkeypatch) -> None:
+    """docs/model-authors.md §9 shows this test's racy prefetcher's report: its race line, the
+    lines naming the callers, the missing ordering and the party are the kit's, word for word."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # files are written relative to the working folder
+    message = _run(racy_prefetcher, [STREAMS])[STREAMS].message
+
+    def norm(text: str) -> str:  # a stream's number is its order of creation in the process
+        return re.sub(r"stream \d+ of", "stream N of", " ".join(text.split()))
+
+    doc = norm((root / "docs" / "model-authors.md").read_text())
+    for line in message.splitlines()[:5]:
+        assert norm(line) in doc, line
+
+
+@needs_sanitizer
 def test_a_prefetcher_that_waits_for_its_copy_passes() -> None:
     results = _run(prefetcher, [STREAMS, PARITY])
     assert {c: r.outcome for c, r in results.items()} == {STREAMS: "passed", PARITY: "passed"}, \
