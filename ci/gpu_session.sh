@@ -15,5 +15,8 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.txt
 timeout 180 python3 -m pytest -p no:cacheprovider -q -m cuda -n 0 --offload-ref-require-cuda \
   tests/test_platform_cuda.py 2>&1 | tail -25 | tee "$out/cuda_tests.txt"
 timeout 150 python3 ci/cuda_fixtures.py --device cuda:0 --repeats 5 2>&1 | tee "$out/cuda_fixtures.txt"
+timeout 240 python3 -m pytest -p no:cacheprovider -q -m cuda --benchmark-only -n 0 \
+  --offload-ref-require-cuda tests/benchmarks --benchmark-json "$out/cuda_bench.json" 2>&1 \
+  | tail -30 | tee "$out/cuda_bench.txt"
 timeout 120 python3 -m offload_ref.cli bench --device cuda --hidden 2048 --blocks 8 --tokens 2048 \
   --steps 4 --repeats 5 2>&1 | tee "$out/bench_2048.txt"
