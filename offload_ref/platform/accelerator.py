@@ -24,6 +24,19 @@ from .base import aligned_empty
 
 __all__ = ["AcceleratorPlatform", "describe_device"]
 
+# Note [Stream lookups by index]
+#     ``torch.accelerator.current_stream(device)`` spends most of its time turning the device
+#     into an index (``_get_device_index``, about a microsecond), and ``set_stream`` is a Python
+#     wrapper around one C call.  The hot path (a block's wait, a fill, a block's free record)
+#     asks for the current stream of a known index through the C call those wrappers make, and
+#     a fill makes its copy stream current with a bare set/restore pair instead of the
+#     ``stream()`` context manager (a generator: several times the cost of the pair).  The effect
+#     is the wrappers' own: the same C calls, the same streams, the same device made current.
+_get_stream: Callable[[int], torch.Stream] = getattr(
+    torch._C, "_accelerator_getStream", torch.accelerator.current_stream)
+_set_stream: Callable[[torch.Stream], None] = getattr(
+    torch._C, "_accelerator_setStream", torch.accelerator.set_stream)
+
 
 def describe_device(device: torch.device | str) -> str:
     """A device as offload-ref prints it: the simulated accelerator is named for what it is."""
@@ -59,6 +72,7 @@ class AcceleratorPlatform:
                 f"{describe_device(device)} does not exist: this process sees {count} "
                 f"{device.type} device(s) ({device.type}:0 .. {device.type}:{count - 1})")
         self.device = device
+        self._index: int = device.index  # Note [Stream lookups by index]
         self.name = device.type
         self._lock = threading.Lock()
         self._live: dict[int, int] = {}  # device allocations from empty(): storage ptr -> bytes
@@ -85,7 +99,7 @@ class AcceleratorPlatform:
         return torch.Event(device=self.device, enable_timing=enable_timing)
 
     def current_stream(self) -> torch.Stream:
-        return torch.accelerator.current_stream(self.device)
+        return _get_stream(self._index)  # Note [Stream lookups by index]
 
     @contextlib.contextmanager
     def stream(self, stream: torch.Stream | None) -> Iterator[torch.Stream | None]:
@@ -93,12 +107,12 @@ class AcceleratorPlatform:
         if stream is None:
             yield None
             return
-        previous = torch.accelerator.current_stream(self.device)
-        torch.accelerator.set_stream(stream)
+        previous = _get_stream(self._index)
+        _set_stream(stream)
         try:
             yield stream
         finally:
-            torch.accelerator.set_stream(previous)
+            _set_stream(previous)
 
     def synchronize(self) -> None:
         torch.accelerator.synchronize(self.device)
@@ -110,12 +124,17 @@ class AcceleratorPlatform:
 
     def fill(self, stream: torch.Stream, after: torch.Event,
              pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], then: torch.Event) -> None:
-        """Note [One-call fills] (platform/base.py)."""
-        with self.stream(stream):
+        """Note [One-call fills] (platform/base.py): exactly ``with self.stream(stream)``
+        around the work, without the context manager (Note [Stream lookups by index])."""
+        previous = _get_stream(self._index)
+        _set_stream(stream)
+        try:
             stream.wait_event(after)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
             then.record(stream)
+        finally:
+            _set_stream(previous)
 
     def submit(self, fn: Callable[[], Any], *, reads: Sequence[torch.Tensor] = (),
                writes: Sequence[torch.Tensor] = ()) -> None:
