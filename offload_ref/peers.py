@@ -589,7 +589,7 @@ UPSTREAM_REPORTS: tuple[UpstreamReport, ...] = (
         "every host synchronization with the transfer stream, skipped (so nothing orders the "
         "copies before the compute); then #13502's wait_stream added on top",
         (), ("read-after-write",), _restore_13502, _repair_13502,
-        shapes=("framed", "blocks_only"), thread="pull"),
+        shapes=("framed", "blocks_only", "own_tensors"), thread="pull"),
     UpstreamReport(
         None, "not among the reports above",
         "backward through a group-offloaded model without record_stream: a weight autograd "
@@ -642,6 +642,19 @@ class _ProbeBlocksOnly(nn.Module):
         return x
 
 
+class _ProbeOwnTensors(nn.Module):
+    """A module whose tensors are its own (a buffer and a parameter), with no layer under it
+    (a mel-spectrogram front end's window and filterbank, say)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.register_buffer("window", torch.rand(width))
+        self.scale = nn.Parameter(torch.rand(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.window) @ self.scale
+
+
 class _ProbeLinear(nn.Module):
     """Linear layers only (a LayerNorm's backward reads its weight through the parameter, which
     the offload has moved back to the host by then: a device error, not a race)."""
@@ -665,6 +678,8 @@ _SHAPES: dict[str, tuple[type[nn.Module], str]] = {
                              "ModuleList, a top-level affine LayerNorm last"),
     "blocks_only": (_ProbeBlocksOnly, "the same three blocks in a ModuleList, nothing else at "
                                       "the top level"),
+    "own_tensors": (_ProbeOwnTensors, "a buffer and a parameter of the module itself, no layer "
+                                      "under it"),
     "linear": (_ProbeLinear, "an input Linear, three Linear blocks in a ModuleList, an output "
                              "Linear; backward through it"),
 }
@@ -924,16 +939,25 @@ def upstream_reports_markdown(findings: Sequence[UpstreamFinding] | str) -> list
                     f"#{f.report.number}'s `wait_stream` in their place it does not.  A host "
                     "synchronization orders as much as a `wait_stream` (torch's CUDA sanitizer "
                     "counts it too), the host waiting for it.")
-    unordered = [f for f in findings if f.report.number == 13502 and f.shape == "blocks_only"
-                 and f.verdict == "present"]
-    if unordered and version == _READ_IN:
-        out[-1] += ("  On *blocks_only* at block level nothing orders them: diffusers "
-                    f"{_READ_IN} registers its lazy-prefetch hook (which makes the first call "
-                    "copy blocking and chains the prefetches with their waits) only with the "
-                    "group of what lies outside the blocks, and there is none, so every block "
-                    "onloads itself on the transfer stream (non_blocking) and is computed at "
-                    "once, with no synchronization, on every call: #13502's hazard, on a GPU "
-                    "a block computed with weights still being copied.")
+    unordered = {(f.shape, f.offload_type) for f in findings
+                 if f.report.number == 13502 and f.verdict == "present"}
+    why = {  # read in diffusers _READ_IN's hooks/group_offloading.py
+        ("blocks_only", "block_level"):
+            "at block level diffusers registers its lazy-prefetch hook (which makes the first "
+            "call copy blocking and chains the prefetches with their waits) only with the group "
+            "of what lies outside the blocks, and there is none",
+        ("own_tensors", "leaf_level"):
+            "at leaf level the module's own tensors form a group on the module itself, which "
+            "the lazy-prefetch hook neither makes copy blocking on the first call nor chains "
+            "(it traces only the layers under the module); soulx_singer's mel front end has "
+            "this shape",
+    }
+    for shape, level in sorted(unordered):
+        if version == _READ_IN and (shape, level) in why:
+            out[-1] += (f"  On *{shape}* nothing orders them: {why[shape, level]}, so the group "
+                        "onloads itself on the transfer stream (non_blocking) and is computed "
+                        "at once, with no synchronization, on every call: #13502's hazard, on a "
+                        "GPU a layer computed with weights still being copied.")
     extra = [r for r in verdicts if r.number is None and _report_verdict(verdicts[r]) ==
              "present"]
     for r in extra:

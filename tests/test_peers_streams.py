@@ -183,7 +183,24 @@ def test_13502_is_still_in_the_installed_diffusers_on_a_model_with_nothing_aroun
                       device=device)
     assert fixed == [], "\n".join(map(str, fixed))
     leaf, _ = _probe(13502, "leaf_level", "blocks_only", patches=(), device=device)
-    assert leaf == [], "\n".join(map(str, leaf))  # leaf level always traces and waits
+    assert leaf == [], "\n".join(map(str, leaf))  # leaf level traces the layers and waits
+
+
+def test_13502_is_still_in_the_installed_diffusers_on_a_module_whose_tensors_are_its_own(
+        device) -> None:
+    """At leaf level the tensors of the module given to apply_group_offloading itself (no layer
+    under it: soulx_singer's mel front end) form a group nothing traces or waits for."""
+    report = REPORTS[13502]
+    found, _ = _probe(13502, "leaf_level", "own_tensors", patches=(), device=device)
+    assert found and {r.kind for r in found} == {"read-after-write"}
+    assert {r.tensor for r in found} == {"window", "scale"}
+    assert {r.current.op for r in found} == {"aten::mul", "aten::mm"}
+    for race in found:
+        assert race.current.stream == 0 and race.previous.stream > 0
+        assert _in(race.previous, GO, "_transfer_tensor_to_device")
+    fixed, _ = _probe(13502, "leaf_level", "own_tensors", patches=(report.repair,),
+                      device=device)
+    assert fixed == [], "\n".join(map(str, fixed))
 
 
 def test_backward_without_record_stream_frees_a_saved_weight_the_compute_stream_read(
@@ -249,8 +266,9 @@ def test_the_page_section_names_the_verdicts_and_both_accesses(device) -> None:
     text = "\n".join(lines)
     assert lines[0].startswith("## diffusers' upstream stream reports")
     rows = [line for line in lines if line.startswith("| [diffusers#")]
-    assert len(rows) == 3  # 11981 on framed; 13502 on framed and on blocks_only
+    assert len(rows) == 4  # 11981 on framed; 13502 on framed, blocks_only and own_tensors
     assert rows[0].endswith("| **absent** |") and rows[2].endswith("| **present** |")
+    assert rows[3].endswith("| **not established** |")  # block level streams nothing there
     assert ("read-after-write on blocks.2.ff.bias: the compute (default) stream read it in "
             "aten::addmm (self)") in rows[0]
     assert "the transfer stream wrote it in copy host to device" in rows[0]
