@@ -949,8 +949,8 @@ def upstream_reports_markdown(findings: Sequence[UpstreamFinding] | str) -> list
         ("own_tensors", "leaf_level"):
             "at leaf level the module's own tensors form a group on the module itself, which "
             "the lazy-prefetch hook neither makes copy blocking on the first call nor chains "
-            "(it traces only the layers under the module); soulx_singer's mel front end has "
-            "this shape",
+            "(it traces only the layers under the module; soulx_singer's mel front end has "
+            "this shape)",
     }
     for shape, level in sorted(unordered):
         if version == _READ_IN and (shape, level) in why:
