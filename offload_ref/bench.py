@@ -38,8 +38,8 @@ Note [Per-block overhead]
     thread CPU time.  Variants are timed round-robin; each sample times five back-to-back
     forwards and then synchronizes the variant's own platform only (a CPU platform's
     synchronize wakes its worker thread, whose latency would otherwise enter every variant's
-    time as noise).  ``--peers`` measures diffusers' and accelerate's CPU-offload hooks the same
-    way on the same models (Note [Peers] in docs/benchmarks.md).
+    time as noise).  ``--peers`` (offload_ref/bench_peers.py, Note [Fair peers]) measures
+    offload-ref beside diffusers' and accelerate's offloaders, every one copying to a device.
 
 Note [Bench device]
     ``--device cpu`` times the CPU platform with its device storage on the CPU too
@@ -132,8 +132,10 @@ def _bench_platform(device: str = "cpu") -> Any:
 
 def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: int = 4,
               repeats: int = 7, device: str = "cpu", threads: int = 1,
-              peers: bool = True) -> dict[str, Any]:
-    """Measure resident, model-level and layerwise offload on the heavy fixture pipeline."""
+              peers: bool = False) -> dict[str, Any]:
+    """Measure resident, model-level and layerwise offload on the heavy fixture pipeline
+    (``peers``: also :func:`run_peers`, on ``device`` unless it is the host, where it runs on
+    :func:`peers_device`'s default)."""
     from offload_ref.fixtures.heavy import HeavyConfig, build_pipeline, make_inputs
 
     previous_threads = torch.get_num_threads()
@@ -220,7 +222,10 @@ def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: i
         lw["per_block_overhead_cpu_platform_cpu_us"] = \
             overhead["cpu"]["per_block_overhead_cpu_us"]
         if peers:
-            results["peers"] = run_peers(repeats=max(repeats, 50))
+            from .bench_peers import run_peers
+
+            results["peers"] = run_peers(device=None if device == "cpu" else device,
+                                         repeats=repeats)
         return results
     finally:
         for backend in backends:
@@ -357,12 +362,18 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--tokens", type=int, default=256,
                    help="activation rows: more tokens = more compute per copied byte")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="samples per variant (default 7; --peers: 20)")
+    p.add_argument("--device", default=None,
+                   help="default cpu; --peers: the device every offloader copies to (default "
+                        "cuda when present, else the kit's device, hpu:0); never the host")
     p.add_argument("--json", action="store_true")
     p.add_argument("--peers", action="store_true",
-                   help="only the side-by-side table: offload-ref layerwise vs diffusers group "
-                        "offloading and accelerate cpu_offload hooks (per-block overhead, step)")
+                   help="only the side by side, every offloader copying to --device: "
+                        "offload-ref layerwise vs diffusers group offloading (block and leaf "
+                        "level, with and without streams) and accelerate cpu_offload; model "
+                        "level vs diffusers enable_model_cpu_offload and accelerate "
+                        "cpu_offload_with_hook; bytes counted per forward")
     p.add_argument("--growth", action="store_true",
                    help="only the growth table: enable time and per-block overhead at 8, 64, "
                         "512 blocks and 10^3, 10^5 tensors, with fitted exponents")
@@ -375,7 +386,20 @@ def add_bench_parser(sub: Any) -> None:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.spec:
+        args.repeats = 7 if args.repeats is None else args.repeats
+        args.device = args.device or "cpu"
         return _cmd_bench_spec(args)
+    if args.peers:  # Note [Fair peers]: a device every offloader copies to, never the host
+        from .bench_peers import PeersDeviceError, peers_device
+
+        try:
+            peers_dev = peers_device(args.device)
+        except PeersDeviceError as exc:
+            print(f"offload-ref {exc}", file=sys.stderr)
+            return 2
+    if args.repeats is None:
+        args.repeats = 20 if args.peers and not args.growth else 7
+    args.device = args.device or "cpu"
     if args.peers or args.growth:
         previous = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -384,7 +408,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                                "torch": torch.__version__}}
             text = []
             if args.peers:
-                out["peers"] = run_peers(repeats=max(args.repeats, 50))
+                from .bench_peers import format_peers, run_peers
+
+                out["peers"] = run_peers(device=peers_dev, repeats=args.repeats)
                 text.append(format_peers(out["peers"]))
             if args.growth:
                 out["growth"] = run_growth(repeats=args.repeats)
@@ -395,10 +421,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return 0
     results = run_bench(hidden=args.hidden, blocks=args.blocks, tokens=args.tokens,
                         steps=args.steps, repeats=args.repeats, device=args.device)
-    text = format_table(results)
-    if "peers" in results:
-        text += "\n\n" + format_peers(results["peers"])
-    print(json.dumps(results, indent=2) if args.json else text)
+    print(json.dumps(results, indent=2) if args.json else format_table(results))
     return 0
 
 
@@ -729,21 +752,11 @@ def per_block_overhead(*, blocks: int = 64, tensors_per_block: int = 1, repeats:
             platform.close()
 
 
-def _peer_skip() -> dict[str, str]:
-    """Peers that cannot run here, with the reason."""
-    reasons = {}
-    try:
-        from diffusers.hooks import apply_group_offloading  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure is a reason to skip
-        reasons["diffusers_group_offload"] = f"diffusers not importable: {exc}"
-    try:
-        from accelerate import cpu_offload  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        reasons["accelerate_cpu_offload"] = f"accelerate not importable: {exc}"
-    return reasons
-
-
 def _apply_peer(name: str, module: torch.nn.Module) -> None:
+    """A peer's hooks onloading to the CPU itself: the no-copies regression timing of
+    tests/benchmarks (``test_many_blocks_step_side_by_side``).  Nothing crosses a device there,
+    so those timings are never compared with an offloader that copies (the fair side by side is
+    :func:`run_peers`)."""
     cpu = torch.device("cpu")
     if name == "diffusers_group_offload":
         from diffusers.hooks import apply_group_offloading
@@ -754,70 +767,6 @@ def _apply_peer(name: str, module: torch.nn.Module) -> None:
         from accelerate import cpu_offload
 
         cpu_offload(module, execution_device=cpu)
-
-
-def run_peers(*, blocks: int = 64, hidden: int = 512, heavy_blocks: int = 8, tokens: int = 32,
-              repeats: int = 30) -> list[dict[str, Any]]:
-    """Side by side, one interleaved run per model: offload-ref layerwise (inline and CPU
-    platform), diffusers ``apply_group_offloading(block_level, num_blocks_per_group=1)`` and
-    accelerate ``cpu_offload`` on the same model, weights and inputs.  Both peers onload to the
-    CPU, so what they cost over the resident model is exactly their host overhead."""
-    from offload_ref.fixtures.heavy import HeavyConfig
-    from offload_ref.fixtures.heavy import build_pipeline as build_heavy
-    from offload_ref.fixtures.many_blocks import make_input
-
-    from .platform.inline import InlinePlatform
-
-    skip = _peer_skip()
-    peers = [p for p in ("diffusers_group_offload", "accelerate_cpu_offload") if p not in skip]
-    heavy = HeavyConfig(hidden=hidden, blocks=heavy_blocks, tokens=tokens)
-    x_small = make_input(0)
-    x_heavy = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0))
-    t = torch.tensor([0.5])
-    context = torch.zeros(1, hidden)
-    models = {
-        "many_blocks": (lambda: _many_blocks(blocks), blocks,
-                        lambda p: p.transformer(x_small)),
-        "heavy": (lambda: build_heavy(0, heavy), heavy_blocks,
-                  lambda p: p.transformer(x_heavy, t, context)),
-    }
-    rows: dict[str, dict[str, Any]] = {}
-    for model, (build, n, call) in models.items():
-        pipes = {name: build() for name in ("resident", "layerwise_inline", "layerwise_cpu",
-                                            *peers)}
-        platforms = {"layerwise_inline": InlinePlatform(device="cpu"),
-                     "layerwise_cpu": _bench_platform()}
-        backends: list[Any] = []
-        try:
-            _enable_layerwise(pipes, platforms, backends)
-            for name in list(peers):
-                try:
-                    _apply_peer(name, pipes[name].transformer)
-                except Exception as exc:  # noqa: BLE001 - another version's API: say so, go on
-                    skip[name] = f"applying it failed: {type(exc).__name__}: {exc}"
-                    peers.remove(name)
-                    del pipes[name]
-
-            syncs = {name: platform.synchronize for name, platform in platforms.items()}
-            with torch.inference_mode():
-                reference = call(pipes["resident"])
-                exact = {name: bool(torch.equal(call(p), reference)) for name, p in pipes.items()}
-                fns = {name: (lambda p=p: call(p)) for name, p in pipes.items()}
-                measured = _overhead_row(fns, n, repeats, syncs,
-                                         calls=_CALLS_PER_SAMPLE if model == "many_blocks" else 1)
-        finally:
-            for backend in backends:
-                backend.disable()
-            for platform in platforms.values():
-                platform.close()
-        for name, m in measured.items():
-            row = rows.setdefault(name, {"name": name})
-            row[model] = {**m, "bitwise_equal_to_resident": exact[name], "blocks": n}
-    out = list(rows.values())
-    for name, reason in skip.items():
-        if name not in rows:
-            out.append({"name": name, "skipped": reason})
-    return out
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:
@@ -888,21 +837,6 @@ def run_growth(*, block_counts: tuple[int, ...] = (8, 64, 512),
             [max(r["per_block_overhead_cpu_us"], 1e-3) for r in by_tensors]),
     }
     return {"by_blocks": by_blocks, "by_tensors": by_tensors, "exponents": exponents}
-
-
-def format_peers(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'variant':<26} {'µs/block (wall)':>16} {'µs/block (cpu)':>15} "
-             f"{'many-blocks step ms':>20} {'heavy step ms':>14} {'heavy µs/block':>15} exact"]
-    for row in rows:
-        if "skipped" in row:
-            lines.append(f"{row['name']:<26} skipped: {row['skipped']}")
-            continue
-        m, h = row["many_blocks"], row["heavy"]
-        exact = m["bitwise_equal_to_resident"] and h["bitwise_equal_to_resident"]
-        lines.append(f"{row['name']:<26} {m['per_block_overhead_us']:16.1f} "
-                     f"{m['per_block_overhead_cpu_us']:15.1f} {m['step_s'] * 1e3:20.3f} "
-                     f"{h['step_s'] * 1e3:14.2f} {h['per_block_overhead_us']:15.1f} {exact}")
-    return "\n".join(lines)
 
 
 def format_growth(growth: dict[str, Any]) -> str:
