@@ -267,8 +267,8 @@ PEER_MODEL_LEVEL = ("offload_ref_model_level", "diffusers_model_cpu_offload",
 
 
 def _git_commit() -> str | None:
-    """The checkout's commit (``+dirty`` when offload_ref/ has uncommitted changes), or None
-    outside a git checkout."""
+    """The checkout's commit, with the files of offload_ref/ and contracts/ that differ from it
+    (what was measured is then not that commit), or None outside a git checkout."""
     import subprocess
     from pathlib import Path
 
@@ -281,7 +281,9 @@ def _git_commit() -> str | None:
                                capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    changed = sorted(line[3:] for line in dirty.stdout.splitlines() if line.strip())
+    return head.stdout.strip() + (f" + uncommitted changes to {', '.join(changed)}"
+                                  if changed else "")
 
 
 def _cpu_model() -> str:
