@@ -48,8 +48,10 @@ def check_device_accesses_are_ordered_across_streams(case) -> None:
         storages: dict[int, tuple[int, str]] = {}
         backend.enable(pipeline)
         paths = {id(m): p for p, m in named_modules(pipeline)}
-        watch = torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda module, args: _note_storages(module, paths, case.device, storages))
+        # a global forward hook runs before the module's own forward hooks (an offloader's
+        # park): each module's tensors are still bound to what its forward computed with
+        watch = torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, output: _note_storages(module, paths, case.device, storages))
         try:
             for _ in range(_GENERATIONS):
                 with torch.inference_mode():
@@ -66,7 +68,7 @@ def check_device_accesses_are_ordered_across_streams(case) -> None:
 
 def _note_storages(module: torch.nn.Module, paths: dict[int, str], device: torch.device,
                    storages: dict[int, tuple[int, str]]) -> None:
-    """Record the device storages ``module``'s own tensors are bound to as it runs (address ->
+    """Record the device storages ``module``'s own tensors were bound to as it ran (address ->
     bytes and the first tensor's module path): a slot, a swapped component's copy, whatever the
     offloader allocated."""
     path = paths.get(id(module))
