@@ -151,3 +151,30 @@ def test_cli_peers_json(monkeypatch: pytest.MonkeyPatch,
     for entry in peers["models"].values():
         for name, row in entry["rows"].items():
             assert (row["h2d_bytes"] > 0) is (name != "resident"), name
+
+
+def test_the_old_setup_onloading_to_the_host_copies_nothing() -> None:
+    """What the old ``--peers`` timed: diffusers' group offloading with onload = offload = cpu
+    computes on the host storage and moves no byte between devices; onloading to the device,
+    the same call moves every block's weights there."""
+    from diffusers.hooks import apply_group_offloading
+
+    from offload_ref.fixtures.many_blocks import build_pipeline, make_input
+
+    device = peers_device("hpu:0")
+    x = make_input(0)
+    moved = {}
+    for onload in (torch.device("cpu"), device):
+        pipeline = build_pipeline(0, 4)
+        apply_group_offloading(pipeline.transformer, onload_device=onload,
+                               offload_device=torch.device("cpu"), offload_type="block_level",
+                               num_blocks_per_group=1)
+        inputs = x.to(onload)
+        with torch.inference_mode():
+            pipeline.transformer(inputs)
+            with CopyCounter() as counter:
+                pipeline.transformer(inputs)
+        moved[onload.type] = counter.h2d
+    weights = sum(p.numel() * p.element_size()
+                  for p in build_pipeline(0, 4).transformer.parameters())
+    assert moved == {"cpu": 0, "hpu": weights}
