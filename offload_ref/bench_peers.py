@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .backends.base import OffloadBackend
 from .backends.layerwise import LayerWiseOffloadBackend
 from .config import OffloadConfig, OffloadStrategy
 from .platform import get_platform
@@ -356,11 +357,12 @@ def _counted(fn: Callable[[], Any], sync: Callable[[], None]) -> tuple[Any, Copy
 def _measure_model(model: str, build: Callable[[], Any], call: Callable[[Any], Any],
                    variants: dict[str, Callable[[Any], tuple[Callable[[], Any], Any]]],
                    device: torch.device, *, repeats: int, calls: int, blocks: int,
-                   stats_of: Callable[[Any], int] | None = None,
+                   stats_of: Callable[[Any], int | None] | None = None,
                    ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """One model's rows: ``variants[name](pipeline)`` enables the variant on a fresh pipeline
     and returns (the call to time, the object whose ``disable()`` undoes it).  Returns the rows
-    and the variants skipped, with the reason."""
+    and the variants skipped, with the reason.  ``stats_of(offloader)``: the offloader's own
+    count of its host -> device bytes, recorded beside the counted ones (None: it keeps none)."""
     from .contracts.case import move_to_device
 
     def sync() -> None:
@@ -489,9 +491,11 @@ def run_peers(*, device: str | torch.device | None = None, blocks: int = 64, hid
             out[name] = wrap(lambda factory=factory: factory(dev))
         return out
 
-    def stats_of(backend: Any) -> int:
-        stats = getattr(backend, "stats", None)
-        return stats().h2d_bytes + stats().h2d_padding_bytes if stats else 0
+    def stats_of(backend: Any) -> int | None:
+        """offload-ref's own count of its host -> device bytes (None for a peer: it has none)."""
+        if not isinstance(backend, OffloadBackend):
+            return None
+        return backend.stats().h2d_bytes + backend.stats().h2d_padding_bytes
 
     def skip_missing(names: tuple[str, ...]) -> dict[str, str]:
         reasons = {}

@@ -79,6 +79,9 @@ def test_offload_refs_counted_bytes_are_its_backends_own(result: dict[str, Any])
                         ("heavy_generation", "offload_ref_model_level")):
         row = result["models"][model]["rows"][ours]
         assert row["h2d_bytes"] == row["backend_h2d_bytes"] > 0, (model, row)
+        # a peer keeps no such count: its row has none rather than a made-up 0
+        assert all("backend_h2d_bytes" not in r for n, r in
+                   result["models"][model]["rows"].items() if n != ours), model
 
 
 def test_an_offloader_that_copies_nothing_shows_zero_and_gets_no_ratio(
