@@ -503,7 +503,12 @@ struct Access {
 };
 
 const char* kind_of(const Record& previous, bool write, const Block& block) {
-  if (previous.generation < block.generation) return "use-after-free";
+  // memory freed while another stream's access was unordered, handed out again; an access by
+  // the allocation stream itself is in that stream's order: a new user on another stream that
+  // did not wait for it is an ordinary read/write race
+  if (previous.generation < block.generation && previous.stream != block.alloc_stream) {
+    return "use-after-free";
+  }
   if (previous.write && write) return "write-after-write";
   return previous.write ? "read-after-write" : "write-after-read";
 }
@@ -519,7 +524,10 @@ void check_and_record(Block& block, int64_t stream, uint64_t seq, const Clock& c
     if (ordered(r, stream, clock)) continue;
     if (r.reported) break;
     r.reported = true;
-    found.push_back(Conflict{kind_of(r, a.write, block), device, a.base + a.lo, a.hi - a.lo,
+    const int where_device =
+        a.tensor.device().type() == kDev ? a.tensor.device().index() : device;
+    found.push_back(Conflict{kind_of(r, a.write, block), where_device, a.base + a.lo,
+                             a.hi - a.lo,
                              describe_tensor(a.tensor), stream, op, a.argument, a.write, where,
                              r, block.freed_at});
     break;
@@ -798,11 +806,24 @@ bool writes_argument(const c10::FunctionSchema& schema, const c10::Argument& arg
 }
 
 // Ops that read no element of their tensors (metadata, pinning state).
+// (Module._apply's `_has_compatible_shallow_copy_type` and `param.data = t` read no byte; nor do
+// `set_`, which points a tensor at another's memory, and the factories `*_like` / `new_*`.)
 bool touches_no_data(const c10::FunctionSchema& schema) {
   static const std::unordered_set<std::string> names = {
-      "aten::is_pinned",  "aten::size",         "aten::stride",       "aten::sym_size",
-      "aten::sym_stride", "aten::sym_numel",    "aten::is_same_size", "aten::record_stream",
-      "aten::sym_storage_offset", "aten::_has_same_storage_numel", "aten::is_set_to"};
+      "aten::is_pinned",       "aten::size",         "aten::stride",
+      "aten::sym_size",        "aten::sym_stride",   "aten::sym_numel",
+      "aten::is_same_size",    "aten::record_stream", "aten::sym_storage_offset",
+      "aten::_has_same_storage_numel", "aten::is_set_to", "aten::_has_compatible_shallow_copy_type",
+      "aten::set_",            "aten::empty_like",   "aten::empty_strided",
+      "aten::new_empty",       "aten::new_empty_strided", "aten::new_zeros",
+      "aten::new_ones",        "aten::new_full",     "aten::zeros_like",
+      "aten::ones_like",       "aten::full_like",    "aten::rand_like",
+      "aten::randn_like",      "aten::randint_like", "aten::empty_permuted",
+      "aten::resize_",         "aten::resize_as_",   "aten::_is_zerotensor",
+      "aten::is_complex",      "aten::is_floating_point", "aten::detach",
+      "aten::alias",           "aten::lift_fresh",   "aten::dim",
+      "aten::numel",           "aten::result_type",  "aten::is_conj",
+      "aten::is_neg",          "aten::_nnz"};
   return names.count(schema.name()) > 0;
 }
 
@@ -882,6 +903,45 @@ void event_record(Clock& event_clock, bool& has_clock, int64_t stream) {
 void stream_waits(int64_t stream, const Clock& event_clock) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
   merge(stream_clock(stream), event_clock);
+}
+
+// The current stream of device `waiter` waits for the current stream of device `other`.
+void streams_meet(c10::DeviceIndex waiter, c10::DeviceIndex other) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  Clock copy = stream_clock(key_of(other, current_stream_id(other)));
+  merge(stream_clock(key_of(waiter, current_stream_id(waiter))), copy);
+}
+
+// Whether the host already comes after everything `clock` holds.
+bool host_knows(const Clock& clock) {
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  for (const auto& [key, seq] : clock) {
+    auto it = g_host.find(key);
+    if (seq > (it == g_host.end() ? 0 : it->second)) return false;
+  }
+  return true;
+}
+
+void host_syncs_stream(int64_t stream);
+
+// A stream's query (Note [Queries under stream checking]).
+bool query_stream(int64_t stream) {
+  static std::unordered_map<int64_t, uint64_t> answered;  // stream -> its seq answered "not done"
+  uint64_t seq;
+  {
+    std::lock_guard<std::recursive_mutex> lock(g_mu);
+    Clock& clock = stream_clock(stream);
+    seq = clock[stream];
+    auto it = g_host.find(stream);
+    if (seq == 0 || (it != g_host.end() && it->second >= seq)) return true;
+    auto& last = answered[stream];
+    if (last != seq) {
+      last = seq;
+      return false;
+    }
+  }
+  host_syncs_stream(stream);
+  return true;
 }
 
 void host_syncs_stream(int64_t stream) {
@@ -1323,6 +1383,7 @@ struct SimEvent {
   c10::DeviceIndex device = 0;
   san::Clock clock;  // the recording stream's clock (Note [Stream sanitizer])
   bool has_clock = false;
+  bool answered_not_done = false;  // a query of this recording answered "not done" once
 };
 
 class SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
@@ -1388,6 +1449,7 @@ class SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     sim->time = std::chrono::steady_clock::now();
     sim->device = device_index >= 0 ? device_index : stream.device_index();
     sim->has_clock = false;
+    sim->answered_not_done = false;
     if (san::on()) {
       san::event_record(sim->clock, sim->has_clock, san::key_of(stream.device_index(), stream.id()));
     }
@@ -1399,11 +1461,23 @@ class SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     san::stream_waits(san::key_of(stream.device_index(), stream.id()), sim->clock);
   }
 
-  // A query that answers "done" tells the host the work is complete: what it launches next comes
-  // after (the device is synchronous, so every query answers "done").
+  // Note [Queries under stream checking]
+  //   A query that answers "done" tells the host the work is complete, so what it launches next
+  //   comes after.  The device's work is always done at once, but on a GPU a query soon after
+  //   the work was launched answers "not done": with stream checking on, the first query of work
+  //   the host is not yet ordered after answers "not done" (so the code's not-done branch, a
+  //   wait it skips, is checked), and the next answers "done" and orders the host after it (so
+  //   a polling loop ends, correctly ordered).  Without stream checking every query is "done".
   bool queryEvent(void* event) const override {
     auto* sim = static_cast<SimEvent*>(event);
-    if (sim != nullptr && sim->has_clock && san::on()) san::host_syncs_event(sim->clock);
+    if (sim == nullptr || !sim->has_clock || !san::on() || san::host_knows(sim->clock)) {
+      return true;
+    }
+    if (!sim->answered_not_done) {
+      sim->answered_not_done = true;
+      return false;
+    }
+    san::host_syncs_event(sim->clock);
     return true;
   }
 
@@ -1412,8 +1486,8 @@ class SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
 
   bool queryStream(const c10::Stream& stream) const override {
-    if (san::on()) san::host_syncs_stream(san::key_of(stream.device_index(), stream.id()));
-    return true;
+    if (!san::on()) return true;
+    return san::query_stream(san::key_of(stream.device_index(), stream.id()));
   }
   void synchronizeStream(const c10::Stream& stream) const override {
     if (san::on()) san::host_syncs_stream(san::key_of(stream.device_index(), stream.id()));
@@ -1659,10 +1733,15 @@ bool is_pinned_host(const at::Tensor& t) {
 
 void sanitize_copy(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
   if (is_dev(src) && is_dev(dst)) {
-    san::Launch launch(dst.device().index(), "copy device to device");
+    // as CUDA's copy between devices: on the source device's current stream, after a two-way
+    // barrier with the destination device's current stream, which then waits for the copy
+    const auto from = src.device().index(), to = dst.device().index();
+    if (from != to) san::streams_meet(from, to);
+    san::Launch launch(from, "copy device to device");
     launch.add(src, false, "src");
     launch.add(dst, true, "self");
     launch.commit();
+    if (from != to) san::streams_meet(to, from);
   } else if (is_dev(dst)) {
     bool pinned = is_pinned_host(src);
     san::Launch launch(dst.device().index(),
