@@ -102,16 +102,43 @@ def _rank_batch(rank: int, world: int, spec: Any, impl_name: str,
     with patch, tempfile.TemporaryDirectory() as tmp:
         for name, scenario in _SCENARIOS:
             case = CheckCase(spec, OffloadStrategy.DISTRIBUTED_LAYER_WISE, impl)
-            try:
-                out[name] = scenario(case, rank, world, Path(tmp))
-            except BaseException as exc:  # noqa: BLE001 - recorded for the parent's checks
-                out[name] = {"error": f"{type(exc).__name__}: {exc}",
-                             "traceback": traceback.format_exc()}
-            finally:
-                with contextlib.suppress(Exception):
-                    case.close()
+            with _rank_streams_checked(rank) as races:
+                try:
+                    out[name] = scenario(case, rank, world, Path(tmp))
+                except BaseException as exc:  # noqa: BLE001 - recorded for the parent's checks
+                    out[name] = {"error": f"{type(exc).__name__}: {exc}",
+                                 "traceback": traceback.format_exc()}
+                finally:
+                    with contextlib.suppress(Exception):
+                        case.close()
+            if races and "error" not in out[name]:
+                # the scenario's check fails with the race (Note [The kit's stream checking])
+                out[name] = {"error": races[0], "traceback": ""}
             rendezvous.exchange("scenario", name)  # both ranks start the next one together
     return out
+
+
+@contextlib.contextmanager
+def _rank_streams_checked(rank: int) -> Any:
+    """Stream checking on in a spawned rank for one scenario, as the parent runs every case
+    (contracts/streams.py); yields a list that holds, after the block, one line per race found
+    (none where the simulated accelerator is unavailable in the rank)."""
+    from ..streams import off_reason
+
+    found: list[str] = []
+    if off_reason() is not None:
+        yield found
+        return
+    from offload_ref.platform import simulated
+
+    previous = simulated.check_streams()
+    simulated.clear_races()
+    simulated.check_streams(True)
+    try:
+        yield found
+    finally:
+        simulated.check_streams(previous)
+        found.extend(f"rank {rank}: {race}" for race in simulated.races(clear=True))
 
 
 def _request(case: CheckCase, rank: int) -> dict[str, Any]:
