@@ -363,26 +363,52 @@ def _known(frame: str, files: set[str]) -> bool:
 
 
 def race_party(current: tuple[str, ...], previous: tuple[str, ...], offloader_files: set[str],
-               pipeline_files: set[str]) -> tuple[str, str]:
+               pipeline_files: set[str], alone: bool | None = None) -> tuple[str, str]:
     """Who made a stream race, from the frames of its two accesses (innermost first, as the
-    sanitizer records them): ``("pipeline", why)`` when both were made in the pipeline's own code
-    (the innermost frame of each in ``pipeline_files``, no frame of either in
-    ``offloader_files``): the pipeline uses streams itself and orders them wrongly; else
-    ``("offloader", why)``: the streams that carry weights are the offloader's to order."""
+    sanitizer records them) and, where the kit could tell, from ``alone``: whether the pipeline
+    made the same race (same kind, same two source lines) when the kit ran it resident, with no
+    offloader (None: not known).
+
+    * a frame of either access in ``offloader_files``: ``("offloader", why)``;
+    * ``alone`` True: ``("pipeline", why)``: the pipeline's code races on streams it drives
+      itself, whatever the offloader;
+    * ``alone`` False: ``("offloader", why)``: the same code did not race without the offloader,
+      so it ran on streams the offloader made current or left unordered (its hooks switching
+      streams around the pipeline's code, say), whoever's lines the two accesses are;
+    * ``alone`` None: ``("pipeline", why)`` when both accesses were made in the pipeline's own
+      code (the innermost frame of each in ``pipeline_files``); else ``("offloader", why)``: the
+      streams that carry weights are the offloader's to order."""
     def in_pipeline(frames: tuple[str, ...]) -> bool:
-        return bool(frames) and _known(frames[0], pipeline_files) and not any(
-            _known(f, offloader_files) for f in frames)
+        return bool(frames) and _known(frames[0], pipeline_files)
 
     def text(frame: str) -> str:
         path, sep, rest = frame.partition(":")
         return short_path(path) + sep + rest if sep else frame
 
-    if in_pipeline(current) and in_pipeline(previous):
-        return ("pipeline", f"both accesses are the pipeline's own code ({text(current[0])}, "
-                            f"{text(previous[0])}), on streams it drives itself: order them there")
     mine = [f for f in (*previous, *current) if _known(f, offloader_files)]
     if mine:
         return ("offloader", f"the offloader's code made the unordered access ({text(mine[0])}); "
                              "an offloader orders the streams it moves weights on")
-    return ("offloader", "the streams that move weights are the offloader's to order (neither "
-                         "access is in the pipeline's own code alone)")
+    both = in_pipeline(current) and in_pipeline(previous)
+    lines = (f"{text(current[0])}, {text(previous[0])}" if current and previous else "")
+    whose = ("the pipeline's own code" if both else "code that is not the offloader's")
+    if alone is True:
+        return ("pipeline", f"the pipeline races without any offloader: run resident (no "
+                            f"offloader), it made the same two accesses ({lines}) unordered, on "
+                            "streams its own code drives: order them there")
+    if alone is False:
+        return ("offloader", f"both accesses are {whose} ({lines}), but run resident (no "
+                             "offloader) the pipeline made them without a race: under the "
+                             "offloader they ran on streams it made current or left unordered "
+                             "(its hooks switching streams around the pipeline's code, say); an "
+                             "offloader orders the streams it runs a pipeline's code on")
+    if both:
+        return ("pipeline", f"both accesses are the pipeline's own code ({lines}), on streams "
+                            "it drives itself: order them there")
+    if not current or not previous:
+        return ("offloader", "no source line was captured for "
+                             f"{'either access' if not current and not previous else 'one access'}"
+                             ": the streams that move weights are the offloader's to order")
+    return ("offloader", f"neither access is the offloader's code, nor are both the pipeline's "
+                         f"own ({lines}): the streams that move weights are the offloader's to "
+                         "order")

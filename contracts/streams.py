@@ -15,8 +15,15 @@ route): stream checking on for the case, the races of earlier cases forgotten, a
 that names racing memory by the module path of the pipeline tensor over it, and at the end the
 races collected; any race fails the case (:class:`~.registry.CheckFailure`, severity ``wrong
 output``) with :func:`race_report`'s message.  The party at fault is judged by
-:func:`~.blame.race_party`.  ``check_device_accesses_are_ordered_across_streams``
-(checks/streams.py) gives every pipeline and strategy a stream verdict of its own.
+:func:`~.blame.race_party`: from the two accesses' frames (the offloader's files, noted during
+the case; the pipeline's, noted while its pipelines were alive, since §S drops its pipeline
+before the races are collected) and, where neither access is the offloader's code, from a rerun
+of the pipeline resident with no offloader (:func:`races_alone`): the same race again is the
+pipeline's own, none is the offloader's (its hooks ran the pipeline's code on a stream they made
+current, say).  Memory no tensor is bound to when its race is found is named by the tensor a
+module last computed with there (:func:`note_bindings`, recorded by §S at each forward's end).
+``check_device_accesses_are_ordered_across_streams`` (checks/streams.py) gives every pipeline
+and strategy a stream verdict of its own.
 
 Where the simulated accelerator is unavailable (``--single-device``, ``OFFLOAD_REF_SIM=0``, no
 compiler) stream checking is off, and the report's header says so and why (:func:`header_text`).
@@ -31,8 +38,8 @@ from typing import Any
 
 from .registry import CheckFailure, CheckNotApplicable
 
-__all__ = ["DOC", "header_text", "name_memory", "name_range", "off_reason", "race_report",
-           "watching"]
+__all__ = ["DOC", "bound_name", "header_text", "name_memory", "name_range", "note_bindings",
+           "note_pipeline", "off_reason", "race_report", "races_alone", "watching"]
 
 #: Where a race report is explained.
 DOC = "docs/model-authors.md#reading-a-race-report"
@@ -88,11 +95,69 @@ def name_range(address: int, nbytes: int, name: str) -> None:
     _NAMED.append((address, nbytes, name))
 
 
-def name_memory(pipelines: Iterable[Any], address: int, nbytes: int) -> str | None:
+#: The device memory modules computed with (:func:`note_bindings`): ``(device index, first
+#: byte)`` -> ``[bytes, the module paths bound there in turn, the order of the latest binding]``.
+_BOUND: dict[tuple[int, int], list[Any]] = {}
+_BINDINGS = [0]
+
+
+def note_bindings(module: Any, path: str, device: Any) -> None:
+    """Record the memory on ``device`` that ``module``'s own parameters and buffers are bound to
+    now, each by its module path (call it as the module's forward returns: what it computed
+    with).  A race on memory no tensor is bound to when it is found (a ring slot between two
+    blocks, a swapped-in copy already dropped) is named by the tensor bound there most recently
+    (:func:`name_memory`)."""
+    for registry in (module._parameters, module._buffers):
+        for name, t in registry.items():
+            if t is None or t.device != device:
+                continue
+            start, size = _span(t)
+            if not size:
+                continue
+            full = f"{path}.{name}" if path else name
+            _BINDINGS[0] += 1
+            entry = _BOUND.setdefault((t.device.index or 0, start), [size, [], 0])
+            entry[0] = max(entry[0], size)
+            if not entry[1] or entry[1][-1] != full:
+                entry[1].append(full)
+            entry[2] = _BINDINGS[0]
+
+
+def bound_name(device: int, address: int, nbytes: int) -> str | None:
+    """The module path of the tensor bound most recently over most of ``[address, address +
+    nbytes)`` on ``hpu:device`` (:func:`note_bindings`; each byte counts for its latest binding
+    only), saying so, and which tensors were bound there before it when several were (a slot);
+    None when none was."""
+    end = address + max(int(nbytes), 1)
+    hits = sorted(((order, start, size, names) for (index, start), (size, names, order)
+                   in _BOUND.items() if index == device and start < end and address < start + size),
+                  reverse=True)
+    taken: list[tuple[int, int]] = []  # byte ranges a newer binding holds
+    best: tuple[int, int, list[str]] | None = None
+    for order, start, size, names in hits:
+        if any(a < start + size and start < b for a, b in taken):
+            continue  # bytes a newer binding took over
+        taken.append((start, start + size))
+        overlap = min(end, start + size) - max(address, start)
+        if best is None or overlap > best[0]:
+            best = (overlap, order, names)
+    if best is None:
+        return None
+    names = list(dict.fromkeys(reversed(best[2])))  # newest first, each once
+    if len(names) == 1:
+        return f"{names[0]} (the tensor a module last computed with in that memory)"
+    shown = ", ".join(names[1:4]) + (" ..." if len(names) > 4 else "")
+    return (f"{names[0]} (the tensor a module last computed with in that memory, which held "
+            f"{len(names)} tensors in turn; before it {shown})")
+
+
+def name_memory(pipelines: Iterable[Any], address: int, nbytes: int,
+                device: int | None = None) -> str | None:
     """The module path (``transformer.blocks.3.ff.weight``) of the parameter or buffer of
-    ``pipelines`` whose elements cover most of ``[address, address + nbytes)``; else, of one whose
-    storage holds it (``the storage of PATH``: a slot's padding, a freed slab); None when no
-    tensor of theirs is there."""
+    ``pipelines`` whose elements cover most of ``[address, address + nbytes)``; else (with
+    ``device``) the tensor a module computed with there most recently (:func:`bound_name`: a ring
+    slot between blocks, a dropped swap-in); else one whose storage holds it (``the storage of
+    PATH``: a slot's padding, a freed slab); None when no tensor of theirs is there."""
     from .blame import named_modules
 
     end = address + max(int(nbytes), 1)
@@ -118,18 +183,26 @@ def name_memory(pipelines: Iterable[Any], address: int, nbytes: int) -> str | No
                         base = storage.data_ptr()
                         if base <= address < base + storage.nbytes():
                             holder = f"the storage of {full}"
-    return best[1] if best is not None else holder
+    if best is not None:
+        return best[1]
+    bound = bound_name(device, address, nbytes) if device is not None else None
+    return bound if bound is not None else holder
 
 
 class _Namer:
-    """The namer one case installs: the pipelines that case built (weakly held)."""
+    """The namer one case installs: the pipelines that case built (weakly held).  A race is found
+    while its racing op runs, so the pipelines it found alive are noted (:func:`note_pipeline`)
+    for the party at fault, judged after the case, when they may be gone."""
 
     def __init__(self, case: Any) -> None:
         self.case = case
 
     def __call__(self, device: int, address: int, nbytes: int) -> str | None:
         try:
-            return name_memory(self.case.built_pipelines(), address, nbytes)
+            pipelines = self.case.built_pipelines()
+            for pipeline in pipelines:
+                note_pipeline(pipeline)
+            return name_memory(pipelines, address, nbytes, device)
         except Exception:  # noqa: BLE001 - a name is a courtesy; the race is reported anyway
             return None
 
@@ -166,16 +239,34 @@ def _offloader_files() -> set[str]:
     return files
 
 
-def _pipeline_files(case: Any) -> set[str]:
-    """Source files of the pipelines' own code: their classes, their modules' classes, the spec's
-    factory and inputs."""
+#: Source files of the pipelines of the running case (:func:`note_pipeline`): noted while they
+#: are alive, since a check may drop its pipeline before the races are collected (§S does, to
+#: reuse the memory its offloader freed).
+_PIPELINE_FILES: set[str] = set()
+_NOTED: set[int] = set()
+
+
+def note_pipeline(pipeline: Any) -> None:
+    """Remember the source files of ``pipeline``'s own code (its class, its modules' classes) as
+    the pipeline's for the races of the running case."""
     from .blame import code_file, named_modules
 
-    files: set[str] = set()
+    if id(pipeline) in _NOTED:
+        return
+    _NOTED.add(id(pipeline))
+    _PIPELINE_FILES.add(code_file(type(pipeline)) or "")
+    for _, module in named_modules(pipeline):
+        _PIPELINE_FILES.add(code_file(type(module)) or "")
+    _PIPELINE_FILES.discard("")
+
+
+def _pipeline_files(case: Any) -> set[str]:
+    """Source files of the pipelines' own code: their classes, their modules' classes (of the
+    pipelines noted during the case and of those still alive), the spec's factory and inputs."""
+    files: set[str] = set(_PIPELINE_FILES)
     for pipeline in case.built_pipelines():
-        files.add(code_file(type(pipeline)) or "")
-        for _, module in named_modules(pipeline):
-            files.add(code_file(type(module)) or "")
+        note_pipeline(pipeline)
+    files |= _PIPELINE_FILES
     spec = getattr(case, "spec", None)
     for ref in (getattr(spec, "factory", None), getattr(spec, "inputs", None)):
         if isinstance(ref, str) and ":" in ref:
@@ -185,6 +276,50 @@ def _pipeline_files(case: Any) -> set[str]:
             files.add(code_file(ref) or "")
     files.discard("")
     return files
+
+
+def _signature_lines(race: Any) -> tuple[Any, ...]:
+    """A race as a rerun makes it again: its kind and the source line of each access (stream
+    numbers differ between runs)."""
+    return (race.kind, race.current.where[:1], race.previous.where[:1])
+
+
+def races_alone(case: Any, race: Any) -> bool | None:
+    """Whether the pipeline makes ``race`` (the same kind, the same two source lines) with no
+    offloader: one generation of a fresh resident pipeline (:meth:`~.case.CheckCase.
+    build_resident`) under the sanitizer, after a synchronization of every device (so nothing of
+    the case can race with it) on each device's default stream.  None when the kit cannot tell
+    (no pipeline spec, or the rerun failed)."""
+    import torch
+    from offload_ref.platform import simulated
+
+    if getattr(case, "spec", None) is None or not hasattr(case, "build_resident"):
+        return None
+    module = torch.get_device_module("hpu")
+    count = module.device_count()
+    saved = [module.current_stream(i) for i in range(count)]
+    try:
+        for i in range(count):
+            module.synchronize(i)
+            module.set_stream(module.default_stream(i))
+        with simulated.stream_checking(True):
+            simulated.clear_races()
+            try:
+                pipeline = case.build_resident()
+                with torch.inference_mode():
+                    pipeline(**case.inputs())
+                del pipeline
+                for i in range(count):
+                    module.synchronize(i)
+                again = simulated.races(clear=True)
+            finally:
+                simulated.clear_races()
+    except Exception:  # noqa: BLE001 - then the kit says it could not tell
+        return None
+    finally:
+        for stream in saved:
+            module.set_stream(stream)
+    return _signature_lines(race) in {_signature_lines(r) for r in again}
 
 
 # -- the report ---------------------------------------------------------------------------------
@@ -246,9 +381,12 @@ def _headline(race: Any) -> str:
     return text
 
 
-def race_report(races: Sequence[Any], case: Any, offloader: str) -> str:
+def race_report(races: Sequence[Any], case: Any, offloader: str,
+                alone: bool | None = None) -> str:
     """The failure message of the races one case found: the first in full (the tensor, both
-    accesses, the missing ordering, the party at fault, why it matters), then the others."""
+    accesses, the missing ordering, the party at fault, why it matters), then the others.
+    ``alone``: whether the pipeline makes the first race with no offloader
+    (:func:`races_alone`; None: not known)."""
     from .blame import race_party
 
     offloader_files, pipeline_files = _offloader_files(), _pipeline_files(case)
@@ -263,7 +401,7 @@ def race_report(races: Sequence[Any], case: Any, offloader: str) -> str:
         lines.append(f"  called from: {'; '.join(callers)}")
     lines.append(f"  missing ordering: {race.advice or fix}")
     party, why = race_party(race.current.where, race.previous.where, offloader_files,
-                            pipeline_files)
+                            pipeline_files, alone)
     who = f"the offloader {offloader}" if party == "offloader" else "the pipeline"
     lines.append(f"  at fault: {who}: {why}")
     lines.append(f"  on a GPU {meaning or 'the two accesses run in no fixed order'}: a silently "
@@ -327,12 +465,25 @@ class watching:  # noqa: N801 - used as a context manager, like contextlib's
         self.on = True
         _ACTIVE.append(self)
         _OFFLOADER_FILES.clear()
+        _PIPELINE_FILES.clear()
+        _NOTED.clear()
         _NAMED.clear()
+        _BOUND.clear()
         self.previous = simulated.check_streams()
         simulated.clear_races()
         simulated.set_tensor_namer(_Namer(self.case))
         simulated.check_streams(True)
         return self
+
+    def _alone(self, race: Any) -> bool | None:
+        """Whether the pipeline makes ``race`` with no offloader (:func:`races_alone`), asked only
+        when no frame of either access is the offloader's code (then its frames decide)."""
+        from .blame import _known
+
+        offloader = _offloader_files()
+        if any(_known(f, offloader) for f in (*race.current.where, *race.previous.where)):
+            return None
+        return races_alone(self.case, race)
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
         if not self.on:
@@ -342,13 +493,15 @@ class watching:  # noqa: N801 - used as a context manager, like contextlib's
         try:
             simulated.check_streams(self.previous)
             found = simulated.races(clear=True)
+            if not found or (exc is not None and not isinstance(exc, Exception)):
+                return False  # a KeyboardInterrupt, SystemExit: the runner's to report
+            message = race_report(found, self.case, self.offloader, self._alone(found[0]))
         finally:
             simulated.set_tensor_namer(None)
             _ACTIVE.remove(self)
             _NAMED.clear()
-        if not found or (exc is not None and not isinstance(exc, Exception)):
-            return False  # a KeyboardInterrupt, SystemExit: the runner's to report
-        message = race_report(found, self.case, self.offloader)
+            _BOUND.clear()
+            _NOTED.clear()
         if exc is not None:
             first = (str(exc).strip().splitlines() or [""])[0]
             if isinstance(exc, CheckFailure):

@@ -20,7 +20,7 @@ import torch
 
 from ..registry import check, not_applicable
 from ..blame import named_modules
-from ..streams import name_range, off_reason, watching
+from ..streams import name_range, note_bindings, note_pipeline, off_reason, watching
 from .lifecycle import BACKENDS
 
 __all__ = ["STREAM_CHECKS"]
@@ -45,7 +45,7 @@ def check_device_accesses_are_ordered_across_streams(case) -> None:
     with watching(case, case.impl.name):  # nothing under the runner, which watches every case
         pipeline = case.build()
         backend = case.backend(platform=platform)
-        storages: dict[int, tuple[int, str]] = {}
+        storages: dict[int, tuple[int, list[str]]] = {}
         backend.enable(pipeline)
         paths = {id(m): p for p, m in named_modules(pipeline)}
         # a global forward hook runs before the module's own forward hooks (an offloader's
@@ -59,6 +59,7 @@ def check_device_accesses_are_ordered_across_streams(case) -> None:
         finally:
             watch.remove()
             backend.disable()
+        note_pipeline(pipeline)  # its files tell the pipeline's races from the offloader's
         del pipeline, backend
         gc.collect()
         _reuse(storages, case.device)
@@ -67,36 +68,47 @@ def check_device_accesses_are_ordered_across_streams(case) -> None:
 
 
 def _note_storages(module: torch.nn.Module, paths: dict[int, str], device: torch.device,
-                   storages: dict[int, tuple[int, str]]) -> None:
+                   storages: dict[int, tuple[int, list[str]]]) -> None:
     """Record the device storages ``module``'s own tensors were bound to as it ran (address ->
-    bytes and the first tensor's module path): a slot, a swapped component's copy, whatever the
-    offloader allocated."""
+    bytes and the module paths of the tensors bound there in turn, the latest last): a slot, a
+    swapped component's copy, whatever the offloader allocated; and the memory of each tensor for
+    the names of races (:func:`~..streams.note_bindings`)."""
     path = paths.get(id(module))
     if path is None:
         return
+    note_bindings(module, path, device)
     for registry in (module._parameters, module._buffers):
         for name, t in registry.items():
             if t is not None and t.device == device:
                 storage = t.untyped_storage()
-                storages.setdefault(storage.data_ptr(),
-                                    (storage.nbytes(), f"{path}.{name}" if path else name))
+                full = f"{path}.{name}" if path else name
+                nbytes, names = storages.setdefault(storage.data_ptr(), (storage.nbytes(), []))
+                if full in names:
+                    names.remove(full)
+                names.append(full)
+                if storage.nbytes() > nbytes:
+                    storages[storage.data_ptr()] = (storage.nbytes(), names)
 
 
-def _reuse(storages: dict[int, tuple[int, str]], device: torch.device) -> None:
+def _reuse(storages: dict[int, tuple[int, list[str]]], device: torch.device) -> None:
     """Allocate and write, on the current stream, one block of each size the offloader's device
     storages had, as many as there were: the simulated allocator hands a freed block to the next
     request of its rounded size (Note [Caching allocator] in simdevice.cpp), so memory freed while
     another stream may still use it is reused here, and the sanitizer reports it, naming the
-    tensor that memory held."""
+    tensor that memory held last (and how many it held in turn, when several: a slot)."""
     blocks = []
-    for nbytes, _ in sorted(storages.values()):
+    for nbytes, _ in sorted((n, len(names)) for n, names in storages.values()):
         if nbytes:
             block = torch.empty(nbytes, dtype=torch.uint8, device=device)
             held = storages.get(block.data_ptr())
             if held is not None:
+                names = held[1]
+                several = (f"; it held {len(names)} tensors in turn, before it "
+                           + ", ".join(reversed(names[-4:-1]))
+                           + (" ..." if len(names) > 4 else "") if len(names) > 1 else "")
                 name_range(block.data_ptr(), nbytes,
-                           f"the device memory {held[1]} was bound to (freed at disable(), "
-                           "allocated again by the kit)")
+                           f"the device memory last bound to {names[-1]} (freed at disable(), "
+                           f"allocated again by the kit{several})")
             blocks.append(block)
     for block in blocks:
         block.zero_()
