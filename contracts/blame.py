@@ -390,14 +390,16 @@ def race_party(current: tuple[str, ...], previous: tuple[str, ...], offloader_fi
         return ("offloader", f"the offloader's code made the unordered access ({text(mine[0])}); "
                              "an offloader orders the streams it moves weights on")
     both = in_pipeline(current) and in_pipeline(previous)
-    lines = (f"{text(current[0])}, {text(previous[0])}" if current and previous else "")
-    whose = ("the pipeline's own code" if both else "code that is not the offloader's")
+    lines = (f"{text(current[0])}, {text(previous[0])}" if current and previous else
+             ", ".join(text(f[0]) for f in (current, previous) if f) or "no source line captured")
+    whose = ("both accesses are the pipeline's own code" if both else
+             "neither access is in the offloader's files the kit knows")
     if alone is True:
         return ("pipeline", f"the pipeline races without any offloader: run resident (no "
                             f"offloader), it made the same two accesses ({lines}) unordered, on "
                             "streams its own code drives: order them there")
     if alone is False:
-        return ("offloader", f"both accesses are {whose} ({lines}), but run resident (no "
+        return ("offloader", f"{whose} ({lines}), but run resident (no "
                              "offloader) the pipeline made them without a race: under the "
                              "offloader they ran on streams it made current or left unordered "
                              "(its hooks switching streams around the pipeline's code, say); an "
@@ -409,6 +411,6 @@ def race_party(current: tuple[str, ...], previous: tuple[str, ...], offloader_fi
         return ("offloader", "no source line was captured for "
                              f"{'either access' if not current and not previous else 'one access'}"
                              ": the streams that move weights are the offloader's to order")
-    return ("offloader", f"neither access is the offloader's code, nor are both the pipeline's "
-                         f"own ({lines}): the streams that move weights are the offloader's to "
-                         "order")
+    return ("offloader", f"neither access is in the offloader's files the kit knows, nor are both "
+                         f"the pipeline's own code ({lines}): the streams that move weights are "
+                         "the offloader's to order")

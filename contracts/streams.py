@@ -480,6 +480,8 @@ class watching:  # noqa: N801 - used as a context manager, like contextlib's
         when no frame of either access is the offloader's code (then its frames decide)."""
         from .blame import _known
 
+        if not race.current.where and not race.previous.where:
+            return None  # a rerun could not tell the same race from another
         offloader = _offloader_files()
         if any(_known(f, offloader) for f in (*race.current.where, *race.previous.where)):
             return None

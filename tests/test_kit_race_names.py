@@ -206,3 +206,28 @@ def test_memory_the_kit_reuses_after_disable_is_named_by_its_latest_tensor(monke
     assert [name for at, name in named if at == address] == [
         "the device memory last bound to blocks.1.lin.weight (freed at disable(), allocated again "
         "by the kit; it held 2 tensors in turn, before it blocks.0.lin.weight)"], named
+
+
+def test_the_party_follows_the_rerun_without_the_offloader_and_says_so() -> None:
+    from offload_ref.contracts.blame import race_party
+
+    pipeline, offloader = {"fixtures/flux2.py"}, {"my_engine/offload.py"}
+    mine = ("fixtures/flux2.py:12 in forward",)
+    other = ("site/lib.py:3 in helper",)
+    copy = ("my_engine/offload.py:77 in prefetch",)
+    # the same race without the offloader: the pipeline's, whoever's files the lines are in
+    assert race_party(mine, other, offloader, pipeline, True)[0] == "pipeline"
+    # none without it: the offloader's, and the reason says what the frames are
+    party, why = race_party(mine, mine, offloader, pipeline, False)
+    assert party == "offloader", why
+    assert why.startswith("both accesses are the pipeline's own code ("), why
+    party, why = race_party(mine, other, offloader, pipeline, False)
+    assert party == "offloader" and why.startswith(
+        "neither access is in the offloader's files the kit knows ("), why
+    assert "pipeline's own code" not in why
+    # the offloader's own frame decides, whatever a rerun said
+    assert race_party(mine, copy, offloader, pipeline, True)[0] == "offloader"
+    # not known: both in the pipeline's files is the pipeline's; else the offloader's, truthfully
+    assert race_party(mine, mine, offloader, pipeline)[0] == "pipeline"
+    party, why = race_party(mine, other, offloader, pipeline)
+    assert party == "offloader" and "nor are both the pipeline's own code" in why, why
