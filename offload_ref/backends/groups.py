@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -125,6 +126,9 @@ class ComponentSwapper:
         # swap settles it first (Note [Interrupted swaps]).
         self._unsettled: str | None = None
         self._held: set[str] = set()  # components whose device bytes are counted in stats
+        # label -> an event recorded after the copies of its last load (Note [Masters a copy
+        # still reads])
+        self._copied: dict[str, Any] = {}
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -241,6 +245,7 @@ class ComponentSwapper:
             return
         group = self.swappable.get(label)
         if group is not None:
+            self._wait_for_copies(label)
             for t, v in zip(group.tensors, group.master.host_views()):
                 set_data(t, v)
             for dtype in list(group.device_flats):
@@ -263,6 +268,9 @@ class ComponentSwapper:
             span = _spans.stream_enter(self.platform, "copy", "component=%s", label)
             for dtype, flat in flats.items():
                 self.platform.copy_(flat, group.master.flats[dtype])
+            copied = self.platform.Event()
+            copied.record()
+            self._copied[label] = copied
             _spans.stream_exit(self.platform, span)
             for t, v in zip(group.tensors, group.layout.views(flats)):
                 set_data(t, v)
@@ -284,11 +292,26 @@ class ComponentSwapper:
         if not group.device_flats:
             return
         self._unsettled = label
+        self._wait_for_copies(label)
         for t, v in zip(group.tensors, group.master.host_views()):
             set_data(t, v)  # back to the immutable master: no device -> host copy
         for dtype in list(group.device_flats):
             self.platform.discard(group.device_flats[dtype])
         self.settle()  # frees the buffers and releases their bytes in stats
+
+    # Note [Masters a copy still reads]
+    #     A load copies a component's pinned host masters to the device non_blocking.  Once its
+    #     tensors are back on their masters (offload, settle), anyone may write a master through
+    #     ``.data`` (a LoRA merge, a rescale), and on a GPU that copy may still be reading it: the
+    #     host waits for an event recorded after the load's copies first.  By then the copy is
+    #     long done on a GPU (a component computed in between), so the wait costs nothing there;
+    #     the simulated accelerator's stream sanitizer reported the write as
+    #     host-write-before-copy-done without it (tests/test_model_level_master_edits.py).
+
+    def _wait_for_copies(self, label: str) -> None:
+        copied = self._copied.pop(label, None)
+        if copied is not None:
+            copied.synchronize()
 
     def activate(self, label: str | None, evict: Iterable[str]) -> None:
         """Offload ``evict`` then load ``label`` (the bound holds at every instant)."""
@@ -328,4 +351,5 @@ class ComponentSwapper:
         self.swappable = {}
         self.resident = []
         self._unsettled = None
+        self._copied = {}
         self._held = set()
