@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from offload_ref.contracts.runner import load_catalogue
 from offload_ref.contracts.runner import run_checks  # noqa: I001
 from offload_ref.contracts.spec import PipelineSpec
 from offload_ref.fixtures import get_spec
+from offload_ref.platform import simulated
 
 pytest_plugins = ["pytester"]
 
@@ -403,25 +403,8 @@ def test_memory_is_named_by_the_module_path_of_the_tensor_over_it() -> None:
         "the storage of a.weight", "the storage of b.weight")
 
 
-@dataclass(frozen=True)
-class _Access:
-    stream: int
-    stream_name: str
-    op: str
-    argument: str
-    write: bool
-    where: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Race:
-    kind: str
-    device: int
-    tensor: str
-    current: _Access
-    previous: _Access
-    freed_at: tuple[str, ...]
-    advice: str
+# the sanitizer's own records (plain dataclasses: importing them loads no extension)
+_Access, _Race = simulated.Access, simulated.Race
 
 
 _READ = _Access(0, "the default stream of hpu:0", "aten::addmm", "mat2", False,
