@@ -403,6 +403,27 @@ def test_the_same_race_again_is_reported_once_and_another_one_beside_it(checking
         int(r.current.where[0].split(":")[1].split()[0]) for r in found}
 
 
+def test_an_access_already_reported_does_not_hide_another_unordered_one_beside_it(checking
+                                                                                  ) -> None:
+    # two copy streams write overlapping halves of one buffer, neither waiting for the other (one
+    # race, reported); the compute stream then reads all of it without waiting for either: the
+    # second writer's unordered write is a race of its own, not hidden by the first one's record
+    _, first = _streams()
+    second = torch.Stream(D)
+    buffer = torch.zeros(N, device=D)
+    torch.accelerator.current_stream(D).synchronize()
+    with first:
+        buffer[: N // 2 + 8].fill_(1.0)  # <overlap-first>
+    with second:
+        buffer[N // 2 - 8:].fill_(2.0)  # <overlap-second>
+    assert [r.kind for r in simulated.races()] == ["write-after-write"]
+    buffer.sum()  # <overlap-read>
+    found = simulated.races()
+    reads = [r for r in found if _at(r.current.where, "overlap-read")]
+    assert reads and {r.kind for r in reads} == {"read-after-write"}, [str(r) for r in found]
+    assert second.stream_id in {r.previous.stream for r in reads}, [str(r) for r in reads]
+
+
 def test_clear_races_and_races_clear_forget_what_was_found(checking) -> None:
     _, copy = _streams()
     keep: list[torch.Tensor] = []

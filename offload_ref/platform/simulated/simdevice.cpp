@@ -522,7 +522,9 @@ void check_and_record(Block& block, int64_t stream, uint64_t seq, const Clock& c
     if (r.hi <= a.lo || a.hi <= r.lo) continue;
     if (!r.write && !a.write) continue;
     if (ordered(r, stream, clock)) continue;
-    if (r.reported) break;
+    // reported already: the next earlier access may be an unordered one of its own (an
+    // overlapping write by a third stream), so look on rather than stop
+    if (r.reported) continue;
     r.reported = true;
     const int where_device =
         a.tensor.device().type() == kDev ? a.tensor.device().index() : device;
@@ -855,7 +857,7 @@ void check_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       if (r.hi <= lo || hi <= r.lo) continue;
       if (!r.write && !write) continue;
       if (host_ordered(r)) continue;
-      if (r.reported) break;
+      if (r.reported) continue;
       r.reported = true;
       found.push_back(Conflict{write ? "host-write-before-copy-done" : "host-read-before-sync",
                                static_cast<int>(device_of(r.stream)), base + lo, hi - lo,
