@@ -19,7 +19,7 @@ from .severity import judge as judge_severity
 from .registry import (CATALOGUE, CheckFailure, CheckInfo, CheckNotApplicable, applicability,
                        closest, strategy_names)
 from .spec import PipelineSpec
-from .streams import watching
+from .streams import current_streams_kept, watching
 from .traits import required_traits
 
 __all__ = ["CaseId", "CheckResult", "PlannedCase", "RunObserver", "expected_failures_for",
@@ -284,6 +284,30 @@ def run_case(info: CheckInfo, spec: PipelineSpec | None, strategy: str | None,
              impl: Implementation = DEFAULT_IMPLEMENTATION) -> None:
     """Run one case; raises :class:`CheckFailure` (or any error) when the contract does not hold."""
     case = CheckCase(spec, OffloadStrategy(strategy) if strategy else None, impl)
+    # Note [Current device and streams between cases] in streams.py: no case changes what the
+    # next one runs on
+    kept = current_streams_kept()
+    try:
+        with kept:
+            _run_watched(info, case, spec, strategy, impl)
+    except BaseException as exc:
+        if kept.changed:
+            exc.add_note(_left_current(kept, impl))
+        raise
+    if kept.changed:
+        raise CheckFailure(_left_current(kept, impl), "trace")
+
+
+def _left_current(kept: Any, impl: Implementation) -> str:
+    return (f"after the case, {'; '.join(kept.changed)}: work launched next (the user's, or the "
+            f"next generation's) would run there. A set_stream or set_device was left "
+            f"unrestored by the offloader {offloader_name(impl)} or the pipeline's own code (use "
+            f"the stream()/device() context managers, or restore what was current). The kit "
+            f"made them current again, so later cases are unaffected")
+
+
+def _run_watched(info: CheckInfo, case: CheckCase, spec: PipelineSpec | None,
+                 strategy: str | None, impl: Implementation) -> None:
     # Note [The kit's stream checking]: every case under the stream sanitizer; a race fails it
     with watching(case, offloader_name(impl)):
         try:

@@ -38,8 +38,9 @@ from typing import Any
 
 from .registry import CheckFailure, CheckNotApplicable
 
-__all__ = ["DOC", "bound_name", "header_text", "name_memory", "name_range", "note_bindings",
-           "note_pipeline", "off_reason", "race_report", "races_alone", "watching"]
+__all__ = ["DOC", "bound_name", "current_streams_kept", "header_text", "name_memory",
+           "name_range", "note_bindings", "note_pipeline", "off_reason", "race_report",
+           "races_alone", "watching"]
 
 #: Where a race report is explained.
 DOC = "docs/model-authors.md#reading-a-race-report"
@@ -278,6 +279,54 @@ def _pipeline_files(case: Any) -> set[str]:
     return files
 
 
+class current_streams_kept:  # noqa: N801 - used as a context manager, like contextlib's
+    """The process's current accelerator device and each device's current stream, as they were
+    on entry, made current again on exit (``torch.accelerator``; nothing where no accelerator is
+    available).  ``changed`` then says what the block left changed, in words (empty: nothing).
+
+    Note [Current device and streams between cases]: ``set_stream`` makes the stream's device
+    the current one (CUDA's ``torch.cuda.set_stream`` does the same), and an offloader's
+    ``Stream()`` is made on the current device.  A case that leaves another device or stream
+    current (the kit's own rerun of :func:`races_alone` once did: it restored the streams of
+    hpu:0 and hpu:1 in turn and left hpu:1 current) changes what the next cases run: diffusers'
+    group offloading then made its copy stream on hpu:1 and copied to hpu:0 on hpu:0's default
+    stream, so its race on hpu:0 went unseen, and a cell of docs/peers.md depended on which
+    cases ran before it.  Every case runs inside one (``runner.run_case``); what it left changed
+    is a failure of that case."""
+
+    def __init__(self) -> None:
+        self.device: int | None = None
+        self.streams: list[Any] = []
+        self.changed: list[str] = []
+
+    def __enter__(self) -> current_streams_kept:
+        import torch
+
+        if torch.accelerator.is_available():
+            self.device = torch.accelerator.current_device_index()
+            self.streams = [torch.accelerator.current_stream(i)
+                            for i in range(torch.accelerator.device_count())]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+
+        if self.device is None:
+            return
+        kind = torch.accelerator.current_accelerator().type
+        now_device = torch.accelerator.current_device_index()  # before set_stream moves it
+        for i, stream in enumerate(self.streams):
+            now = torch.accelerator.current_stream(i)
+            if now != stream:
+                self.changed.append(f"the current stream of {kind}:{i} was left at stream "
+                                    f"{now.stream_id} (it was stream {stream.stream_id})")
+            torch.accelerator.set_stream(stream)
+        if now_device != self.device:
+            self.changed.append(f"the current device was left at {kind}:{now_device} (it was "
+                                f"{kind}:{self.device})")
+        torch.accelerator.set_device_index(self.device)
+
+
 def _signature_lines(race: Any) -> tuple[Any, ...]:
     """A race as a rerun makes it again: its kind and the source line of each access (stream
     numbers differ between runs)."""
@@ -297,28 +346,25 @@ def races_alone(case: Any, race: Any) -> bool | None:
         return None
     module = torch.get_device_module("hpu")
     count = module.device_count()
-    saved = [module.current_stream(i) for i in range(count)]
     try:
-        for i in range(count):
-            module.synchronize(i)
-            module.set_stream(module.default_stream(i))
-        with simulated.stream_checking(True):
-            simulated.clear_races()
-            try:
-                pipeline = case.build_resident()
-                with torch.inference_mode():
-                    pipeline(**case.inputs())
-                del pipeline
-                for i in range(count):
-                    module.synchronize(i)
-                again = simulated.races(clear=True)
-            finally:
+        with current_streams_kept():  # set_stream also makes its device current
+            for i in range(count):
+                module.synchronize(i)
+                module.set_stream(module.default_stream(i))
+            with simulated.stream_checking(True):
                 simulated.clear_races()
+                try:
+                    pipeline = case.build_resident()
+                    with torch.inference_mode():
+                        pipeline(**case.inputs())
+                    del pipeline
+                    for i in range(count):
+                        module.synchronize(i)
+                    again = simulated.races(clear=True)
+                finally:
+                    simulated.clear_races()
     except Exception:  # noqa: BLE001 - then the kit says it could not tell
         return None
-    finally:
-        for stream in saved:
-            module.set_stream(stream)
     return _signature_lines(race) in {_signature_lines(r) for r in again}
 
 

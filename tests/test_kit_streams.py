@@ -311,6 +311,52 @@ def test_a_race_inside_the_pipelines_own_code_blames_the_pipeline() -> None:
         r.message
 
 
+def _current() -> tuple[int, list[torch.Stream]]:
+    return (torch.accelerator.current_device_index(),
+            [torch.accelerator.current_stream(i) for i in range(torch.accelerator.device_count())])
+
+
+@needs_sanitizer
+def test_the_kits_rerun_of_a_pipeline_race_leaves_the_current_device_and_streams_as_they_were(
+        ) -> None:
+    # Note [Current device and streams between cases]: the rerun without offloader once
+    # restored each device's stream in turn and left the last device current, so the next cases'
+    # offloaders made their streams there and their races went unseen
+    assert torch.accelerator.device_count() >= 2, "the regression needs a second device"
+    before = _current()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (r,) = run_checks([SIDE_STREAM], checks=[STREAMS], strategies=("layer_wise",),
+                          include_global=False)
+    assert "the pipeline races without any offloader" in r.message, r.message  # it reran
+    assert "was left" not in r.message, r.message
+    assert _current() == before
+
+
+class _StreamLeavingPrefetcher(StreamPrefetcher):
+    """Makes its copy stream current at enable() and never restores the one it replaced."""
+
+    def enable(self, pipeline: Any) -> None:
+        super().enable(pipeline)
+        torch.accelerator.set_stream(self.copy)
+
+
+def stream_leaving_prefetcher(device: torch.device, strategy: str) -> StreamPrefetcher:
+    return _StreamLeavingPrefetcher(device, strategy)
+
+
+@needs_sanitizer
+def test_a_case_that_leaves_another_stream_current_fails_and_the_next_case_starts_clean() -> None:
+    before = _current()
+    results = _run(stream_leaving_prefetcher, [PARITY, STREAMS])
+    assert _current() == before
+    for r in results.values():
+        assert r.outcome == "failed", (r.id, r.outcome, r.message)
+        assert re.search(r"the current stream of hpu:0 was left at stream \d+ \(it was stream 0\)",
+                         r.message), r.message
+        assert "stream_leaving_prefetcher" in r.message, r.message
+
+
 @needs_sanitizer
 def test_offload_refs_own_backends_pass_on_the_accelerator_platform() -> None:
     with warnings.catch_warnings():
