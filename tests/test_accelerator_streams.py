@@ -469,3 +469,25 @@ def test_each_stream_mutant_leaves_its_race_and_no_wrong_output(name: str, kind:
                           f"{_explain(races)}"
     race = next(r for r in races if r.kind == kind)
     assert race.current.stream != race.previous.stream, str(race)
+
+
+def test_a_platform_on_another_device_leaves_the_callers_current_device_and_stream() -> None:
+    # Note [The current device after a stream switch]: restoring hpu:1's stream made hpu:1 the
+    # current device, under a caller working on hpu:0
+    assert torch.accelerator.device_count() >= 2
+    platform = AcceleratorPlatform(torch.device("hpu", 1))
+    before = (torch.accelerator.current_device_index(),
+              torch.accelerator.current_stream(0), torch.accelerator.current_stream(1))
+    assert before[0] == 0
+    copy = platform.Stream()
+    with platform.stream(copy):
+        assert torch.accelerator.current_stream(1) == copy
+    after, then = platform.Event(), platform.Event()
+    after.record(platform.current_stream())
+    host = torch.ones(8).pin_memory()
+    dst = torch.empty(8, device=platform.device)
+    platform.fill(copy, after, [(dst, host)], then)
+    platform.synchronize()
+    assert (torch.accelerator.current_device_index(), torch.accelerator.current_stream(0),
+            torch.accelerator.current_stream(1)) == before
+    assert torch.equal(dst.cpu(), host)

@@ -36,6 +36,20 @@ _get_stream: Callable[[int], torch.Stream] = getattr(
     torch._C, "_accelerator_getStream", torch.accelerator.current_stream)
 _set_stream: Callable[[torch.Stream], None] = getattr(
     torch._C, "_accelerator_setStream", torch.accelerator.set_stream)
+_get_device: Callable[[], int] = getattr(
+    torch._C, "_accelerator_getDeviceIndex", torch.accelerator.current_device_index)
+_set_device: Callable[[int], None] = getattr(
+    torch._C, "_accelerator_setDeviceIndex", torch.accelerator.set_device_index)
+
+# Note [The current device after a stream switch]
+#     ``set_stream`` also makes the stream's device the current one (as ``torch.cuda.set_stream``
+#     does), so restoring the previous stream of *this* device leaves this device current.  On a
+#     platform for ``cuda:1`` under a caller whose current device is ``cuda:0`` that moved the
+#     caller: its next ``torch.empty(..., device="cuda")``, and the next ``Stream()`` anyone
+#     made, landed on ``cuda:1``.  ``stream()`` and ``fill()`` put the caller's current device
+#     back as well (``torch.cuda.StreamContext`` does the same); the kit fails a case that
+#     leaves another device or stream current (Note [Current device and streams between cases]
+#     in contracts/streams.py), which is how this was found.
 
 
 def describe_device(device: torch.device | str) -> str:
@@ -107,12 +121,15 @@ class AcceleratorPlatform:
         if stream is None:
             yield None
             return
+        device = _get_device()
         previous = _get_stream(self._index)
         _set_stream(stream)
         try:
             yield stream
         finally:
             _set_stream(previous)
+            if device != self._index:  # Note [The current device after a stream switch]
+                _set_device(device)
 
     def synchronize(self) -> None:
         torch.accelerator.synchronize(self.device)
@@ -126,6 +143,7 @@ class AcceleratorPlatform:
              pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], then: torch.Event) -> None:
         """Note [One-call fills] (platform/base.py): exactly ``with self.stream(stream)``
         around the work, without the context manager (Note [Stream lookups by index])."""
+        device = _get_device()
         previous = _get_stream(self._index)
         _set_stream(stream)
         try:
@@ -135,6 +153,8 @@ class AcceleratorPlatform:
             then.record(stream)
         finally:
             _set_stream(previous)
+            if device != self._index:  # Note [The current device after a stream switch]
+                _set_device(device)
 
     def submit(self, fn: Callable[[], Any], *, reads: Sequence[torch.Tensor] = (),
                writes: Sequence[torch.Tensor] = ()) -> None:
