@@ -357,10 +357,11 @@ def format_table(results: dict[str, Any]) -> str:
 
 def add_bench_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="step time and bytes per strategy (one run, ratios)")
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=None, help="default 512 (--model: 128)")
     p.add_argument("--blocks", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=256,
-                   help="activation rows: more tokens = more compute per copied byte")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="activation rows: more tokens = more compute per copied byte (default "
+                        "256; --model: 8192, a block's compute several times its copy)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=None,
                    help="samples per variant (default 7; --peers: 20)")
@@ -377,6 +378,11 @@ def add_bench_parser(sub: Any) -> None:
     p.add_argument("--growth", action="store_true",
                    help="only the growth table: enable time and per-block overhead at 8, 64, "
                         "512 blocks and 10^3, 10^5 tensors, with fitted exponents")
+    p.add_argument("--model", metavar="NAME|key=value,...",
+                   help="only the modeled DiT step of every offloader on a GPU model "
+                        "(h100-pcie, h200, rtx-4090, or key=value pairs over base=NAME): the "
+                        "simulated accelerator's recorded stream order replayed on the model "
+                        "(offload_ref/timeline.py), the same numbers on every run")
     p.add_argument("--spec", metavar="MODULE:ATTR",
                    help="only your own pipeline (a PipelineSpec or a factory, as `offload-ref "
                         "check` takes it): generation time resident / model level / layerwise, "
@@ -385,6 +391,10 @@ def add_bench_parser(sub: Any) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        return _cmd_bench_model(args)
+    args.hidden = 512 if args.hidden is None else args.hidden
+    args.tokens = 256 if args.tokens is None else args.tokens
     if args.spec:
         args.repeats = 7 if args.repeats is None else args.repeats
         args.device = args.device or "cpu"
@@ -422,6 +432,39 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     results = run_bench(hidden=args.hidden, blocks=args.blocks, tokens=args.tokens,
                         steps=args.steps, repeats=args.repeats, device=args.device)
     print(json.dumps(results, indent=2) if args.json else format_table(results))
+    return 0
+
+
+def _cmd_bench_model(args: argparse.Namespace) -> int:
+    """``bench --model``: Note [Modeled timeline] in offload_ref/timeline.py."""
+    from .bench_model import format_model_bench, run_model_bench
+    from .timeline import model_named
+
+    try:
+        model = model_named(args.model)
+    except ValueError as exc:
+        print(f"offload-ref bench: error: {exc}", file=sys.stderr)
+        return 2
+    for other in ("peers", "growth", "spec"):
+        if getattr(args, other):
+            print(f"offload-ref bench: error: --model and --{other} are separate tables; run "
+                  "them one at a time", file=sys.stderr)
+            return 2
+    from .platform import simulated
+
+    if not simulated.available():
+        print(f"offload-ref bench: error: --model replays the simulated accelerator's stream "
+              f"order, and it is unavailable here: {simulated.unavailable_reason()}",
+              file=sys.stderr)
+        return 1
+    try:
+        results = run_model_bench(model, hidden=args.hidden or 128, blocks=args.blocks,
+                                  tokens=args.tokens or 8192,
+                                  device=args.device or simulated.device(0))
+    except ValueError as exc:
+        print(f"offload-ref bench: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(results, indent=2) if args.json else format_model_bench(results))
     return 0
 
 

@@ -388,6 +388,35 @@ bool ordered(const Record& r, int64_t stream, const Clock& clock) {
 
 bool host_ordered(const Record& r) { return ordered(r, kHost, g_host); }
 
+// Note [Modeled timeline]
+//   With stream checking on, the sanitizer can also keep the order of what the host launched:
+//   each op on its stream (its sequence number, kind of copy, bytes, and for matrix products,
+//   convolutions and attention their FLOPs from the operands' shapes), each wait of a stream
+//   for another's work (an event wait, a copy between devices), and each time the host waits
+//   (a synchronize, a blocking copy, a query that answered done), with the vector clock it
+//   waited for.  offload_ref/timeline.py replays that record on a device model (bandwidths, a
+//   compute rate, a launch cost): the same program gives the same modeled time on every run,
+//   whatever this machine's load.  Only the order is recorded, never a time.
+struct TraceEntry {
+  char kind;         // 'o' an op, 'w' a stream waits, 's' the host waits
+  int64_t stream;    // 'o', 'w': the stream
+  uint64_t seq;      // 'o': its sequence number on the stream
+  std::string op;    // 'o': the op's name
+  int copy;          // 'o': 0 compute, 1 host to device (pinned), 2 device to host, 3 device to
+                     // device, 4 host to device from pageable memory
+  uint64_t bytes;    // 'o': bytes read and written (a copy: bytes copied)
+  double flops;      // 'o': floating-point operations (0 where not counted)
+  int element_size;  // 'o': of its first operand
+  Clock clock;       // 'w', 's': what is waited for
+};
+std::atomic<bool> g_tracing{false};
+std::vector<TraceEntry> g_trace;  // guarded by g_mu
+
+void trace_wait(char kind, int64_t stream, const Clock& clock) {
+  if (!g_tracing.load(std::memory_order_relaxed)) return;
+  g_trace.push_back(TraceEntry{kind, stream, 0, std::string(), 0, 0, 0.0, 0, clock});
+}
+
 // A hash of bytes [base + lo, base + hi) of host memory.
 uint64_t hash_bytes(uintptr_t base, size_t lo, size_t hi) {
   const auto* bytes = reinterpret_cast<const unsigned char*>(base) + lo;
@@ -449,6 +478,7 @@ void prune_pinned() {
 }
 
 void host_learns(const Clock& clock) {
+  trace_wait('s', kHost, clock);
   merge(g_host, clock);
   for (auto& [key, state] : g_streams) merge(state, g_host);
   prune_pinned();
@@ -735,6 +765,65 @@ class Launch {
     pinned_.push_back(std::move(a));
   }
 
+  // Note [Modeled timeline]: this op, as the timeline replays it (under the sanitizer's lock)
+  void trace_op(int64_t stream, uint64_t seq) {
+    std::string name(op_);
+    int copy = 0;
+    if (name.rfind("copy host to device", 0) == 0) {
+      copy = name.find("pageable") != std::string::npos ? 4 : 1;
+    } else if (name.rfind("copy device to host", 0) == 0) {
+      copy = 2;
+    } else if (name.rfind("copy device to device", 0) == 0) {
+      copy = 3;
+    }
+    uint64_t read = 0, written = 0;
+    for (const Access& a : accesses_) (a.write ? written : read) += a.hi - a.lo;
+    for (const Access& a : pinned_) (a.write ? written : read) += a.hi - a.lo;
+    uint64_t bytes = copy == 0 ? read + written : std::max(read, written);
+    int element = accesses_.empty() ? 0 : static_cast<int>(accesses_[0].tensor.element_size());
+    g_trace.push_back(TraceEntry{'o', stream, seq, std::move(name), copy, bytes,
+                                 copy == 0 ? flops() : 0.0, element, Clock()});
+  }
+
+  // FLOPs of a matrix product, convolution or attention from its operands' shapes; 0 for
+  // anything else (the timeline times those by their bytes)
+  double flops() const {
+    std::string name(op_);
+    std::vector<const at::Tensor*> in;
+    const at::Tensor* out = nullptr;
+    for (const Access& a : accesses_) {
+      if (a.write) {
+        out = &a.tensor;
+      } else {
+        in.push_back(&a.tensor);
+      }
+    }
+    auto numel = [](const at::Tensor* t) { return static_cast<double>(t->numel()); };
+    auto matmul = [&](const at::Tensor* a, const at::Tensor* b) -> double {
+      if (a->dim() < 2 || b->dim() < 2) return 0.0;
+      // a: (..., M, K), b: (..., K, N): 2 M K N per batch
+      return 2.0 * numel(a) * static_cast<double>(b->size(-1));
+    };
+    if (name == "aten::mm" || name == "aten::bmm") {
+      return in.size() >= 2 ? matmul(in[0], in[1]) : 0.0;
+    }
+    if (name == "aten::addmm" || name == "aten::baddbmm" || name == "aten::_addmm_activation" ||
+        name == "aten::addbmm") {
+      return in.size() >= 3 ? matmul(in[1], in[2]) : 0.0;
+    }
+    if (name == "aten::linear") {
+      return in.size() >= 2 && in[1]->dim() == 2 ? 2.0 * numel(in[0]) * in[1]->size(0) : 0.0;
+    }
+    if (name == "aten::scaled_dot_product_attention" && in.size() >= 2 && in[1]->dim() >= 2) {
+      return 4.0 * numel(in[0]) * static_cast<double>(in[1]->size(-2));
+    }
+    if (name == "aten::convolution" && in.size() >= 2 && out != nullptr && in[1]->dim() >= 1 &&
+        in[1]->size(0) > 0) {
+      return 2.0 * numel(out) * numel(in[1]) / static_cast<double>(in[1]->size(0));
+    }
+    return 0.0;
+  }
+
   void commit() {
     if (accesses_.empty() && pinned_.empty() && !host_sync_) return;
     int64_t stream = key_of(device_, current_stream_id(device_));
@@ -756,6 +845,7 @@ class Launch {
     {
       Clock& clock = stream_clock(stream);
       uint64_t seq = ++clock[stream];
+      if (g_tracing.load(std::memory_order_relaxed)) trace_op(stream, seq);
       for (const Access& a : accesses_) {
         check_and_record(g_blocks[a.base], stream, seq, clock, a, op_, where, device_, found);
       }
@@ -904,6 +994,7 @@ void event_record(Clock& event_clock, bool& has_clock, int64_t stream) {
 
 void stream_waits(int64_t stream, const Clock& event_clock) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
+  trace_wait('w', stream, event_clock);
   merge(stream_clock(stream), event_clock);
 }
 
@@ -911,6 +1002,7 @@ void stream_waits(int64_t stream, const Clock& event_clock) {
 void streams_meet(c10::DeviceIndex waiter, c10::DeviceIndex other) {
   std::lock_guard<std::recursive_mutex> lock(g_mu);
   Clock copy = stream_clock(key_of(other, current_stream_id(other)));
+  trace_wait('w', key_of(waiter, current_stream_id(waiter)), copy);
   merge(stream_clock(key_of(waiter, current_stream_id(waiter))), copy);
 }
 
@@ -2775,6 +2867,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("device_count", []() { return simdev::g_device_count.load(); });
   m.def("check_streams", &simdev::san::set_on, "turn the stream sanitizer on or off");
   m.def("checking_streams", &simdev::san::on);
+  m.def("trace", [](bool enabled) {  // Note [Modeled timeline]
+    std::lock_guard<std::recursive_mutex> lock(simdev::san::g_mu);
+    simdev::san::g_trace.clear();
+    simdev::san::g_tracing = enabled;
+  });
+  m.def("trace_entries", []() {
+    std::vector<simdev::san::TraceEntry> entries;
+    {
+      std::lock_guard<std::recursive_mutex> lock(simdev::san::g_mu);
+      entries.swap(simdev::san::g_trace);
+    }
+    py::list out;
+    for (const auto& e : entries) {
+      py::dict clock;
+      for (const auto& [key, seq] : e.clock) clock[py::int_(key)] = seq;
+      out.append(py::make_tuple(std::string(1, e.kind), e.stream, e.seq, e.op, e.copy, e.bytes,
+                                e.flops, e.element_size, clock));
+    }
+    return out;
+  });
   m.def("races", [](bool clear) {
     simdev::san::check_freed();
     simdev::san::verify_all();

@@ -1,0 +1,140 @@
+"""The modeled device timeline (Note [Modeled timeline] in offload_ref/timeline.py) and
+``offload-ref bench --model``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from offload_ref.platform import simulated
+from offload_ref.timeline import MODELS, DeviceModel, Op, model_named, recording, replay
+
+needs_sim = pytest.mark.skipif(not simulated.available(),
+                               reason=f"simulated accelerator: {simulated.unavailable_reason()}")
+
+#: 1 GB/s and 1 TFLOP/s, no launch cost: durations read as bytes / 1e9 and FLOPs / 1e12
+UNIT = DeviceModel("unit", h2d_gbps=1.0, d2h_gbps=1.0, memory_gbps=1e6, tflops_fp32=1.0,
+                   tflops_16=2.0, launch_us=0.0, kernel_min_us=0.0)
+COPY, COMPUTE = 1 << 48 | 7, 1 << 48  # two streams of device 1 (keys as the sanitizer makes them)
+
+
+def _copy(seq: int, nbytes: int = 1000) -> Op:
+    return Op("op", COPY, seq, "copy host to device", "h2d", nbytes, 0.0, 4)
+
+
+def _mm(seq: int, flops: float = 2e6, size: int = 4) -> Op:
+    return Op("op", COMPUTE, seq, "aten::mm", "", 0, flops, size)
+
+
+def test_a_compute_that_waits_for_its_copy_starts_when_the_copy_ends() -> None:
+    t = replay([_copy(1), Op("wait", COMPUTE, clock={COPY: 1}), _mm(1)], UNIT)
+    assert t.total_s == pytest.approx(1e-6 + 2e-6)
+    assert t.stall_s == pytest.approx(1e-6)
+    assert t.bound_s == pytest.approx(2e-6) and t.ratio == pytest.approx(1.5)
+
+
+def test_work_on_two_streams_with_no_wait_overlaps() -> None:
+    t = replay([_copy(1), _mm(1)], UNIT)
+    assert t.total_s == pytest.approx(2e-6) and t.stall_s == 0
+    assert t.ratio == pytest.approx(1.0)
+
+
+def test_ops_of_one_stream_and_of_one_engine_run_one_at_a_time() -> None:
+    assert replay([_mm(1), _mm(2)], UNIT).total_s == pytest.approx(4e-6)
+    other = 1 << 48 | 9
+    two = [_mm(1), Op("op", other, 1, "aten::mm", "", 0, 2e6, 4)]
+    assert replay(two, UNIT).total_s == pytest.approx(4e-6)  # one compute engine
+
+
+def test_the_host_waits_and_launches_after_its_wait() -> None:
+    model = DeviceModel("launch", h2d_gbps=1.0, d2h_gbps=1.0, memory_gbps=1e6, tflops_fp32=1.0,
+                        tflops_16=2.0, launch_us=1.0, kernel_min_us=0.0)
+    ops = [_copy(1), Op("host_wait", 0, clock={COPY: 1}), _mm(1)]
+    t = replay(ops, model)
+    # launch 1 us, copy 1 us, the host waits until 2 us, launches at 3 us, computes 2 us
+    assert t.total_s == pytest.approx(5e-6)
+    assert t.host_wait_s == pytest.approx(1e-6) and t.host_waits == 1
+
+
+def test_sixteen_bit_operands_use_the_sixteen_bit_rate_and_a_pageable_copy_is_slower() -> None:
+    assert replay([_mm(1, size=2)], UNIT).compute_s == pytest.approx(1e-6)
+    slow = Op("op", COPY, 1, "copy", "h2d_pageable", 1000, 0.0, 4)
+    assert replay([slow], UNIT).h2d_s == pytest.approx(1e-6 / UNIT.pageable_fraction)
+
+
+def test_models_name_their_sources_and_custom_ones_parse() -> None:
+    for model in MODELS.values():
+        assert model.sources and all(model.sources)
+    custom = model_named("base=h200,h2d_gbps=12.5")
+    assert custom.h2d_gbps == 12.5 and custom.tflops_fp32 == MODELS["h200"].tflops_fp32
+    for bad, words in (("nope", "no model of that name"), ("h2d_gbps", "no model"),
+                       ("base=x,h2d_gbps=1", "base= names"), ("speed=3", "unknown field"),
+                       ("h2d_gbps=fast", "not a number"), ("h2d_gbps=-1", "positive")):
+        with pytest.raises(ValueError, match=words):
+            model_named(bad)
+
+
+@needs_sim
+def test_the_recording_holds_ops_waits_and_host_waits_with_flops_and_bytes() -> None:
+    device = simulated.device(0)
+    w = torch.randn(64, 32).pin_memory()
+    x = torch.randn(16, 64, device=device)
+    copy = torch.Stream(device)
+    before = simulated.check_streams()
+    with recording() as ops:
+        with copy:
+            wd = w.to(device, non_blocking=True)
+        torch.accelerator.current_stream(device).wait_event(copy.record_event())
+        (x @ wd).sum()
+        torch.accelerator.synchronize(device)
+    assert simulated.check_streams() == before
+    kinds = [(o.kind, o.copy) for o in ops]
+    assert kinds[0] == ("op", "h2d") and ops[0].bytes == 64 * 32 * 4
+    assert ("wait", "") in kinds and kinds[-1] == ("host_wait", "")
+    (mm,) = [o for o in ops if o.name == "aten::mm"]
+    assert mm.flops == 2 * 16 * 64 * 32 and mm.element_size == 4
+    wait = next(o for o in ops if o.kind == "wait")
+    assert wait.clock.get(ops[0].stream) == ops[0].seq  # it waits for the copy
+
+
+@needs_sim
+def test_bench_model_is_the_same_every_run_and_prefetch_reaches_the_bound_when_compute_heavy(
+        ) -> None:
+    from offload_ref.bench_model import run_model_bench
+
+    kwargs = dict(hidden=128, blocks=4, tokens=8192)
+    rows = ("resident", "offload_ref_layerwise", "offload_ref_layerwise_no_prefetch",
+            "diffusers_group_offload_block", "accelerate_cpu_offload")
+    first = run_model_bench(MODELS["h100-pcie"], rows=rows, **kwargs)
+    second = run_model_bench(MODELS["h100-pcie"], rows=rows, **kwargs)
+    assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+    r = first["rows"]
+    assert first["compute_over_copy_per_block"] >= 1.2, first
+    assert all(row["bitwise_equal_to_resident"] for row in r.values()), r
+    assert r["offload_ref_layerwise"]["ratio"] <= 1.05, r["offload_ref_layerwise"]
+    # the same check tells a serial offloader apart: without prefetch the copies are exposed
+    assert r["offload_ref_layerwise_no_prefetch"]["ratio"] > 1.05
+    assert r["offload_ref_layerwise"]["total_s"] < r["offload_ref_layerwise_no_prefetch"]["total_s"]
+    assert r["offload_ref_layerwise"]["h2d_bytes"] > 0
+    for peer in ("diffusers_group_offload_block", "accelerate_cpu_offload"):
+        if peer in r:  # blocking copies: nothing overlaps, the serial sum is a floor
+            assert r[peer]["total_s"] >= r[peer]["serial_s"], r[peer]
+            assert r[peer]["h2d_bytes"] >= r["offload_ref_layerwise"]["h2d_bytes"]
+
+
+@needs_sim
+def test_the_cli_refuses_an_unknown_model_and_prints_the_table() -> None:
+    cmd = [sys.executable, "-m", "offload_ref.cli", "bench"]
+    bad = subprocess.run(cmd + ["--model", "h100"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no model of that name" in bad.stderr, bad.stderr
+    both = subprocess.run(cmd + ["--model", "h200", "--peers"], capture_output=True, text=True)
+    assert both.returncode == 2 and "separate tables" in both.stderr, both.stderr
+    ok = subprocess.run(cmd + ["--model", "rtx-4090", "--hidden", "32", "--blocks", "2",
+                               "--tokens", "64"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "offload_ref_layerwise" in ok.stdout and "x bound" in ok.stdout
+    assert "do not overlap" in ok.stdout  # the simulated streams are not timed
