@@ -20,3 +20,8 @@ timeout 240 python3 -m pytest -p no:cacheprovider -q -m cuda --benchmark-only -n
   | tail -30 | tee "$out/cuda_bench.txt"
 timeout 120 python3 -m offload_ref.cli bench --device cuda --hidden 2048 --blocks 8 --tokens 2048 \
   --steps 4 --repeats 5 2>&1 | tee "$out/bench_2048.txt"
+# the modeled timeline beside the device: the rows recorded on the simulated accelerator (a
+# process with no GPU visible) and replayed on h100-pcie and on a model calibrated here, each
+# row's DiT step measured on the GPU (docs/benchmarks.md "Modeled timeline")
+timeout 150 python3 -m offload_ref.cli bench --model h100-pcie --calibrate --device cuda:0 \
+  2>&1 | tee "$out/model_vs_measured.txt"

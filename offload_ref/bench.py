@@ -383,6 +383,11 @@ def add_bench_parser(sub: Any) -> None:
                         "(h100-pcie, h200, rtx-4090, or key=value pairs over base=NAME): the "
                         "simulated accelerator's recorded stream order replayed on the model "
                         "(offload_ref/timeline.py), the same numbers on every run")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --model: measure copy rates, matmul rates and launch cost on "
+                        "--device (a GPU: cuda:N; hpu:0 calibrates the simulated device itself), "
+                        "and print each row modeled on NAME and on the calibrated model beside "
+                        "its step measured there")
     p.add_argument("--spec", metavar="MODULE:ATTR",
                    help="only your own pipeline (a PipelineSpec or a factory, as `offload-ref "
                         "check` takes it): generation time resident / model level / layerwise, "
@@ -450,17 +455,31 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
             print(f"offload-ref bench: error: --model and --{other} are separate tables; run "
                   "them one at a time", file=sys.stderr)
             return 2
+    sizes = dict(hidden=args.hidden or 128, blocks=args.blocks, tokens=args.tokens or 8192)
+    if args.calibrate:
+        from .bench_model import format_calibration, run_calibration
+
+        if args.device is None:
+            print("offload-ref bench: error: --calibrate measures a real device: give --device "
+                  "cuda:N (or hpu:0, the simulated device itself)", file=sys.stderr)
+            return 2
+        device = torch.device(args.device)
+        if device.type == "cpu":
+            print("offload-ref bench: error: --calibrate --device cpu: the host copies to "
+                  "nothing; give the device the model stands for (cuda:N)", file=sys.stderr)
+            return 2
+        results = run_calibration(model, device, repeats=args.repeats or 5, **sizes)
+        print(json.dumps(results, indent=2) if args.json else format_calibration(results))
+        return 0
     from .platform import simulated
 
-    if not simulated.available():
+    if not simulated.available():  # the recording is the simulated accelerator's
         print(f"offload-ref bench: error: --model replays the simulated accelerator's stream "
               f"order, and it is unavailable here: {simulated.unavailable_reason()}",
               file=sys.stderr)
         return 1
     try:
-        results = run_model_bench(model, hidden=args.hidden or 128, blocks=args.blocks,
-                                  tokens=args.tokens or 8192,
-                                  device=args.device or simulated.device(0))
+        results = run_model_bench(model, device=args.device or simulated.device(0), **sizes)
     except ValueError as exc:
         print(f"offload-ref bench: error: {exc}", file=sys.stderr)
         return 2

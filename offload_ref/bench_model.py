@@ -12,6 +12,8 @@ the program's order alone, so two runs print the same table on any machine.
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +24,8 @@ from .config import OffloadConfig, OffloadStrategy
 from .platform import get_platform
 from .timeline import DeviceModel, recording, replay
 
-__all__ = ["MODEL_ROWS", "format_model_bench", "run_model_bench"]
+__all__ = ["MODEL_ROWS", "calibrate", "format_calibration", "format_model_bench", "measure_rows",
+           "run_calibration", "run_model_bench"]
 
 #: The rows of ``bench --model``, in order (a peer's row is skipped, with why, where its
 #: package is missing).
@@ -134,7 +137,10 @@ def run_model_bench(model: DeviceModel, *, hidden: int = 128, blocks: int = 8,
                                           if compute and copies and max(copies) else None)
     out["note"] = ("modeled from the recorded stream order (Note [Modeled timeline] in "
                    "offload_ref/timeline.py): the same numbers on every run; the simulated "
-                   "accelerator's own streams do not overlap, so these are not timings of it")
+                   "accelerator's own streams do not overlap, so these are not timings of it. "
+                   "bound = max(compute, streamed bytes / h2d bandwidth); serial = compute + "
+                   "copies with nothing overlapped; launch = ops x launch cost, the host's floor "
+                   "(a row whose launch exceeds its bound is launch-bound)")
     return out
 
 
@@ -147,16 +153,176 @@ def format_model_bench(r: dict[str, Any]) -> str:
         f"of {c['block_bytes'] / 2**20:.2f} MiB, {c['tokens']} tokens; compute / copy per block "
         f"{r['compute_over_copy_per_block']}",
         f"{'row':<38} {'step us':>9} {'bound us':>9} {'x bound':>8} {'serial us':>10} "
-        f"{'stall us/blk':>12} {'h2d MiB':>8} {'bitwise':>8}",
+        f"{'launch us':>9} {'stall us/blk':>12} {'h2d MiB':>8} {'bitwise':>8}",
     ]
     for name, row in r["rows"].items():
         lines.append(
             f"{name:<38} {row['total_s'] * 1e6:>9.1f} {row['bound_s'] * 1e6:>9.1f} "
             f"{row['ratio']:>8.3f} {row['serial_s'] * 1e6:>10.1f} "
+            f"{row['launch_s'] * 1e6:>9.1f} "
             f"{row['stall_per_block_us']:>12.2f} {row['h2d_bytes'] / 2**20:>8.2f} "
             f"{'yes' if row['bitwise_equal_to_resident'] else 'NO':>8}")
     for name, why in r["skipped"].items():
         lines.append(f"{name:<38} skipped: {why}")
     lines.append(r["note"])
     lines += [f"  source: {s}" for s in m["sources"]]
+    return "\n".join(lines)
+
+
+# -- calibration on a real device --------------------------------------------------------------
+
+
+def _median_s(fn: Callable[[], Any], sync: Callable[[], None], repeats: int) -> float:
+    fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def calibrate(device: str | torch.device, *, copy_mib: int = 64, matmul: int = 2048,
+              repeats: int = 5) -> DeviceModel:
+    """A :class:`~offload_ref.timeline.DeviceModel` measured on ``device``: pinned host ->
+    device and device -> host rates (``copy_mib`` MiB), device memory bandwidth (a device copy
+    of it: read and write), dense matmul rates (``matmul``-square, fp32 and bf16), the host's
+    time per launched op (a chain of tiny adds, no synchronize between them) and the shortest
+    op (one tiny add, synchronized).  Medians of ``repeats``."""
+    dev = torch.device(device)
+    sync = lambda: torch.accelerator.synchronize(dev)  # noqa: E731
+    n = copy_mib * 2**20
+    host = torch.empty(n, dtype=torch.uint8).pin_memory()
+    on_device = torch.empty(n, dtype=torch.uint8, device=dev)
+    other = torch.empty_like(on_device)
+    h2d = _median_s(lambda: on_device.copy_(host, non_blocking=True), sync, repeats)
+    d2h = _median_s(lambda: host.copy_(on_device, non_blocking=True), sync, repeats)
+    d2d = _median_s(lambda: other.copy_(on_device), sync, repeats)
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(matmul, matmul, device=dev).to(dtype)
+        b = torch.randn(matmul, matmul, device=dev).to(dtype)
+        rates[dtype] = 2 * matmul**3 / _median_s(lambda a=a, b=b: a @ b, sync, repeats)
+    tiny = torch.zeros(1, device=dev)
+    chain = 200
+
+    def launches() -> None:
+        for _ in range(chain):
+            tiny.add_(1)
+
+    start = time.perf_counter()
+    launches()
+    launch = (time.perf_counter() - start) / chain
+    sync()
+    one = _median_s(lambda: tiny.add_(1), sync, max(repeats, 20))
+    return DeviceModel(
+        f"calibrated on {dev}", h2d_gbps=n / h2d / 1e9, d2h_gbps=n / d2h / 1e9,
+        memory_gbps=2 * n / d2d / 1e9, tflops_fp32=rates[torch.float32] / 1e12,
+        tflops_16=rates[torch.bfloat16] / 1e12, launch_us=launch * 1e6,
+        kernel_min_us=max(0.0, one - launch) * 1e6,
+        sources=(f"measured on {dev} by offload-ref bench --calibrate: {copy_mib} MiB pinned "
+                 f"copies each way and a device copy, {matmul}-square matmuls in fp32 and bf16, "
+                 f"{chain} tiny ops launched back to back; medians of {repeats}",))
+
+
+def measure_rows(device: str | torch.device, *, hidden: int, blocks: int, tokens: int,
+                 rows: tuple[str, ...] = MODEL_ROWS, repeats: int = 5) -> dict[str, Any]:
+    """Each of ``rows``'s DiT step on ``device`` itself, wall-clock median of ``repeats`` after
+    two warm-up steps, each sample ending with a device synchronize, and whether its output is
+    bitwise equal to the resident row's."""
+    from .fixtures.heavy import HeavyConfig, build_pipeline
+
+    dev = torch.device(device)
+    config = HeavyConfig(hidden=hidden, blocks=blocks, tokens=tokens, steps=1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g).to(dev)
+    t, context = torch.tensor([0.5]).to(dev), torch.randn(1, hidden, generator=g).to(dev)
+    out: dict[str, Any] = {}
+    reference = None
+    for name in rows:
+        if _missing(name) is not None:
+            continue
+        pipe = build_pipeline(0, config)
+        handle = _offloader(name, dev)(pipe)
+        try:
+            with torch.inference_mode():
+                step = lambda: pipe.transformer(x, t, context)  # noqa: E731
+                seconds = _median_s(step, lambda: torch.accelerator.synchronize(dev), repeats)
+                result = step().cpu()
+        finally:
+            if handle is not None:
+                handle.disable()
+        if reference is None:
+            reference = result
+        out[name] = {"measured_s": seconds,
+                     "bitwise_equal_to_resident": bool(torch.equal(result, reference))}
+    return out
+
+
+def _modeled_apart(model: DeviceModel, sizes: dict[str, int]) -> dict[str, Any]:
+    """:func:`run_model_bench` of ``model`` in a process of its own with no GPU visible: one
+    process serves one accelerator through ``torch.accelerator``, and the recording is the
+    simulated accelerator's, while the calibration ran on the GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    fields = {k: v for k, v in asdict(model).items() if k not in ("name", "sources")}
+    text = ",".join(f"{k}={v!r}" for k, v in fields.items())
+    env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_REF_SIM"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "offload_ref.cli", "bench", "--model", text, "--json",
+           *(f"--{k}={v}" for k, v in sizes.items())]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the modeled table of {model.name} failed ({' '.join(cmd)}):\n"
+                           f"{done.stderr.strip()}")
+    return json.loads(done.stdout)
+
+
+def run_calibration(model: DeviceModel, device: str | torch.device, *, hidden: int, blocks: int,
+                    tokens: int, matmul: int = 2048, repeats: int = 5) -> dict[str, Any]:
+    """``bench --model NAME --calibrate --device D``: the model calibrated on ``D``
+    (:func:`calibrate`), every row recorded on the simulated accelerator and replayed on both
+    ``model`` and the calibrated one, and each row measured on ``D`` itself."""
+    from .platform import simulated
+
+    calibrated = calibrate(device, matmul=matmul, repeats=repeats)
+    sizes = dict(hidden=hidden, blocks=blocks, tokens=tokens)
+    named = _modeled_apart(model, sizes)
+    out = _modeled_apart(calibrated, sizes)
+    out["model"].update(name=calibrated.name, sources=list(calibrated.sources))
+    named["model"].update(name=model.name, sources=list(model.sources))
+    out["named"] = {"model": named["model"], "rows": named["rows"]}
+    out["measured"] = measure_rows(device, hidden=hidden, blocks=blocks, tokens=tokens,
+                                   rows=tuple(out["rows"]), repeats=repeats)
+    out["calibrated_on"] = str(torch.device(device))
+    if torch.device(device).type == simulated.DEVICE_TYPE:
+        out["note"] += (". Calibrated on the simulated accelerator itself: its streams run one "
+                        "after another, so its measured steps are serial, whatever the model "
+                        "says of overlap")
+    return out
+
+
+def format_calibration(r: dict[str, Any]) -> str:
+    """``bench --model NAME --calibrate``: the calibrated model's table, then each row modeled
+    on NAME and on the calibrated model beside its step measured on the device."""
+    name = r["named"]["model"]["name"]
+    lines = [format_model_bench(r), "",
+             f"measured on {r['calibrated_on']} (wall medians) beside the model calibrated there "
+             f"and {name}:",
+             f"{'row':<38} {name + ' us':>14} {'calibrated us':>14} {'measured us':>12} "
+             f"{'measured/calibrated':>20} {'bitwise':>8}"]
+    for row_name, row in r["rows"].items():
+        measured = r["measured"].get(row_name)
+        if measured is None:
+            continue
+        lines.append(f"{row_name:<38} {r['named']['rows'][row_name]['total_s'] * 1e6:>14.1f} "
+                     f"{row['total_s'] * 1e6:>14.1f} {measured['measured_s'] * 1e6:>12.1f} "
+                     f"{measured['measured_s'] / row['total_s']:>20.3f} "
+                     f"{'yes' if measured['bitwise_equal_to_resident'] else 'NO':>8}")
     return "\n".join(lines)

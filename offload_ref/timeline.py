@@ -207,6 +207,9 @@ class Timeline:
     host_wait_s: float
     ops: int
     host_waits: int
+    #: ops x launch cost: the host's own floor (a step of many small ops is launch-bound when
+    #: this exceeds the bound)
+    launch_s: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -276,4 +279,5 @@ def replay(ops: list[Op], model: DeviceModel) -> Timeline:
     compute = busy["compute"]
     streamed = moved["h2d"] / (model.h2d_gbps * 1e9)
     return Timeline(model.name, total, compute, busy["h2d"], busy["d2h"], moved["h2d"],
-                    moved["d2h"], max(compute, streamed), stall, host_wait, n_ops, n_waits)
+                    moved["d2h"], max(compute, streamed), stall, host_wait, n_ops, n_waits,
+                    n_ops * launch)

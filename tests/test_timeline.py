@@ -138,3 +138,25 @@ def test_the_cli_refuses_an_unknown_model_and_prints_the_table() -> None:
     assert ok.returncode == 0, ok.stderr
     assert "offload_ref_layerwise" in ok.stdout and "x bound" in ok.stdout
     assert "do not overlap" in ok.stdout  # the simulated streams are not timed
+
+
+@needs_sim
+def test_calibrate_measures_the_device_and_sets_modeled_beside_measured(capsys) -> None:
+    from offload_ref.cli import main
+
+    assert main(["bench", "--model", "h100-pcie", "--calibrate"]) == 2
+    assert "--calibrate measures a real device" in capsys.readouterr().err
+    assert main(["bench", "--model", "h100-pcie", "--calibrate", "--device", "cpu"]) == 2
+    capsys.readouterr()
+    rc = main(["bench", "--model", "h100-pcie", "--calibrate", "--device", "hpu:0", "--hidden",
+               "32", "--blocks", "2", "--tokens", "64", "--repeats", "1", "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    model = r["model"]
+    assert model["name"] == "calibrated on hpu:0" and "measured on hpu:0" in model["sources"][0]
+    assert all(model[k] > 0 for k in ("h2d_gbps", "d2h_gbps", "memory_gbps", "tflops_fp32"))
+    assert r["named"]["model"]["name"] == "h100-pcie"
+    assert set(r["measured"]) == set(r["rows"]) == set(r["named"]["rows"])
+    assert all(m["measured_s"] > 0 and m["bitwise_equal_to_resident"]
+               for m in r["measured"].values()), r["measured"]
+    assert "streams run one after another" in r["note"]  # the simulated device is serial
