@@ -342,3 +342,26 @@ def test_enable_under_a_capacity_too_small_rolls_back_cleanly() -> None:
     assert after == before
     backend.enable(pipeline)  # and it can be retried once the memory is there
     backend.disable()
+
+
+def test_the_first_build_says_it_is_compiling_before_the_wait(tmp_path, monkeypatch, capsys
+                                                              ) -> None:
+    """The first use compiles for most of a minute: a line says so before it starts and when it
+    ends (no compiler runs here: torch's build is replaced by a stand-in)."""
+    from torch.utils import cpp_extension
+
+    from offload_ref.platform import simulated as sim
+
+    built = object()
+    calls = []
+
+    def fake_load(**kwargs):
+        calls.append(kwargs["build_directory"])
+        assert "compiling the simulated accelerator" in capsys.readouterr().err  # said first
+        return built
+
+    monkeypatch.setattr(sim, "_cache_dir", lambda: tmp_path / "fresh")
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert sim._built_extension() is built
+    assert calls == [str(tmp_path / "fresh")]
+    assert "compiled the simulated accelerator in" in capsys.readouterr().err

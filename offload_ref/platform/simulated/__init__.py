@@ -34,6 +34,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -203,7 +204,12 @@ def _built_extension() -> ModuleType:
         return module
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes wait for one build
+        try:  # concurrent processes wait for one build
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            _say(f"waiting for another process compiling the simulated accelerator into "
+                 f"{folder} ...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             module = _import_built(folder)  # built by the process we waited for
             if module is not None:
@@ -211,15 +217,26 @@ def _built_extension() -> ModuleType:
             (folder / "lock").unlink(missing_ok=True)  # a stale baton of a killed build
             from torch.utils import cpp_extension
 
-            return cpp_extension.load(
+            _say(f"compiling the simulated accelerator (once for this source and torch "
+                 f"version, about 40-60 s on 2 cores) into {folder} ...")
+            start = time.monotonic()
+            built = cpp_extension.load(
                 name=_NAME,
                 sources=[str(_SOURCE)],
                 build_directory=str(folder),
                 extra_cflags=["-O2", "-std=c++17"],
                 verbose=False,
             )
+            _say(f"compiled the simulated accelerator in {time.monotonic() - start:.0f} s")
+            return built
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _say(line: str) -> None:
+    """A line on stderr for a wait a person would otherwise watch in silence (the first
+    build)."""
+    print(f"offload-ref: {line}", file=sys.stderr, flush=True)
 
 
 def load() -> ModuleType:
