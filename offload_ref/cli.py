@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -245,14 +246,17 @@ def _run_child(config: dict[str, Any], journal: Any) -> int:
 
 class _Progress:
     """One progress line on stderr while the kit runs: rewritten in place on a terminal, a line
-    per tenth of the run otherwise (CI logs)."""
+    per tenth of the run otherwise (CI logs), and at least one every ``every`` seconds there
+    (a run whose first cases are long still shows it moves)."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, every: float = 15.0) -> None:
         self.stream = stream
         self.tty = bool(getattr(stream, "isatty", lambda: False)())
         self.failed = 0
         self.shown = -1
         self.width = 0
+        self.every = every
+        self.last = time.monotonic()
 
     def __call__(self, done: int, total: int, result: Any) -> None:
         self.failed += not result.ok
@@ -263,8 +267,10 @@ class _Progress:
             self.width = max(self.width, len(line))
             self.stream.write("\r" + line.ljust(self.width))
             self.stream.flush()
-        elif 10 * done // max(total, 1) > self.shown:
+        elif (10 * done // max(total, 1) > self.shown
+              or time.monotonic() - self.last >= self.every):
             self.shown = 10 * done // max(total, 1)
+            self.last = time.monotonic()
             self.stream.write(line + "\n")
             self.stream.flush()
 

@@ -250,3 +250,27 @@ def test_bench_measures_an_authors_own_pipeline(author: Path) -> None:
     assert result["pipeline"] == "good"
     assert set(result["generation_s"]) == {"resident", "model_level"}  # GOOD claims model level
     assert result["enable_s"]["model_level"] > 0 and result["ratio_to_resident"]["resident"] == 1
+
+
+def test_progress_in_a_log_moves_at_least_every_few_seconds(monkeypatch) -> None:
+    """Not a terminal: a line per tenth of the run, and one whenever ``every`` seconds passed
+    since the last (long first cases once left a CI log at 0% for minutes)."""
+    import io
+    from types import SimpleNamespace
+
+    from offload_ref import cli
+
+    clock = [100.0]
+    monkeypatch.setattr(cli.time, "monotonic", lambda: clock[0])
+    stream = io.StringIO()
+    progress = cli._Progress(stream, every=15.0)
+    result = SimpleNamespace(ok=True, id=SimpleNamespace(spec="flux2", strategy="layer_wise",
+                                                         check="check_x"))
+    progress(1, 1000, result)  # 0%: the first line
+    progress(2, 1000, result)  # same tenth, no time passed: nothing
+    clock[0] += 16
+    progress(3, 1000, result)  # same tenth, 16 s later: a line
+    progress(4, 1000, result)
+    progress(100, 1000, result)  # a new tenth
+    lines = stream.getvalue().splitlines()
+    assert [line.split("]")[0] for line in lines] == ["[   1/1000", "[   3/1000", "[ 100/1000"]
