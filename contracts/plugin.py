@@ -73,8 +73,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 _PREVIOUS_THREADS = pytest.StashKey[int]()
 _ROWS = pytest.StashKey[list]()
 _CUDA = pytest.StashKey[dict]()
+_SPAWNED = pytest.StashKey[bool]()
 _CASE_PROPERTY = "offload_ref_case"
 _CUDA_PROPERTY = "offload_ref_cuda"
+#: a spawned-rank case (§H), and the xdist group prefix of one pipeline's (pytest_support.py)
+_SPAWN_PROPERTY = "offload_ref_spawn"
+_SPAWN_GROUP = "offload_ref-distributed-"
 #: the session's config, for the report hooks that pytest calls without one
 _CONFIG: list[pytest.Config] = []
 
@@ -154,6 +158,22 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _dist_given(config: pytest.Config) -> bool:
+    """Whether the command line names a pytest-xdist distribution mode itself."""
+    return any(a == "--dist" or a.startswith("--dist=") or a == "-d"
+               for a in config.invocation_params.args)
+
+
+def pytest_cmdline_main(config: pytest.Config) -> None:  # after xdist's (tryfirst), before main
+    """Under ``-n N`` without ``--dist``, pytest-xdist distributes with ``load``; the kit's
+    spawned-rank checks (§H) of one pipeline share one spawn only on one worker, which
+    ``loadgroup`` gives them (Note [One spawn per batch] in checks/distributed.py), so the
+    plugin asks for it then.  A ``--dist`` given on the command line is kept (a warning at
+    collection says what it costs when §H cases are collected)."""
+    if getattr(config.option, "dist", "no") == "load" and not _dist_given(config):
+        config.option.dist = "loadgroup"
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
     """Tag kit cases for the summary matrix, and tests marked ``cuda`` for the summary's note
@@ -163,6 +183,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.user_properties.append((_CUDA_PROPERTY, "1"))
+        if any(str(m.kwargs.get("name", m.args[0] if m.args else "")).startswith(_SPAWN_GROUP)
+               for m in item.iter_markers("xdist_group")):
+            item.user_properties.append((_SPAWN_PROPERTY, "1"))
         params = getattr(getattr(item, "callspec", None), "params", {})
         for value in params.values():
             fields = getattr(value, "report_fields", None)
@@ -213,6 +236,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         # collect the items): a test is selected at its setup, and ran when it has a call phase
         cuda = config.stash.setdefault(_CUDA, {"selected": 0, "ran": 0})
         cuda["selected" if report.when == "setup" else "ran"] += 1
+    if report.when == "setup" and any(k == _SPAWN_PROPERTY for k, _ in report.user_properties):
+        config.stash[_SPAWNED] = True
     if final:
         row = _row(report)
         if row is not None:
@@ -234,6 +259,13 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_sep("=", "offload-ref conformance matrix")
         terminalreporter.write(f"device: {kit_device_line()}\n")
         terminalreporter.write(out.getvalue())
+    dist = getattr(config.option, "dist", "no")
+    if config.stash.get(_SPAWNED, False) and dist not in ("no", "loadgroup"):
+        terminalreporter.write_sep("=", "offload-ref: --dist", yellow=True, bold=True)
+        terminalreporter.write_line(
+            f"--dist {dist} spread one pipeline's spawned-rank checks (§H) over the workers, each "
+            f"spawning its own ranks; --dist loadgroup (what -n N alone gives with offload-ref "
+            f"installed) keeps them on one worker and one spawn")
     cuda = config.stash.get(_CUDA, None)
     if cuda and cuda["selected"] and not cuda["ran"]:
         why = ("no CUDA device is available (torch.cuda.is_available() is False)"

@@ -224,3 +224,40 @@ def test_the_pytest_route_runs_placement_checks_on_although_the_module_imports_d
     result.assert_outcomes(passed=2)
     out = result.stdout.str()
     assert "placement checks ON" in out and "PLACEMENT CHECKS OFF" not in out, out
+
+
+# -- pytest-xdist --------------------------------------------------------------------------------
+
+_DIST_CONFTEST = '''
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller
+        print("DIST-MODE", session.config.option.dist)
+'''
+
+
+@pytest.mark.parametrize("args, mode", [(("-n", "1"), "loadgroup"),
+                                        (("-n", "1", "--dist", "load"), "load"),
+                                        (("-n", "1", "--dist=loadscope"), "loadscope")])
+def test_n_alone_distributes_by_group_and_an_explicit_dist_is_kept(pytester, args, mode) -> None:
+    """§H cases of one pipeline share one spawn on one worker only under ``loadgroup``:
+    ``-n N`` alone gets it (the plugin asks for it), a ``--dist`` given is the user's."""
+    pytest.importorskip("xdist")
+    pytester.makeconftest(_DIST_CONFTEST)
+    pytester.makepyfile(test_plain="def test_nothing():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s", *args)
+    assert _seen(result, "DIST-MODE") == mode
+
+
+def test_an_explicit_dist_that_splits_spawned_rank_checks_is_warned_about(pytester) -> None:
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_ranks='''
+import pytest
+
+@pytest.mark.xdist_group(name="offload_ref-distributed-flux2")
+def test_rank_case():
+    pass
+''')
+    warned = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "1", "--dist", "load")
+    assert "--dist load spread one pipeline's spawned-rank checks" in warned.stdout.str()
+    quiet = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "1")
+    assert "spawned-rank checks" not in quiet.stdout.str()
