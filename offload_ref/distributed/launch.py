@@ -116,6 +116,15 @@ def _rank_main(rank: int, world: int, fn: Callable[..., Any], args: tuple, store
         store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
+        # Note [Every rank is up before any leaves]: gloo connects the ranks pairwise inside
+        # init_process_group, and a rank whose connections are done returns before its peers'
+        # are; a rank that then runs no collective could destroy the group and exit while a
+        # slower peer was still connecting to it ("Gloo connectFullMesh failed ... Connection
+        # closed by peer", seen in CI under load on the docs' run_ranks example).  Each rank
+        # waits on the store until every rank has returned from init_process_group.
+        store.set(f"offload_ref/up/{rank}", "1")
+        store.wait([f"offload_ref/up/{r}" for r in range(world)],
+                   datetime.timedelta(seconds=collective_timeout_s))
         try:
             result = fn(rank, world, *args)
         finally:
