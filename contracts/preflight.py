@@ -120,7 +120,7 @@ def _problems(spec: PipelineSpec) -> list[str]:
     from .registry import CheckFailure
 
     try:
-        compare_outputs("second run", outputs[1], outputs[0])
+        compare_outputs("second run", outputs[1], outputs[0], reference="the first run")
     except CheckFailure as exc:
         return [f"{where}: two fresh builds and runs of seed={spec.seed} differ "
                 f"({_one_line(exc).removeprefix('CheckFailure: ')}); the kit compares offloaded "

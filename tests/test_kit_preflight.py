@@ -125,7 +125,7 @@ _BAD = {
     "non-deterministic reference": (
         PipelineSpec("bad", unseeded_pipeline, make_inputs),
         [r"^spec 'bad': two fresh builds and runs of seed=0 differ \(second run: output differs "
-         r".*\); .*seed every random draw"]),
+         r"from the first run: .*\); .*seed every random draw"]),
     "pipeline kind": (
         PipelineSpec("bad", opaque_pipeline, make_inputs),
         [r"^spec 'bad': the pipeline, a test_kit_preflight._Opaque, is neither an nn.Module nor "

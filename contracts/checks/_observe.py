@@ -151,13 +151,15 @@ class CopySpy:
         return sum(n for k, n in self.copies if k == kind)
 
 
-def compare_outputs(what: str, got: Any, want: Any, *, case: Any = None) -> None:
+def compare_outputs(what: str, got: Any, want: Any, *, case: Any = None,
+                    reference: str = "the un-offloaded reference") -> None:
     """Bitwise equality (NaNs equal), leaf by leaf (:mod:`offload_ref.contracts.outputs`), with a
     message naming the path of the first differing leaf, how many elements differ, the max abs
     diff and the first differing elements by index.  With ``case`` (a :class:`CheckCase` whose
     :meth:`~CheckCase.run` produced both outputs), a mismatch also gets the case's diagnosis
-    (:mod:`offload_ref.contracts.diagnosis`); nothing of it runs when the outputs are equal."""
-    message = _mismatch(what, got, want)
+    (:mod:`offload_ref.contracts.diagnosis`); nothing of it runs when the outputs are equal.
+    ``reference`` is what the message calls ``want``."""
+    message = _mismatch(what, got, want, reference)
     if message is None:
         return
     if case is not None:
@@ -165,14 +167,15 @@ def compare_outputs(what: str, got: Any, want: Any, *, case: Any = None) -> None
     fail(message)
 
 
-def _mismatch(what: str, got: Any, want: Any) -> str | None:
+def _mismatch(what: str, got: Any, want: Any,
+              reference: str = "the un-offloaded reference") -> str | None:
     want_leaves, got_leaves = leaves(want), leaves(got)
     want_paths = [p for p, _ in want_leaves]
     got_paths = [p for p, _ in got_leaves]
     if want_paths != got_paths:
         missing = [p for p in want_paths if p not in got_paths]
         extra = [p for p in got_paths if p not in want_paths]
-        return (f"{what}: output structure differs from the reference (missing {missing[:4]}, "
+        return (f"{what}: output structure differs from {reference} (missing {missing[:4]}, "
                 f"unexpected {extra[:4]})")
     for (path, g), (_, w) in zip(got_leaves, want_leaves):
         why = leaf_difference(g, w)
@@ -180,6 +183,6 @@ def _mismatch(what: str, got: Any, want: Any) -> str | None:
             continue
         if isinstance(g, torch.Tensor) and isinstance(w, torch.Tensor) and (
                 g.shape == w.shape and g.dtype == w.dtype):
-            return f"{what}: {path} differs from the un-offloaded reference: {why}"
+            return f"{what}: {path} differs from {reference}: {why}"
         return f"{what}: {path} {why}"
     return None
