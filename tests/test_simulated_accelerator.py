@@ -365,3 +365,77 @@ def test_the_first_build_says_it_is_compiling_before_the_wait(tmp_path, monkeypa
     assert sim._built_extension() is built
     assert calls == [str(tmp_path / "fresh")]
     assert "compiled the simulated accelerator in" in capsys.readouterr().err
+
+
+# -- who may write the build cache (Note [Who may write the build cache]) -------------------------
+
+_PROBE = ("from offload_ref.platform import simulated; print(simulated.available()); "
+          "print(simulated.unavailable_reason())")
+
+
+def _probe(env: dict[str, str]) -> list[str]:
+    return subprocess.run([sys.executable, "-c", _PROBE], env={**os.environ, **env},
+                          capture_output=True, text=True, check=True, timeout=120
+                          ).stdout.splitlines()
+
+
+def _planted_cache(tmp_path) -> tuple[str, str]:
+    """A cache folder under ``tmp_path`` holding a copy of the real build, as the loader would
+    find it: (its folder, the library)."""
+    import shutil
+
+    from offload_ref.platform.simulated import _cache_dir
+
+    folder = subprocess.run([sys.executable, "-c", "from offload_ref.platform import simulated;"
+                             " print(simulated._cache_dir())"],
+                            env={**os.environ, "OFFLOAD_REF_SIM_CACHE": str(tmp_path),
+                                 "OFFLOAD_REF_SIM": "0"},
+                            capture_output=True, text=True, check=True).stdout.strip()
+    os.makedirs(folder)
+    library = shutil.copy(_cache_dir() / "offload_ref_simdevice.so", folder)
+    return folder, library
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX ownership")
+def test_a_cache_folder_others_can_write_is_never_loaded_from(tmp_path) -> None:
+    folder, _ = _planted_cache(tmp_path)
+    os.chmod(folder, 0o777)
+    available, reason = _probe({"OFFLOAD_REF_SIM_CACHE": str(tmp_path)})
+    assert available == "False"
+    assert f"cache folder {folder} is writable by others" in reason and "chmod go-w" in reason
+    os.chmod(folder, 0o755)
+    assert _probe({"OFFLOAD_REF_SIM_CACHE": str(tmp_path)})[0] == "True"  # the same, owned
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="giving a file to another user needs root")
+def test_a_library_another_user_owns_is_never_loaded(tmp_path) -> None:
+    _, library = _planted_cache(tmp_path)
+    os.chown(library, 65534, 65534)  # nobody
+    available, reason = _probe({"OFFLOAD_REF_SIM_CACHE": str(tmp_path)})
+    assert available == "False"
+    assert f"built library {library} belongs to another user" in reason, reason
+
+
+def test_a_symlinked_build_lock_is_refused_and_its_target_untouched(tmp_path, monkeypatch
+                                                                    ) -> None:
+    from torch.utils import cpp_extension
+
+    from offload_ref.platform import simulated as sim
+
+    folder = tmp_path / "fresh"
+    folder.mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("x" * 1500)
+    (folder / "build.lock").symlink_to(target)
+    monkeypatch.setattr(sim, "_cache_dir", lambda: folder)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: pytest.fail("built"))
+    with pytest.raises(sim.SimulatedAcceleratorUnavailable, match="a symlink is refused"):
+        sim._built_extension()
+    assert target.read_text() == "x" * 1500
+
+
+@pytest.mark.parametrize("raw", ["abc", "1e9", "-5", "0"])
+def test_a_malformed_capacity_is_a_reason_naming_the_variable(raw: str) -> None:
+    available, reason = _probe({"OFFLOAD_REF_SIM_CAPACITY": raw})
+    assert available == "False" and reason.startswith("OFFLOAD_REF_SIM_CAPACITY="), reason

@@ -16,7 +16,8 @@ Environment:
 
 * ``OFFLOAD_REF_SIM=0``: never load it (placement checks are then off, and the kit says so);
 * ``OFFLOAD_REF_SIM_DEVICES``: how many devices (default 2: ``hpu:0`` and ``hpu:1``);
-* ``OFFLOAD_REF_SIM_CAPACITY``: bytes per device; an allocation past it raises
+* ``OFFLOAD_REF_SIM_CAPACITY``: bytes per device (a whole number >= 1, else the device is
+  unavailable with a reason naming it); an allocation past it raises
   ``torch.OutOfMemoryError`` as CUDA's allocator does (also :func:`set_capacity`);
 * ``OFFLOAD_REF_SIM_CACHE``: the build cache folder (default ``~/.cache/offload_ref``);
 * ``OFFLOAD_REF_SIM_CRASH_FILE`` (:data:`CRASH_FILE_ENV`): a file that the crash record is appended
@@ -104,10 +105,33 @@ def _device_count() -> int:
     return count
 
 
+def _capacity() -> int | None:
+    """``OFFLOAD_REF_SIM_CAPACITY`` as bytes per device (None: not set, no limit)."""
+    raw = os.environ.get("OFFLOAD_REF_SIM_CAPACITY", "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SimulatedAcceleratorUnavailable(
+            f"OFFLOAD_REF_SIM_CAPACITY={raw!r} is not a whole number of bytes (such as "
+            f"1073741824); unset it for no limit") from None
+    if value < 1:
+        raise SimulatedAcceleratorUnavailable(
+            f"OFFLOAD_REF_SIM_CAPACITY={value}: a capacity is at least 1 byte; unset it for no "
+            f"limit")
+    return value
+
+
 def _refusal() -> str | None:
     """Why the simulated accelerator must not load here (None: it may)."""
     if os.environ.get("OFFLOAD_REF_SIM", "1").strip().lower() in ("0", "false", "no", "off"):
         return "OFFLOAD_REF_SIM=0 turns it off"
+    try:
+        _capacity()
+        _device_count()
+    except SimulatedAcceleratorUnavailable as exc:
+        return str(exc)
     owner = getattr(torch, "hpu", None)
     if "habana_frameworks" in sys.modules or (
             owner is not None and not getattr(owner, "_offload_ref_simulated", False)):
@@ -173,14 +197,45 @@ def _drain_at_exit(device_count: int) -> None:
 _NAME = "offload_ref_simdevice"
 
 
+def _unsafe(path: Path, what: str) -> str | None:
+    """Why ``path`` (a cache folder or the built library) must not be trusted, or None.
+
+    Note [Who may write the build cache]: the loader runs whatever library lies in the cache
+    folder, in every process that uses the simulated accelerator.  With the cache in a shared
+    place (``OFFLOAD_REF_SIM_CACHE``, or ``XDG_CACHE_HOME`` on a shared CI runner) another user
+    could plant one.  So the folder and the library must belong to this user and be writable
+    by no one else; otherwise nothing is imported or built there, and the reason names the path
+    and the fix."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    owner = os.geteuid() if hasattr(os, "geteuid") else st.st_uid
+    if st.st_uid != owner:
+        return (f"the simulated accelerator's {what} {path} belongs to another user (uid "
+                f"{st.st_uid}, this process runs as {owner}): offload-ref will not load or build "
+                f"code there; remove it, or point OFFLOAD_REF_SIM_CACHE at a folder of your own")
+    if st.st_mode & 0o022:
+        return (f"the simulated accelerator's {what} {path} is writable by others (mode "
+                f"{st.st_mode & 0o777:o}): offload-ref will not load or build code there; run "
+                f"`chmod go-w {path}`, or point OFFLOAD_REF_SIM_CACHE at a folder of your own")
+    return None
+
+
 def _import_built(folder: Path) -> ModuleType | None:
     """The extension already built in ``folder`` (keyed by torch version and source hash), or
-    None when there is none or it does not import (a build cut off mid-link)."""
+    None when there is none or it does not import (a build cut off mid-link).  Raises
+    :class:`SimulatedAcceleratorUnavailable` for a folder or library another user could have
+    written (Note [Who may write the build cache])."""
     import importlib.util
 
     built = folder / f"{_NAME}.so"
     if not built.is_file():
         return None
+    for path, what in ((folder, "cache folder"), (built, "built library")):
+        reason = _unsafe(path, what)
+        if reason is not None:
+            raise SimulatedAcceleratorUnavailable(reason)
     try:
         spec = importlib.util.spec_from_file_location(_NAME, built)
         assert spec is not None and spec.loader is not None
@@ -202,8 +257,18 @@ def _built_extension() -> ModuleType:
     module = _import_built(folder)
     if module is not None:
         return module
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "build.lock", "w") as lock:
+    folder.mkdir(parents=True, exist_ok=True, mode=0o755)
+    reason = _unsafe(folder, "cache folder")
+    if reason is not None:
+        raise SimulatedAcceleratorUnavailable(reason)
+    try:  # never through a symlink, never truncating what is there
+        fd = os.open(folder / "build.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise SimulatedAcceleratorUnavailable(
+            f"cannot open the build lock {folder / 'build.lock'} ({exc.strerror}; a symlink is "
+            f"refused): remove it, or point OFFLOAD_REF_SIM_CACHE at a folder of your own"
+        ) from None
+    with os.fdopen(fd, "w") as lock:
         try:  # concurrent processes wait for one build
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -262,10 +327,10 @@ def load() -> ModuleType:
                           f"{text[-1] if text else ''})")
             else:
                 if reason is None:
-                    capacity_env = os.environ.get("OFFLOAD_REF_SIM_CAPACITY")
-                    if capacity_env:
+                    capacity = _capacity()
+                    if capacity is not None:
                         for index in range(module.device_count()):
-                            module.set_capacity(index, int(capacity_env))
+                            module.set_capacity(index, capacity)
                     if getattr(torch, "hpu", None) is None:
                         from ._device_module import build_device_module
 
