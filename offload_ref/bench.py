@@ -356,19 +356,21 @@ def format_table(results: dict[str, Any]) -> str:
 
 
 def add_bench_parser(sub: Any) -> None:
+    from ._cli_types import count, device
+
     p = sub.add_parser("bench", help="step time and bytes per strategy (one run, ratios)")
-    p.add_argument("--hidden", type=int, default=None,
+    p.add_argument("--hidden", type=count(1), default=None,
                    help="hidden size of the heavy fixture (default 512; --model: 128)")
-    p.add_argument("--blocks", type=int, default=8,
+    p.add_argument("--blocks", type=count(1), default=8,
                    help="transformer blocks of the heavy fixture (default 8)")
-    p.add_argument("--tokens", type=int, default=None,
+    p.add_argument("--tokens", type=count(1), default=None,
                    help="activation rows: more tokens = more compute per copied byte (default "
                         "256; --model: 8192, a block's compute several times its copy)")
-    p.add_argument("--steps", type=int, default=4,
+    p.add_argument("--steps", type=count(1), default=4,
                    help="denoising steps per generation (default 4)")
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--repeats", type=count(1), default=None,
                    help="samples per variant (default 7; --peers: 20)")
-    p.add_argument("--device", default=None,
+    p.add_argument("--device", default=None, type=device,
                    help="default cpu; --peers: the device every offloader copies to (default "
                         "cuda when present, else the kit's device, hpu:0); never the host")
     p.add_argument("--json", action="store_true", help="print the results as JSON")

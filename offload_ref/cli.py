@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._cli_selection import _closest, _selection, _UsageError
+from ._cli_types import MAX_THREADS, count, output_path
 
 __all__ = ["main"]
 
@@ -458,10 +459,10 @@ def _parser() -> argparse.ArgumentParser:
                               "enable(pipeline), disable() and is_enabled(); checks that need "
                               "offload-ref's internals are reported not applicable, with why "
                               "(offload_ref.peers has diffusers' and accelerate's)")
-    p_check.add_argument("--json", metavar="PATH",
+    p_check.add_argument("--json", metavar="PATH", type=output_path,
                          help="also write the report as JSON to PATH ('-': to stdout, instead "
                               "of the text report)")
-    p_check.add_argument("--torch-threads", type=int, default=1, metavar="N",
+    p_check.add_argument("--torch-threads", type=count(1, MAX_THREADS), default=1, metavar="N",
                          help="torch intra-op threads while checking (default 1: the built-in "
                               "pipelines are tiny, and thread hand-offs dominate their run time)")
     p_check.add_argument("--single-device", action="store_true",
@@ -472,7 +473,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p_plan = sub.add_parser("plan", help="explain the resolved topology of a pipeline")
     selection(p_plan, auto=True)
-    p_plan.add_argument("--device-budget", type=int, metavar="N",
+    p_plan.add_argument("--device-budget", type=count(1), metavar="N",
                         help="with --strategy auto: the device budget in bytes; prints the "
                              "strategy auto picks and every strategy's predicted peak")
     p_plan.set_defaults(func=_cmd_plan)
@@ -488,11 +489,11 @@ def _parser() -> argparse.ArgumentParser:
     p_peers.add_argument("--perf-pipeline", default="flux2", metavar="NAME",
                          help="the fixture the step-time and peak-bytes columns are measured "
                               "on (default: flux2, which offers both strategies)")
-    p_peers.add_argument("--repeats", type=int, default=5, metavar="N",
+    p_peers.add_argument("--repeats", type=count(1), default=5, metavar="N",
                          help="timed generations per variant (default 5, interleaved)")
-    p_peers.add_argument("--markdown", metavar="PATH",
+    p_peers.add_argument("--markdown", metavar="PATH", type=output_path,
                          help="write the page to PATH (docs/peers.md) instead of stdout")
-    p_peers.add_argument("--torch-threads", type=int, default=1, metavar="N")
+    p_peers.add_argument("--torch-threads", type=count(1, MAX_THREADS), default=1, metavar="N")
     p_peers.set_defaults(func=_cmd_peers)
 
     from offload_ref.bench import add_bench_parser

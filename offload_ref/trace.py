@@ -267,18 +267,20 @@ def draw_timeline(trace_path: str, png_path: str, *, stall_ms: float = 0.5) -> N
 def add_trace_parser(sub: Any, selection: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser("trace", help="one generation under torch.profiler: a Chrome trace "
                                      "(and --png, a timeline picture)")
+    from ._cli_types import MAX_THREADS, count, device, output_path
+
     selection(p)
-    p.add_argument("-o", "--output", required=True, metavar="TRACE.json",
+    p.add_argument("-o", "--output", required=True, metavar="TRACE.json", type=output_path,
                    help="where to write the Chrome trace (Perfetto, chrome://tracing)")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                    help="layerwise strategies: prefetch the next block (default) or load every "
                         "block when it runs (--no-prefetch, the serial baseline)")
-    p.add_argument("--png", metavar="PATH",
+    p.add_argument("--png", metavar="PATH", type=output_path,
                    help="also draw the timeline (needs matplotlib: offload-ref[trace])")
     p.add_argument("--stall-ms", type=float, default=0.5,
                    help="--png marks waits at least this long as stalls (default 0.5)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    p.add_argument("--torch-threads", type=int, default=1, metavar="N")
+    p.add_argument("--device", default="cpu", type=device, help="cpu (default) or cuda[:N]")
+    p.add_argument("--torch-threads", type=count(1, MAX_THREADS), default=1, metavar="N")
     p.set_defaults(func=_cmd_trace)
 
 

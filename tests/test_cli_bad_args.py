@@ -1,0 +1,43 @@
+"""Every bad argument of ``offload-ref`` is a usage error: exit 2 and an ``error:`` line naming the
+option, before any work (issue 37)."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload_ref.cli import main
+
+BAD = [
+    (["check", "--torch-threads", "0"], "--torch-threads: 0 is out of range"),
+    (["check", "--torch-threads", "-5"], "--torch-threads: -5 is out of range"),
+    (["check", "--torch-threads", "99999999999"], "--torch-threads: 99999999999 is out of range"),
+    (["check", "--torch-threads", "two"], "--torch-threads: 'two' is not a whole number"),
+    (["check", "--json", "/nonexistent/dir/x.json"], "the folder /nonexistent/dir does not exist"),
+    (["bench", "--repeats", "0"], "--repeats: 0 is out of range (an int of at least 1)"),
+    (["bench", "--blocks", "-1"], "--blocks: -1 is out of range"),
+    (["bench", "--device", "quantum:7"], "--device: 'quantum:7' is not a device"),
+    (["trace", "--pipeline", "flux2", "-o", "/nonexistent/dir/t.json"],
+     "-o/--output: cannot write /nonexistent/dir/t.json"),
+    (["trace", "--pipeline", "flux2", "-o", "t.json", "--torch-threads", "0"],
+     "--torch-threads: 0 is out of range"),
+    (["peers", "--repeats", "0"], "--repeats: 0 is out of range"),
+    (["peers", "--markdown", "/nonexistent/dir/p.md"], "cannot write /nonexistent/dir/p.md"),
+    (["plan", "--pipeline", "flux2", "--strategy", "auto", "--device-budget", "-3"],
+     "--device-budget: -3 is out of range"),
+]
+
+
+@pytest.mark.parametrize("argv, words", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_bad_argument_is_a_usage_error_before_any_work(argv, words, capsys, tmp_path) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"offload-ref {argv[0]}: error: argument " in err and words in err, err
+
+
+def test_a_folder_given_as_an_output_file_is_refused(capsys, tmp_path) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["check", "--json", str(tmp_path)])
+    assert exited.value.code == 2
+    assert f"{tmp_path} is a folder, not a file" in capsys.readouterr().err
