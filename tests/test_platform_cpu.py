@@ -266,6 +266,28 @@ def test_worker_failure_surfaces_at_synchronize_and_stops_the_stream(platform: C
     torch.testing.assert_close(host(dst), torch.zeros(4), rtol=0, atol=0, msg="work ran after a failure")
 
 
+def test_a_failure_on_a_stream_is_caught_by_its_own_type_at_the_host(platform: CpuPlatform
+                                                                     ) -> None:
+    # Note [Stream failures keep their type]: `except OffloadScheduleError` at the call that
+    # waited once missed a schedule error raised on a stream (a RuntimeError wrapping it)
+    from offload_ref.backends.distributed import OffloadScheduleError
+    from offload_ref.platform.cpu import StreamWorkError
+
+    def schedule_error() -> None:
+        raise OffloadScheduleError("rank 1 called block 3 where rank 0 called block 2")
+
+    copy = platform.Stream()
+    with platform.stream(copy):
+        platform.submit(schedule_error)
+    with pytest.raises(OffloadScheduleError, match="'copy-1' failed with OffloadScheduleError: "
+                                                   "rank 1 called block 3") as info:
+        platform.synchronize()
+    assert isinstance(info.value, StreamWorkError) and isinstance(info.value, RuntimeError)
+    assert isinstance(info.value.__cause__, OffloadScheduleError)
+    with pytest.raises(OffloadScheduleError):
+        copy.synchronize()  # each later wait: the same type
+
+
 def test_a_stream_waiting_on_a_failed_stream_fails_too(platform: CpuPlatform) -> None:
     broken, waiter = platform.Stream(), platform.Stream()
     with platform.stream(broken):
