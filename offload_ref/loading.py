@@ -302,9 +302,22 @@ def _open_files(paths: list[str]) -> tuple[dict[str, Any], dict[str, str], list[
     keys that two files both hold."""
     from safetensors import safe_open
 
+    import stat
+
     handles: dict[str, Any] = {}
     problems = []
     for p in paths:
+        try:
+            mode = os.stat(p).st_mode
+        except OSError as exc:
+            problems.append(f"cannot read {p!r} as a safetensors file: {exc.strerror}")
+            continue
+        if not stat.S_ISREG(mode):  # a FIFO would block safe_open for good, past Ctrl-C
+            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device or socket")
+            problems.append(f"cannot read {p!r} as a safetensors file: it is {kind}, not a "
+                            f"regular file")
+            continue
         try:
             handles[p] = safe_open(p, framework="pt")
         except Exception as exc:  # noqa: BLE001 - SafetensorError is not exported everywhere

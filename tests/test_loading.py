@@ -612,3 +612,26 @@ def test_anonymous_rss_stays_flat_for_a_meta_built_model(tmp_path: Path) -> None
 
     x = torch.randn(4, 4096, generator=torch.Generator().manual_seed(1))
     assert torch.equal(model(x), twin(x))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "/dev/null"])
+def test_a_source_that_is_not_a_regular_file_is_refused_without_opening_it(tmp_path: Path,
+                                                                           kind: str) -> None:
+    """A FIFO once blocked safe_open for good (Ctrl-C did not interrupt it)."""
+    import os
+
+    if kind == "fifo":
+        path = tmp_path / "weights.safetensors"
+        os.mkfifo(path)
+        words = "it is a FIFO, not a regular file"
+    elif kind == "folder":
+        path = tmp_path
+        words = "it is a folder, not a regular file"
+    else:
+        path = Path(kind)
+        words = "it is a device or socket, not a regular file"
+    module = nn.Linear(2, 2)
+    before = module.weight.detach().clone()
+    with pytest.raises(ValueError, match=words):
+        load_safetensors(module, path)
+    assert torch.equal(module.weight, before)
