@@ -168,10 +168,27 @@ def pytest_cmdline_main(config: pytest.Config) -> None:  # after xdist's (tryfir
     """Under ``-n N`` without ``--dist``, pytest-xdist distributes with ``load``; the kit's
     spawned-rank checks (§H) of one pipeline share one spawn only on one worker, which
     ``loadgroup`` gives them (Note [One spawn per batch] in checks/distributed.py), so the
-    plugin asks for it then.  A ``--dist`` given on the command line is kept (a warning at
-    collection says what it costs when §H cases are collected)."""
+    plugin asks for it then.  A ``--dist`` given on the command line is kept (the summary says
+    what it cost when §H cases ran).  A worker parses the command line again and takes
+    ``loadgroup`` (the ``@group`` suffix of its items' ids, which the scheduler groups by) only
+    from ``--dist loadgroup`` there, so the controller tells each worker
+    (:func:`pytest_configure_node`)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        if workerinput.get(_LOADGROUP_KEY):
+            config.option.loadgroup = True
+        return
     if getattr(config.option, "dist", "no") == "load" and not _dist_given(config):
         config.option.dist = "loadgroup"
+
+
+_LOADGROUP_KEY = "offload_ref_loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """pytest-xdist's hook, on the controller, for each worker before it starts."""
+    node.workerinput[_LOADGROUP_KEY] = getattr(node.config.option, "dist", "no") == "loadgroup"
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,

@@ -232,6 +232,12 @@ _DIST_CONFTEST = '''
 def pytest_sessionstart(session):
     if not hasattr(session.config, "workerinput"):  # the controller
         print("DIST-MODE", session.config.option.dist)
+
+
+def pytest_collection_finish(session):
+    if hasattr(session.config, "workerinput"):  # the ids a worker's scheduler groups by
+        with open(session.config.rootpath / "worker-ids.txt", "a") as f:
+            f.write("\\n".join(item.nodeid for item in session.items) + "\\n")
 '''
 
 
@@ -243,9 +249,15 @@ def test_n_alone_distributes_by_group_and_an_explicit_dist_is_kept(pytester, arg
     ``-n N`` alone gets it (the plugin asks for it), a ``--dist`` given is the user's."""
     pytest.importorskip("xdist")
     pytester.makeconftest(_DIST_CONFTEST)
-    pytester.makepyfile(test_plain="def test_nothing():\n    pass\n")
+    pytester.makepyfile(test_plain="import pytest\n\n"
+                                   "@pytest.mark.xdist_group(name='ranks')\n"
+                                   "def test_grouped():\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s", *args)
     assert _seen(result, "DIST-MODE") == mode
+    ids = (pytester.path / "worker-ids.txt").read_text().split()
+    # a worker groups only when it knows the mode too: the suffix is what the scheduler reads
+    assert ids == (["test_plain.py::test_grouped@ranks"] if mode == "loadgroup" else
+                   ["test_plain.py::test_grouped"]), ids
 
 
 def test_an_explicit_dist_that_splits_spawned_rank_checks_is_warned_about(pytester) -> None:
