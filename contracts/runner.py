@@ -292,18 +292,49 @@ def run_case(info: CheckInfo, spec: PipelineSpec | None, strategy: str | None,
             _run_watched(info, case, spec, strategy, impl)
     except BaseException as exc:
         if kept.changed:
-            exc.add_note(_left_current(kept, impl))
+            exc.add_note(_left_current(kept, case))
         raise
     if kept.changed:
-        raise CheckFailure(_left_current(kept, impl), "trace")
+        raise CheckFailure(_left_current(kept, case), "trace")
 
 
-def _left_current(kept: Any, impl: Implementation) -> str:
+def _pipeline_leaves_current(case: CheckCase) -> bool | None:
+    """Whether one generation of the pipeline resident, with no offloader, leaves another
+    device or stream current (None: the kit cannot tell, no pipeline or the run failed)."""
+    if case.spec is None:
+        return None
+    alone = current_streams_kept()
+    try:
+        with alone:
+            pipeline = case.build_resident()
+            import torch
+
+            with torch.inference_mode():
+                pipeline(**case.inputs())
+    except Exception:  # noqa: BLE001 - then the kit says it could not tell
+        return None
+    return bool(alone.changed)
+
+
+def _left_current(kept: Any, case: CheckCase) -> str:
+    """The failure of a case that left another device or stream current, naming the party at
+    fault by a run of the pipeline with no offloader."""
+    alone = _pipeline_leaves_current(case)
+    offloader = offloader_name(case.impl)
+    if alone:
+        who = ("the pipeline: one generation of it resident, with no offloader, leaves the same "
+               "kind of change (a set_stream or set_device in its own code)")
+    elif alone is False:
+        who = (f"the offloader {offloader}: the pipeline resident, with no offloader, leaves "
+               f"them as they were")
+    else:
+        who = (f"the offloader {offloader} or the pipeline's own code (a run of the pipeline "
+               f"with no offloader could not tell which)")
     return (f"after the case, {'; '.join(kept.changed)}: work launched next (the user's, or the "
-            f"next generation's) would run there. A set_stream or set_device was left "
-            f"unrestored by the offloader {offloader_name(impl)} or the pipeline's own code (use "
-            f"the stream()/device() context managers, or restore what was current). The kit "
-            f"made them current again, so later cases are unaffected")
+            f"next generation's) would run there. at fault: {who}. A set_stream or set_device "
+            f"left unrestored is the usual cause (use the stream()/device() context managers, or "
+            f"restore what was current). The kit made them current again, so later cases are "
+            f"unaffected")
 
 
 def _run_watched(info: CheckInfo, case: CheckCase, spec: PipelineSpec | None,

@@ -354,7 +354,44 @@ def test_a_case_that_leaves_another_stream_current_fails_and_the_next_case_start
         assert r.outcome == "failed", (r.id, r.outcome, r.message)
         assert re.search(r"the current stream of hpu:0 was left at stream \d+ \(it was stream 0\)",
                          r.message), r.message
-        assert "stream_leaving_prefetcher" in r.message, r.message
+        assert ("at fault: the offloader tests.test_kit_streams:stream_leaving_prefetcher" in
+                r.message or "at fault: the offloader test_kit_streams:stream_leaving_prefetcher"
+                in r.message), r.message
+
+
+class _StreamLeavingPipeline(_PlainPipeline):
+    """Makes a stream of its own current in its call and leaves it so."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from offload_ref import execution_device
+
+        device = execution_device(self)
+        if device.type != "cpu":
+            torch.accelerator.set_stream(torch.Stream(device))
+        return super().__call__(x)
+
+
+def build_stream_leaving_pipeline(seed: int = 0) -> _StreamLeavingPipeline:
+    torch.manual_seed(seed)
+    return _StreamLeavingPipeline()
+
+
+STREAM_LEAVING = PipelineSpec(name="stream_leaving",
+                              factory=f"{__name__}:build_stream_leaving_pipeline",
+                              inputs=f"{__name__}:side_stream_inputs", strategies=("layer_wise",))
+
+
+@needs_sanitizer
+def test_a_pipeline_that_leaves_its_own_stream_current_is_the_party_at_fault() -> None:
+    before = _current()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = run_checks([STREAM_LEAVING], checks=[PARITY], strategies=("layer_wise",),
+                             include_global=False)
+    assert _current() == before
+    (r,) = [r for r in results if r.id.check == PARITY]
+    assert r.outcome == "failed", (r.outcome, r.message)
+    assert "at fault: the pipeline: one generation of it resident" in r.message, r.message
 
 
 @needs_sanitizer
