@@ -58,9 +58,10 @@ from typing import Any
 import torch
 
 from offload_ref.platform import _hostmem
+from offload_ref.platform._stream_failures import StreamWorkError, stream_failure
 from offload_ref.platform.base import StreamOrderError, aligned_empty, fill_on_stream
 
-__all__ = ["CpuPlatform"]
+__all__ = ["CpuPlatform", "StreamWorkError"]
 
 # How long close() waits for the worker threads to drain before abandoning their queued work.
 _CLOSE_TIMEOUT_S = 5.0
@@ -103,48 +104,6 @@ def _check_copy_shapes(dst: torch.Tensor, src: torch.Tensor) -> None:
             f"copy_: source of shape {tuple(src.shape)} cannot be copied into a destination of "
             f"shape {tuple(dst.shape)} (not broadcastable to it)"
         )
-
-
-class StreamWorkError(RuntimeError):
-    """Work queued on a CPU stream failed; the stream skips all later work.  Raised as a class
-    that is also the failure's own type where it can be (Note [Stream failures keep their
-    type]), so ``except OffloadScheduleError`` catches a schedule error raised on a stream."""
-
-
-#: failure type -> its StreamWorkError subclass (None: the type cannot be combined)
-_FAILURE_TYPES: dict[type, type | None] = {}
-
-
-def _failure_type(cause: BaseException) -> type:
-    """Note [Stream failures keep their type]: work on a stream's worker thread fails there,
-    and the host learns of it at its next wait, as a fresh error (tracebacks would pile up on
-    one).  That error was a plain RuntimeError with the failure as ``__cause__``, so a caller's
-    ``except OffloadScheduleError`` (the documented type) missed it.  It is now an instance of
-    a class deriving from both :class:`StreamWorkError` and the failure's type, for any
-    ``Exception`` whose type allows it; else a plain :class:`StreamWorkError`."""
-    kind = type(cause)
-    if kind not in _FAILURE_TYPES:
-        combined: type | None = None
-        if isinstance(cause, Exception) and not issubclass(kind, StreamWorkError):
-            try:
-                combined = type(kind.__name__, (StreamWorkError, kind), {
-                    "__init__": BaseException.__init__, "__str__": BaseException.__str__,
-                    "__module__": kind.__module__, "__qualname__": kind.__qualname__})
-            except TypeError:  # incompatible layouts (OSError's fields, say)
-                combined = None
-        _FAILURE_TYPES[kind] = combined
-    return _FAILURE_TYPES[kind] or StreamWorkError
-
-
-def _failure(stream_name: str, cause: BaseException) -> RuntimeError:
-    """A fresh error for a failed stream (fresh each time, so tracebacks do not pile up), of
-    the failure's own type where it can be (Note [Stream failures keep their type])."""
-    error = _failure_type(cause)(
-        f"work queued on CPU stream '{stream_name}' failed with "
-        f"{type(cause).__name__}: {cause}; the stream skips all later work"
-    )
-    error.__cause__ = cause
-    return error
 
 
 class _Flag:
@@ -204,7 +163,7 @@ class _Recording:
         if self.failure is not None:
             if self.worker is not None:
                 self.worker.failure_reported = True  # it surfaced here, loudly
-            raise _failure(*self.failure)
+            raise stream_failure(*self.failure)
 
 
 @dataclass(eq=False)
@@ -415,7 +374,7 @@ class _CpuStream:
             platform._merge_clock(None, snapshot)
         if worker is not None and worker.failure is not None:
             worker.failure_reported = True
-            raise _failure(worker.name, worker.failure)
+            raise stream_failure(worker.name, worker.failure)
 
 
 class _CpuEvent:
@@ -647,7 +606,7 @@ class CpuPlatform:
         for worker in workers:
             if worker.failure is not None and not worker.failure_reported:
                 worker.failure_reported = True
-                raise _failure(worker.name, worker.failure)
+                raise stream_failure(worker.name, worker.failure)
 
     # -- work ---------------------------------------------------------------------------------
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
