@@ -156,10 +156,6 @@ _COPY = {0: "", 1: "h2d", 2: "d2h", 3: "d2d", 4: "h2d_pageable"}
 _KIND = {"o": "op", "w": "wait", "s": "host_wait"}
 
 
-class _Recording(list):  # type: ignore[type-arg]
-    """The ops :func:`recording` kept (filled when its block ends)."""
-
-
 @contextlib.contextmanager
 def recording() -> Iterator[list[Op]]:
     """Keep the simulated accelerator's record of ops, waits and host waits made inside the
@@ -171,7 +167,7 @@ def recording() -> Iterator[list[Op]]:
         raise RuntimeError(f"a modeled timeline needs offload-ref's simulated accelerator, which "
                            f"is unavailable here: {simulated.unavailable_reason()}")
     ext = simulated.load()
-    out: list[Op] = _Recording()
+    out: list[Op] = []  # filled when the block ends
     with simulated.stream_checking(True):
         ext.trace(True)
         try:
