@@ -147,6 +147,7 @@ def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: i
         inputs = make_inputs(0, config)
         results: dict[str, Any] = {
             "machine": {"platform": platform.name, "cpus": os.cpu_count(),
+                        "streams_overlap": not _serial_streams(platform),
                         "torch_threads": threads, "torch": torch.__version__,
                         "python": pyplatform.python_version(),
                         "parallel_speedup_2_threads": round(_parallel_speedup(), 3)},
@@ -311,6 +312,15 @@ def _copy_all(backend: LayerWiseOffloadBackend, platform: Any) -> None:
                     platform.copy_(flat, group.master.flats[dtype])
 
 
+def _serial_streams(platform: Any) -> bool:
+    """Whether ``platform``'s device runs its streams one after another (the simulated
+    accelerator's do), so no copy can overlap compute there."""
+    from .platform import simulated
+
+    device = getattr(platform, "device", None)
+    return device is not None and torch.device(device).type == simulated.DEVICE_TYPE
+
+
 def format_table(results: dict[str, Any]) -> str:
     cfg = results["config"]
     lines = [
@@ -330,6 +340,12 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(f"{name:<18} {r['generation_s'] * 1e3:14.2f} {step} "
                      f"{r['h2d_bytes_per_generation'] / 2**20:12.1f} {peak_s}")
     lw = results["layerwise"]
+    if not results["machine"].get("streams_overlap", True):
+        lines.append(
+            "note: this device's streams do not overlap (the simulated accelerator runs every "
+            "stream's work in order on the host), so the overlap ratios below cannot show what "
+            "prefetch buys, and its cost here is not overhead on a GPU; `offload-ref bench "
+            "--model NAME` models it (docs/benchmarks.md, Modeled timeline)")
     lines += [
         f"copy-only step: {lw['copy_only_step_s'] * 1e3:.2f} ms ({lw['copy_gbps']:.2f} GB/s)",
         f"overlap ratio (layerwise / max(resident, copy-only)): {lw['overlap_ratio']:.3f}  "
@@ -447,7 +463,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_bench_model(args: argparse.Namespace) -> int:
     """``bench --model``: Note [Modeled timeline] in offload_ref/timeline.py."""
-    from .bench_model import format_model_bench, run_model_bench
+    from .bench_model import (RESIDENCY_SIZES, format_model_bench, format_residency_bench,
+                              run_model_bench, run_residency_bench)
     from .timeline import model_named
 
     try:
@@ -483,12 +500,20 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
               f"order, and it is unavailable here: {simulated.unavailable_reason()}",
               file=sys.stderr)
         return 1
+    device = args.device or simulated.device(0)
     try:
-        results = run_model_bench(model, device=args.device or simulated.device(0), **sizes)
+        results = run_model_bench(model, device=device, **sizes)
     except ValueError as exc:
         print(f"offload-ref bench: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(results, indent=2) if args.json else format_model_bench(results))
+    # Residency against deeper prefetch at equal device bytes, at its own copy-bound size.
+    results["residency"] = run_residency_bench(model, device=device, **RESIDENCY_SIZES)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(format_model_bench(results))
+        print()
+        print(format_residency_bench(results["residency"]))
     return 0
 
 

@@ -24,8 +24,9 @@ from .config import OffloadConfig, OffloadStrategy
 from .platform import get_platform
 from .timeline import DeviceModel, recording, replay
 
-__all__ = ["MODEL_ROWS", "calibrate", "format_calibration", "format_model_bench", "measure_rows",
-           "run_calibration", "run_model_bench"]
+__all__ = ["MODEL_ROWS", "RESIDENCY_SIZES", "calibrate", "format_calibration",
+           "format_model_bench", "format_residency_bench", "measure_rows", "run_calibration",
+           "run_model_bench", "run_residency_bench"]
 
 #: The rows of ``bench --model``, in order (a peer's row is skipped, with why, where its
 #: package is missing).
@@ -43,10 +44,14 @@ def _offloader(name: str, device: torch.device) -> Callable[[Any], Any]:
             move_to_device(pipe, device)
         return resident
     if name.startswith("offload_ref_layerwise"):
+        head, depth = _shape_of(name)
+
         def ours(pipe: Any) -> Any:
             backend = LayerWiseOffloadBackend(
                 OffloadConfig(strategy=OffloadStrategy.LAYER_WISE), get_platform(device),
-                prefetch=not name.endswith("no_prefetch"))
+                prefetch=not name.endswith("no_prefetch"), prefetch_depth=depth)
+            if head:
+                backend.resident_heads = {"transformer": head}
             backend.enable(pipe)
             return backend
         return ours
@@ -58,6 +63,17 @@ def _offloader(name: str, device: torch.device) -> Callable[[Any], Any]:
         offloader.enable(pipe)
         return offloader
     return peer
+
+
+def _shape_of(name: str) -> tuple[int, int]:
+    """(resident head, prefetch depth) of an offload-ref row: ``offload_ref_layerwise_headN``
+    keeps N leading blocks resident, ``offload_ref_layerwise_depthN`` copies N blocks ahead."""
+    for key in ("head", "depth"):
+        tail = name.rpartition("_")[2]
+        if tail.startswith(key) and tail[len(key):].isdigit():
+            n = int(tail[len(key):])
+            return (n, 1) if key == "head" else (0, n)
+    return 0, 1
 
 
 def _missing(name: str) -> str | None:
@@ -108,6 +124,7 @@ def run_model_bench(model: DeviceModel, *, hidden: int = 128, blocks: int = 8,
                 continue
             pipe = build_pipeline(0, config)
             handle = _offloader(name, dev)(pipe)
+            device_bytes = None
             try:
                 with torch.inference_mode():
                     for _ in range(2):
@@ -117,6 +134,8 @@ def run_model_bench(model: DeviceModel, *, hidden: int = 128, blocks: int = 8,
                         result = pipe.transformer(x, t, context)
                         torch.accelerator.synchronize(dev)
                 result = result.cpu()
+                if isinstance(handle, LayerWiseOffloadBackend):
+                    device_bytes = handle.stats().peak_device_bytes
             finally:
                 if handle is not None:
                     handle.disable()
@@ -127,6 +146,7 @@ def run_model_bench(model: DeviceModel, *, hidden: int = 128, blocks: int = 8,
                 **line.as_dict(),
                 "serial_s": line.compute_s + line.h2d_s + line.d2h_s,
                 "stall_per_block_us": line.stall_s / blocks * 1e6,
+                "peak_device_bytes": device_bytes,
                 "bitwise_equal_to_resident": bool(torch.equal(result, reference)),
             }
     finally:
@@ -142,6 +162,53 @@ def run_model_bench(model: DeviceModel, *, hidden: int = 128, blocks: int = 8,
                    "copies with nothing overlapped; launch = ops x launch cost, the host's floor "
                    "(a row whose launch exceeds its bound is launch-bound)")
     return out
+
+
+#: ``bench --model``'s second table: a copy-bound size (8 MiB blocks, compute about half a
+#: block's copy on the shipped models) where the use of spare device bytes decides the step.
+RESIDENCY_SIZES = {"hidden": 512, "blocks": 8, "tokens": 1024}
+
+
+def run_residency_bench(model: DeviceModel, *, hidden: int = 512, blocks: int = 8,
+                        tokens: int = 1024, extra: tuple[int, ...] = (1, 2, 3),
+                        device: str | torch.device = "hpu:0") -> dict[str, Any]:
+    """Residency against deeper prefetch at equal device bytes (issue 35, item 5): for each
+    ``e`` in ``extra`` spare blocks of device memory beyond layerwise's two slots, offload-ref
+    layerwise with a resident head of ``e`` blocks (depth 1) beside prefetch depth ``e + 1``
+    (no head), each modeled on ``model``; with plain layerwise and prefetch off for scale."""
+    rows = ("resident", "offload_ref_layerwise", "offload_ref_layerwise_no_prefetch",
+            *(f"offload_ref_layerwise_head{e}" for e in extra),
+            *(f"offload_ref_layerwise_depth{e + 1}" for e in extra))
+    out = run_model_bench(model, hidden=hidden, blocks=blocks, tokens=tokens, device=device,
+                          rows=rows)
+    r = out["rows"]
+    out["pairs"] = [{
+        "spare_blocks": e,
+        "head_device_bytes": r[f"offload_ref_layerwise_head{e}"]["peak_device_bytes"],
+        "depth_device_bytes": r[f"offload_ref_layerwise_depth{e + 1}"]["peak_device_bytes"],
+        "head_step_s": r[f"offload_ref_layerwise_head{e}"]["total_s"],
+        "depth_step_s": r[f"offload_ref_layerwise_depth{e + 1}"]["total_s"],
+        "head_over_depth": round(r[f"offload_ref_layerwise_head{e}"]["total_s"]
+                                 / r[f"offload_ref_layerwise_depth{e + 1}"]["total_s"], 4),
+    } for e in extra]
+    return out
+
+
+def format_residency_bench(r: dict[str, Any]) -> str:
+    c = r["config"]
+    lines = [
+        f"At equal device bytes, on {r['model']['name']} (hidden {c['hidden']}, {c['blocks']} "
+        f"blocks of {c['block_bytes'] / 2**20:.2f} MiB, {c['tokens']} tokens; compute / copy "
+        f"per block {r['compute_over_copy_per_block']}): spare blocks kept resident (head) "
+        "against spent on deeper prefetch (depth)",
+        f"{'spare':>5} {'head MiB':>9} {'depth MiB':>9} {'head us':>9} {'depth us':>9} "
+        f"{'head/depth':>10}",
+    ]
+    for p in r["pairs"]:
+        lines.append(f"{p['spare_blocks']:>5} {p['head_device_bytes'] / 2**20:>9.2f} "
+                     f"{p['depth_device_bytes'] / 2**20:>9.2f} {p['head_step_s'] * 1e6:>9.1f} "
+                     f"{p['depth_step_s'] * 1e6:>9.1f} {p['head_over_depth']:>10.3f}")
+    return "\n".join(lines)
 
 
 def format_model_bench(r: dict[str, Any]) -> str:

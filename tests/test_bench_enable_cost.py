@@ -48,6 +48,19 @@ def test_table_prints_both_ratios() -> None:
         "enable": enable,
     }
     table = format_table(results)
+    assert "do not overlap" not in table
+    results["machine"]["streams_overlap"] = False
+    assert "streams do not overlap" in format_table(results)
+    results["machine"]["streams_overlap"] = True
     assert ("enable model_level: 30.0 ms for 64.0 MiB of host masters = 3.0 x one memcpy of "
             "those bytes (10.0 ms), 0.50 x one copy into fresh memory (60.0 ms); the floor (Note "
             "[Enable floor]) is 20.0 ms = 2.00 x one memcpy, and enable is 1.50 x the floor") in table
+
+
+def test_a_device_whose_streams_do_not_overlap_is_named_so() -> None:
+    from offload_ref.bench import _bench_platform, _serial_streams
+    from offload_ref.platform import simulated
+
+    assert not _serial_streams(_bench_platform("cpu"))
+    if simulated.available():
+        assert _serial_streams(_bench_platform("hpu:0"))

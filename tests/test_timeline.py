@@ -138,6 +138,7 @@ def test_the_cli_refuses_an_unknown_model_and_prints_the_table() -> None:
     assert ok.returncode == 0, ok.stderr
     assert "offload_ref_layerwise" in ok.stdout and "x bound" in ok.stdout
     assert "do not overlap" in ok.stdout  # the simulated streams are not timed
+    assert "At equal device bytes" in ok.stdout and "head/depth" in ok.stdout
 
 
 @needs_sim
@@ -160,3 +161,45 @@ def test_calibrate_measures_the_device_and_sets_modeled_beside_measured(capsys) 
     assert all(m["measured_s"] > 0 and m["bitwise_equal_to_resident"]
                for m in r["measured"].values()), r["measured"]
     assert "streams run one after another" in r["note"]  # the simulated device is serial
+
+
+@needs_sim
+def test_at_equal_device_bytes_residency_beats_deeper_prefetch_when_copies_dominate() -> None:
+    from offload_ref.bench_model import run_residency_bench
+
+    kwargs = dict(hidden=256, blocks=6, tokens=512, extra=(1, 2))
+    first = run_residency_bench(MODELS["h100-pcie"], **kwargs)
+    second = run_residency_bench(MODELS["h100-pcie"], **kwargs)
+    assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+    assert first["compute_over_copy_per_block"] < 1, first  # copy-bound: the case in question
+    r = first["rows"]
+    assert all(row["bitwise_equal_to_resident"] for row in r.values()), r
+    for pair in first["pairs"]:
+        # Equal device bytes: a head block is one slot's worth (every block is the same size).
+        assert pair["head_device_bytes"] == pair["depth_device_bytes"], pair
+        assert pair["head_over_depth"] < 0.95, pair
+    # A deeper ring streams every block: it cannot beat the bandwidth bound of depth 1.
+    one = r["offload_ref_layerwise"]
+    for e in (1, 2):
+        deep = r[f"offload_ref_layerwise_depth{e + 1}"]
+        assert deep["h2d_bytes"] == one["h2d_bytes"]
+        assert deep["peak_device_bytes"] > one["peak_device_bytes"]
+        assert deep["total_s"] >= one["bound_s"]
+    # Prefetch never costs more than it saves.
+    assert one["total_s"] <= r["offload_ref_layerwise_no_prefetch"]["total_s"]
+
+
+@needs_sim
+@pytest.mark.parametrize("model,hidden,tokens", [("h100-pcie", 512, 2560), ("h200", 256, 4096),
+                                                  ("rtx-4090", 256, 4096)])
+def test_layerwise_stays_within_five_percent_of_the_bound_when_compute_exceeds_the_copy(
+        model, hidden, tokens) -> None:
+    from offload_ref.bench_model import run_model_bench
+
+    rows = ("resident", "offload_ref_layerwise", "offload_ref_layerwise_no_prefetch")
+    out = run_model_bench(MODELS[model], hidden=hidden, blocks=8, tokens=tokens, rows=rows)
+    assert out["compute_over_copy_per_block"] >= 1.2, out
+    r = out["rows"]
+    assert r["offload_ref_layerwise"]["ratio"] <= 1.05, r["offload_ref_layerwise"]
+    assert r["offload_ref_layerwise"]["total_s"] <= r["offload_ref_layerwise_no_prefetch"][
+        "total_s"]

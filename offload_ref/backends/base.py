@@ -89,6 +89,8 @@ class OffloadBackend:
         #: Plain layerwise: DiT path -> resident head, replacing the model's
         #: ``OffloadPlan.layerwise_resident_layers`` (None: the declaration; auto sets its choice).
         self.resident_heads: dict[str, int] | None = None
+        #: Plain layerwise: blocks each ring copies ahead (Note [Prefetch depth] in ring.py).
+        self.prefetch_depth = 1
         self.last_steps: list[str] = []
         self._pipeline: Callable[[], Any] | None = None  # a weak reference where possible
         self._stats = OffloadStats()
@@ -321,7 +323,8 @@ class OffloadBackend:
     def resolve(self, pipeline: Any) -> ResolvedOffloadPlan:
         """The plan ``enable`` applies (pure: Note [Resolution is pure] in plan.py)."""
         return resolve_offload_plan(pipeline, self.config, alignment=self.platform.alignment,
-                                    resident_heads=self.resident_heads)
+                                    resident_heads=self.resident_heads,
+                                    prefetch_depth=self.prefetch_depth)
 
     def install(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         """Apply ``plan`` to ``pipeline`` (``enable``'s work), recording every mutation in

@@ -514,7 +514,9 @@ class LayerWiseOffloadBackend(OffloadBackend):
     ``mode="layer"`` with rank-local transfer.
 
     ``prefetch=False`` is a debug switch: every block is loaded synchronously when it runs (the
-    serial baseline that overlap measurements compare against).
+    serial baseline that overlap measurements compare against).  ``prefetch_depth`` (default 1):
+    blocks each ring copies ahead of the running one, one device slot each (Note [Prefetch
+    depth] in ring.py); the plan predicts the extra slots.
 
     Seams (a subclass may override), besides :class:`~offload_ref.backends.base.OffloadBackend`'s
     (``resolve``, ``install``, ``uninstall``, ``after_guard``, ``offloaded_tensors``,
@@ -529,9 +531,11 @@ class LayerWiseOffloadBackend(OffloadBackend):
     hook_name = "offload_ref.layerwise"
     ring_class: type[BlockRing] = BlockRing
 
-    def __init__(self, config, platform, *, prefetch: bool = True) -> None:
+    def __init__(self, config, platform, *, prefetch: bool = True,
+                 prefetch_depth: int = 1) -> None:
         super().__init__(config, platform)
         self.prefetch = prefetch
+        self.prefetch_depth = prefetch_depth
         self.rings: list[BlockRing] = []
         self._resident: ComponentSwapper | None = None
         self._copy_stream: Any = None

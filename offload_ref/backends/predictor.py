@@ -62,6 +62,22 @@ class CallOrderPredictor:
             return h[m + 2]
         return (q + 1) % self.n
 
+    def ahead(self, q: int, depth: int) -> list[int]:
+        """The ``depth`` blocks expected from ``q`` on, when ``q`` is the one predicted next
+        (``q`` first): the matched history continued, as the order it repeats (period: the
+        distance from the match to the last call), or k + 1 (wrap-around) with no match (Note
+        [Prefetch depth] in ring.py)."""
+        m, h = self._match, self.history
+        if m is None or m + 1 >= len(h) or h[m + 1] != q:
+            return [(q + i) % self.n for i in range(depth)]
+        period = len(h) - 1 - m
+        out = []
+        for i in range(m + 1, m + 1 + depth):
+            while i >= len(h):
+                i -= period
+            out.append(h[i])
+        return out
+
     def repair(self) -> None:
         """Rebuild the derived state from the history, after an ``observe`` or a trim that was
         interrupted between two statements (Note [Interrupted blocks] in ring.py)."""

@@ -1,5 +1,6 @@
 """The block ring: the transformer blocks of one ring of the plan
-(:class:`~offload_ref.plan.RingPlan`) streamed through two fixed device slots.
+(:class:`~offload_ref.plan.RingPlan`) streamed through fixed device slots: two, or more under
+Note [Prefetch depth].
 
 Note [The ring]
     A :class:`BlockRing` owns its blocks' groups, two device slots (:class:`Slot`, each with its
@@ -30,8 +31,8 @@ Note [Slot layout]
     (Note [Host master layout]) with each segment in an aligned region (Note [Aligned layout]),
     so every dtype section is a multiple of the platform's alignment; inside the slab the
     sections follow one another from offset 0, so each one starts aligned and every tensor bound
-    to a slot keeps its alignment phase.  The device bytes of a ring are exactly 2 x its largest
-    *aligned* block.  (Separate per-dtype slots sized by per-dtype maxima would exceed that bound
+    to a slot keeps its alignment phase.  The device bytes of a ring are exactly its number of
+    slots (2 unless Note [Prefetch depth]) x its largest *aligned* block.  (Separate per-dtype slots sized by per-dtype maxima would exceed that bound
     for rings whose blocks mix dtypes unevenly.)  Of a slot, the largest block's weight bytes
     count as device weight bytes and the rest as device padding.
 
@@ -66,8 +67,6 @@ from .transaction import Transaction
 from .transports import RankLocalTransport, Transport
 
 __all__ = ["BlockRing"]
-
-_NUM_SLOTS = 2
 
 
 class _Placeholders:
@@ -117,6 +116,8 @@ class BlockRing:
         self.slot_bytes = 0  # the largest aligned block (Note [Slot layout])
         self.slot_weight_bytes = 0  # the largest block's weight bytes
         self.slots: list[Slot] = []  # Note [Slots] (slots.py)
+        self.num_slots = stack.slots  # two, or one more per extra block of Note [Prefetch depth]
+        self._depth = stack.prefetch_depth
         n = len(self.blocks)
         self.order = CallOrderPredictor(n)
         self.slot_of: list[int | None] = [None] * n  # block -> the index of its slot
@@ -158,15 +159,15 @@ class BlockRing:
             self.sections.append(sections)
             self.slot_bytes = max(self.slot_bytes, self.transport.slot_bytes(image_bytes))
             self.slot_weight_bytes = max(self.slot_weight_bytes, group.weight_bytes)
-        for _ in range(_NUM_SLOTS):
+        for _ in range(self.num_slots):
             self.slots.append(self.new_slot(txn))
         self.build_views()
-        self.stats.hold_device(_NUM_SLOTS * self.slot_weight_bytes,
-                               _NUM_SLOTS * (self.slot_bytes - self.slot_weight_bytes))
+        self.stats.hold_device(self.num_slots * self.slot_weight_bytes,
+                               self.num_slots * (self.slot_bytes - self.slot_weight_bytes))
 
     def new_slot(self, txn: Transaction) -> Slot:
         """A slot of :attr:`slot_bytes` device bytes with fresh events; :meth:`prepare` makes
-        two and then builds every slot's views."""
+        :attr:`num_slots` and then builds every slot's views."""
         s = len(self.slots)
         storage = txn.device_empty(f"{self.label} slot {s}", self.slot_bytes, torch.uint8)
         return Slot(s, storage, self.platform.Event(), self.platform.Event(),
@@ -319,6 +320,11 @@ class BlockRing:
             self.wait_ready(s)
         busy = {self.slot_of[r] for r, _ in running} if running else ()
         running.append((k, frame if frame is not None else call_frame()))
+        if self._depth != 1:
+            if self.prefetch_enabled:
+                self._prefetch_ahead(k, s, q, busy)
+            self._dirty = False
+            return
         t = 1 - s
         if self.prefetch_enabled and t not in busy:
             if q != k and self.slot_of[q] is None:
@@ -328,6 +334,49 @@ class BlockRing:
                 for tensor, v in zip(self.groups[q].tensors, self.slots[t].views[q]):
                     set_data(tensor, v)
         self._dirty = False
+
+    # Note [Prefetch depth]
+    #     With ``prefetch_depth`` d (plain layerwise; ``RingPlan.prefetch_depth``) a ring has d + 1
+    #     slots and block k's pre-hook makes sure the d blocks predicted after k (the predictor's
+    #     continuation of the observed order, ``CallOrderPredictor.ahead``) are in slots or on
+    #     their way: each one that is not gets a slot no running block uses, an empty one first,
+    #     else one whose block is not among those d.  In a repeating order that is one copy per
+    #     block, issued d blocks ahead, and between passes blocks 0..d-1 stay materialized.  It
+    #     spends d - 1 more slots of device bytes than depth 1; it can hide a copy that is
+    #     longer than one block's compute only if later blocks compute for longer than they
+    #     copy, so at equal device bytes a resident head (fewer bytes streamed per step) is the
+    #     better use when copies dominate (``offload-ref bench --model`` compares the two).
+    #     Depth 1 keeps the two-slot code path of Note [Fast path], and is what contract §F.2
+    #     describes (at most two blocks materialized); a deeper ring departs from it by design,
+    #     so it is opt-in and the kit checks depth 1.
+
+    def _prefetch_ahead(self, k: int, s: int, q: int, busy: Any) -> None:
+        wanted: set[int] = set()
+        for p in self.order.ahead(q, self._depth):
+            if p == k or p in wanted:
+                break
+            wanted.add(p)
+            if self.slot_of[p] is not None:
+                continue
+            t = self._prefetch_slot(s, busy, wanted)
+            if t is None:
+                break
+            if self.slots[t].occupant is not None:
+                self.evict(t)
+            self._issue_copy(p, t)
+            for tensor, v in zip(self.groups[p].tensors, self.slots[t].views[p]):
+                set_data(tensor, v)
+
+    def _prefetch_slot(self, s: int, busy: Any, wanted: set[int]) -> int | None:
+        spare = None
+        for t, slot in enumerate(self.slots):
+            if t == s or t in busy:
+                continue
+            if slot.occupant is None:
+                return t
+            if spare is None and slot.occupant not in wanted:
+                spare = t
+        return spare
 
     # Note [Fast path]
     #     Per-block host overhead is Python calls, so the steady state of a block's hooks (in
@@ -472,7 +521,7 @@ class BlockRing:
         live_blocks = {r for r, _ in live}
         keep = {self.slot_of[r] for r in live_blocks}
         compute = platform.current_stream()
-        for s in range(_NUM_SLOTS):
+        for s in range(self.num_slots):
             if s in keep:
                 continue
             # After every write issued into the slot, on each stream its fills write it on
@@ -488,7 +537,7 @@ class BlockRing:
             if b not in live_blocks:
                 self.slot_of[b] = None
                 self._rebind(b, self._placeholder_views(b))
-        for s in range(_NUM_SLOTS):
+        for s in range(self.num_slots):
             if s not in keep:
                 self.slots[s].occupant = None
         self._running = live
@@ -503,12 +552,13 @@ class BlockRing:
 
     def _recovery_slot(self, k: int) -> int:
         busy = {self.slot_of[r] for r, _ in self._running}
-        free = [s for s in range(_NUM_SLOTS) if s not in busy]
+        free = [s for s in range(self.num_slots) if s not in busy]
         if not free:
+            n = self.num_slots
             raise RuntimeError(
-                f"{self.label}: block {self.block_paths[k]} is called while two blocks of its ring "
-                f"are already running ({[self.block_paths[r] for r in self.running]}); a ring "
-                "streams through two slots, so blocks may nest at most one deep"
+                f"{self.label}: block {self.block_paths[k]} is called while {n} blocks of its "
+                f"ring are already running ({[self.block_paths[r] for r in self.running]}); a "
+                f"ring streams through {n} slots, so blocks may nest at most {n - 1} deep"
             )
         for s in free:
             if self.slots[s].occupant is None:

@@ -89,20 +89,30 @@ __all__ = [
 
 def resolve_offload_plan(pipeline: Any, config: OffloadConfig, *,
                          alignment: int = ALLOCATOR_ALIGNMENT,
-                         resident_heads: Mapping[str, int] | None = None) -> ResolvedOffloadPlan:
+                         resident_heads: Mapping[str, int] | None = None,
+                         prefetch_depth: int = 1) -> ResolvedOffloadPlan:
     """Resolve ``pipeline``'s topology for ``config``.  Pure; see Note [Resolution is pure].
 
     ``alignment`` is the platform's (``Platform.alignment``: 64 bytes on CPU, 256 on CUDA); it
     only enters the predicted peak device bytes (Note [Aligned layout] in host.py).
     ``resident_heads`` (plain layerwise only; DiT path -> leading blocks kept on the device)
     replaces the model's ``OffloadPlan.layerwise_resident_layers``: auto mode passes the head it
-    chose (a DiT it does not name keeps no head)."""
+    chose (a DiT it does not name keeps no head).  ``prefetch_depth`` (plain layerwise only):
+    blocks each ring copies ahead of the running one, so each ring has ``prefetch_depth + 1``
+    slots (Note [Prefetch depth] in backends/ring.py)."""
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
     if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two (bytes), got {alignment!r}")
+    if type(prefetch_depth) is not int or prefetch_depth < 1:
+        raise ValueError(f"prefetch_depth must be an int >= 1, got {prefetch_depth!r}")
+    if prefetch_depth != 1 and config.strategy is not OffloadStrategy.LAYER_WISE:
+        raise ValueError(
+            f"prefetch_depth={prefetch_depth} applies to strategy 'layer_wise' only (the "
+            f"distributed rings keep two slots per rank: Note [Collective safety]); got strategy "
+            f"{config.strategy.value!r}: leave prefetch_depth at 1")
     if config.strategy is OffloadStrategy.AUTO:
         return _resolve_auto(pipeline, config, alignment)
     if resident_heads is not None:
         resident_heads = _head_map(resident_heads)
-    return Resolver(pipeline, config, alignment, resident_heads).resolve()
+    return Resolver(pipeline, config, alignment, resident_heads, prefetch_depth).resolve()

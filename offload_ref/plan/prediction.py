@@ -55,7 +55,7 @@ def predict_device_bytes(plan: ResolvedOffloadPlan) -> int:
     streamed = _span_bytes([t for blocks in block_tensors for ts in blocks for t in ts
                             if id(t) in held_ids], a)
     return (plan.other_state_bytes + _span_bytes(held, a) - streamed
-            + sum(2 * _slot_bytes(max(sizes), s.transfer, plan.world_size, a)
+            + sum(s.slots * _slot_bytes(max(sizes), s.transfer, plan.world_size, a)
                   for s, sizes in zip(rings, per_block)))
 
 

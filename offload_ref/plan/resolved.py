@@ -62,6 +62,14 @@ class RingPlan:
     #: Block tensors also used outside their block (another block, another component): kept
     #: resident once instead of streamed with two masters.
     shared: tuple[str, ...] = ()
+    #: Blocks copied ahead of the running one (plain layerwise's ``prefetch_depth``): the ring
+    #: has ``prefetch_depth + 1`` slots (Note [Prefetch depth] in backends/ring.py).
+    prefetch_depth: int = 1
+
+    @property
+    def slots(self) -> int:
+        """Device slots of the ring: the running block's and one per block fetched ahead."""
+        return self.prefetch_depth + 1
 
     @property
     def streamed_blocks(self) -> tuple[nn.Module, ...]:
@@ -69,7 +77,8 @@ class RingPlan:
 
     def _key(self) -> tuple:
         return (self.owner_path, self.container_paths, tuple(map(id, self.blocks)),
-                self.block_paths, self.resident_head, self.transfer, self.aliases, self.shared)
+                self.block_paths, self.resident_head, self.transfer, self.aliases, self.shared,
+                self.prefetch_depth)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RingPlan) and self._key() == other._key()
@@ -246,6 +255,7 @@ class ResolvedOffloadPlan:
                     f"    ring {'+'.join(s.container_paths)}: {len(s.blocks)} blocks, largest "
                     f"{max(sizes)} bytes, resident head {s.resident_head}, transfer "
                     f"{s.transfer.value}"
+                    + (f", prefetch depth {s.prefetch_depth}" if s.prefetch_depth != 1 else "")
                 )
                 for a in s.aliases:
                     lines.append(f"      alias {a.path} -> {a.tensor_path}")

@@ -60,8 +60,10 @@ class Resolver:
 
     def __init__(self, pipeline: Any, config: OffloadConfig,
                  alignment: int = ALLOCATOR_ALIGNMENT,
-                 resident_heads: Mapping[str, int] | None = None) -> None:
+                 resident_heads: Mapping[str, int] | None = None,
+                 prefetch_depth: int = 1) -> None:
         self.pipeline = pipeline
+        self.prefetch_depth = prefetch_depth
         self.config = config
         self.alignment = alignment
         self.cls_name = type(pipeline).__name__
@@ -527,7 +529,7 @@ class Resolver:
     def _stack(self, owner_path, owner, container_paths, blocks, block_paths, head, transfer):
         aliases = _ring_aliases(owner_path, owner, blocks, block_paths)
         return RingPlan(owner_path, tuple(container_paths), tuple(blocks), tuple(block_paths),
-                        head, transfer, aliases)
+                        head, transfer, aliases, prefetch_depth=self.prefetch_depth)
 
     # -- declarations and nesting --------------------------------------------------------------
 
