@@ -49,7 +49,10 @@ from torch import nn
 # module, and importing the backends inside a load would count as that load's anonymous memory.
 from .hooks import HOOKS_ATTR, PIPELINE_ATTR
 
-__all__ = ["LoadReport", "anonymous_rss_bytes", "is_file_backed", "load_safetensors"]
+__all__ = ["LoadReport", "MappedFileChangedError", "MappedUse", "anonymous_rss_bytes",
+           "any_file_backed",
+           "changed_mapped_files", "is_file_backed", "load_safetensors", "mapped_files",
+           "verify_mapped_files"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -60,10 +63,32 @@ _PROC_MAPS = "/proc/self/maps"
 # -- is this tensor file-backed? ---------------------------------------------------------------
 
 
+class _File:
+    """One file as :func:`load_safetensors` mapped it: a descriptor of the mapped inode (kept
+    open while any of its mapped storages lives) and its size and modification time then (Note
+    [Changed files])."""
+
+    __slots__ = ("path", "fd", "size", "mtime_ns", "__weakref__")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        st = os.fstat(self.fd)
+        self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
+
+    def __del__(self) -> None:
+        try:
+            os.close(self.fd)
+        except (OSError, AttributeError, TypeError):  # closed already, or at interpreter exit
+            pass
+
+
 @dataclass(frozen=True)
 class _Mapped:
     storage: weakref.ref  # the mapped UntypedStorage; dead once the mapping is released
     path: str
+    file: _File | None = None  # None: the file could not be opened again after mapping
+    offset: int | None = None  # the file offset of the storage's first byte (None: unknown)
 
 
 # (storage data_ptr, id(storage)) -> _Mapped.  torch keeps one Python object per live storage
@@ -73,7 +98,8 @@ class _Mapped:
 _MAPPED: dict[tuple[int, int], _Mapped] = {}
 
 
-def _register(storage: torch.UntypedStorage, path: str) -> tuple[int, int]:
+def _register(storage: torch.UntypedStorage, path: str, file: _File | None = None,
+              offset: int | None = None) -> tuple[int, int]:
     key = (storage.data_ptr(), id(storage))
     holder: list[_Mapped] = []
 
@@ -81,7 +107,7 @@ def _register(storage: torch.UntypedStorage, path: str) -> tuple[int, int]:
         if holder and _MAPPED.get(key) is holder[0]:
             _MAPPED.pop(key, None)
 
-    entry = _Mapped(weakref.ref(storage, _drop), path)
+    entry = _Mapped(weakref.ref(storage, _drop), path, file, offset)
     holder.append(entry)
     _MAPPED[key] = entry
     return key
@@ -110,6 +136,116 @@ def is_file_backed(t: torch.Tensor) -> bool:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"is_file_backed expects a torch.Tensor, got {type(t).__name__}")
     return _mapped_entry(t) is not None
+
+
+# -- has a mapped file changed? (Note [Changed files]) -------------------------------------------
+
+# Note [Changed files]
+#     A loaded tensor reads its file's pages, so the file must stay as it was loaded.  Truncated in
+#     place, a page past the new end kills the process with SIGBUS when touched; overwritten in
+#     place, the weights silently become the new bytes.  Each load keeps a descriptor of every
+#     file it mapped (the inode itself, so a file replaced by renaming a new one over its path,
+#     the safe way, is not mistaken for a change) with its size and mtime.  Before a step reads
+#     file pages (``enable()`` of every backend; each fill of a block served from file pages under
+#     layerwise, and the staging look-ahead) ``verify_mapped_files`` fstats each file involved and
+#     refuses with :class:`MappedFileChangedError` if its size or mtime changed, naming the file
+#     and, for a truncation, the first tensor no longer covered.  ``disable()`` that leaves
+#     tensors bound to a changed file warns.  Not detected: a change inside the window between
+#     the check and the copy that reads the pages (a fill is checked when it is issued; on a
+#     platform whose copies run later, the window is that delay), and a change that restores the
+#     size and the mtime (a writer that sets the mtime back on purpose).  One fstat per file per
+#     check, so a fill costs about a microsecond more.
+
+
+def any_file_backed() -> bool:
+    """Whether any storage :func:`load_safetensors` mapped is alive (a cheap guard for the
+    checks of Note [Changed files])."""
+    return bool(_MAPPED)
+
+
+class MappedFileChangedError(RuntimeError):
+    """A file that :func:`load_safetensors` mapped was truncated or overwritten in place after
+    loading (Note [Changed files]); ``path`` names it."""
+
+    def __init__(self, message: str, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+@dataclass(frozen=True)
+class MappedUse:
+    """One mapped file and the byte ranges of it some tensors read: (name, first byte, end)."""
+
+    file: _File
+    ranges: tuple[tuple[str, int, int], ...]
+
+
+def mapped_files(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[MappedUse, ...]:
+    """The files ``named``'s file-backed tensors read, with each tensor's byte range in its file
+    (for :func:`verify_mapped_files`; computed once, checked per step)."""
+    if not _MAPPED:
+        return ()
+    uses: dict[int, tuple[_File, list[tuple[str, int, int]]]] = {}
+    for name, t in named:
+        entry = _mapped_entry(t) if isinstance(t, torch.Tensor) and t.numel() else None
+        if entry is None or entry.file is None:
+            continue
+        if entry.offset is None:
+            lo, hi = 0, 0  # unknown place in the file: checked for any change only
+        else:
+            start = t.data_ptr() - t.untyped_storage().data_ptr()
+            lo = entry.offset + start
+            hi = lo + _extent_bytes(t)
+        uses.setdefault(id(entry.file), (entry.file, []))[1].append((name, lo, hi))
+    return tuple(MappedUse(f, tuple(sorted(r, key=lambda x: (x[1], x[0]))))
+                 for f, r in uses.values())
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last (any strides)."""
+    if not t.numel():
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n)) * t.element_size()
+
+
+def verify_mapped_files(uses: Sequence[MappedUse], doing: str) -> None:
+    """Raise :class:`MappedFileChangedError` if a file of ``uses`` changed size or mtime since it
+    was loaded (Note [Changed files]); ``doing`` names the step refused, for the message."""
+    for use in uses:
+        problem = _changed(use)
+        if problem is not None:
+            raise MappedFileChangedError(f"{problem}; {doing} was refused before reading it. "
+                                         f"{_FIX}", use.file.path)
+
+
+def changed_mapped_files(uses: Sequence[MappedUse]) -> list[str]:
+    """What changed of each file of ``uses`` (empty: nothing), as :func:`verify_mapped_files`
+    would say it."""
+    return [p for p in map(_changed, uses) if p is not None]
+
+
+_FIX = ("Load the weights again from an intact file (load_safetensors), and replace a "
+        "checkpoint by writing a new file and renaming it over the old path, never in place")
+
+
+def _changed(use: MappedUse) -> str | None:
+    f = use.file
+    try:
+        st = os.fstat(f.fd)
+    except OSError as exc:
+        return f"{f.path!r}, mapped by load_safetensors, cannot be checked: {exc.strerror}"
+    if st.st_size == f.size and st.st_mtime_ns == f.mtime_ns:
+        return None
+    if st.st_size < f.size:
+        lost = next(((n, lo, hi) for n, lo, hi in use.ranges if hi > st.st_size), None)
+        which = (f"tensor {lost[0]!r} (bytes {lost[1]}-{lost[2]} of the file) is no longer in it"
+                 if lost is not None else "no tensor loaded from it is past its new end")
+        return (f"{f.path!r} was truncated after load_safetensors mapped it ({f.size} -> "
+                f"{st.st_size} bytes): {which}, and reading a mapped page past the end of a file "
+                "kills the process (SIGBUS)")
+    return (f"{f.path!r} was modified in place after load_safetensors mapped it (size {f.size} "
+            f"-> {st.st_size} bytes, mtime changed): the loaded tensors now read the new bytes, "
+            "not the checkpoint that was loaded")
 
 
 def anonymous_rss_bytes() -> int | None:
@@ -372,13 +508,35 @@ def _match(persistent: list[_Slot], handles: dict[str, Any], where: dict[str, st
     return bindings, problems
 
 
-def _file_mappings(paths: list[str]) -> dict[str, list[tuple[int, int]]] | None:
-    """Address ranges of this process's mappings of each file (Linux), or None."""
+def _reopen(paths: list[str]) -> dict[str, _File]:
+    """A :class:`_File` of each path that can be opened again (Note [Changed files])."""
+    out = {}
+    for p in paths:
+        try:
+            out[p] = _File(p)
+        except OSError:
+            pass  # mapped all the same; its changes go unchecked
+    return out
+
+
+def _file_offset(storage: torch.UntypedStorage,
+                 ranges: list[tuple[int, int, int]] | None) -> int | None:
+    """The file offset of ``storage``'s first byte, from the mapping that holds it."""
+    ptr = storage.data_ptr()
+    for lo, hi, offset in ranges or ():
+        if lo <= ptr < hi:
+            return offset + ptr - lo
+    return None
+
+
+def _file_mappings(paths: list[str]) -> dict[str, list[tuple[int, int, int]]] | None:
+    """Address ranges of this process's mappings of each file (Linux), with the file offset of
+    each range's start, or None."""
     ids = {}
     for p in paths:
         st = os.stat(p)
         ids[p] = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino, os.path.realpath(p))
-    ranges: dict[str, list[tuple[int, int]]] = {p: [] for p in paths}
+    ranges: dict[str, list[tuple[int, int, int]]] = {p: [] for p in paths}
     try:
         with open(_PROC_MAPS, encoding="utf-8", errors="replace") as f:
             lines = f.readlines()
@@ -388,12 +546,13 @@ def _file_mappings(paths: list[str]) -> dict[str, list[tuple[int, int]]] | None:
         fields = line.split(maxsplit=5)
         if len(fields) < 6:
             continue
-        span, _perms, _offset, dev, inode, name = fields
+        span, _perms, offset_field, dev, inode, name = fields
         name = name.rstrip("\n")
         if name.endswith(" (deleted)"):
             name = name[: -len(" (deleted)")]
         try:
             lo, hi = (int(x, 16) for x in span.split("-"))
+            offset = int(offset_field, 16)
             major, minor = (int(x, 16) for x in dev.split(":"))
             ino = int(inode)
         except ValueError:
@@ -401,14 +560,14 @@ def _file_mappings(paths: list[str]) -> dict[str, list[tuple[int, int]]] | None:
         for p, (maj, mnr, i, real) in ids.items():
             # overlayfs shows the lower file's device and inode: the path decides there
             if (major, minor, ino) == (maj, mnr, i) or name == real:
-                ranges[p].append((lo, hi))
+                ranges[p].append((lo, hi, offset))
     return ranges
 
 
-def _in_file(view: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+def _in_file(view: torch.Tensor, ranges: list[tuple[int, int, int]]) -> bool:
     lo = view.untyped_storage().data_ptr()
     hi = lo + view.untyped_storage().nbytes()
-    return any(a <= lo and hi <= b for a, b in ranges)
+    return any(a <= lo and hi <= b for a, b, _ in ranges)
 
 
 # -- mutation -----------------------------------------------------------------------------------
@@ -599,6 +758,7 @@ def load_safetensors(module: nn.Module, paths: PathLike | Sequence[PathLike], *,
             f"of their file (first: {copied[0].key!r} of {copied[0].path!r}); they are loaded but "
             "not file-backed (they count as anonymous memory)", stacklevel=2)
     copied_ids = {id(b) for b in copied}
+    opened = _reopen(files)  # Note [Changed files]
 
     # Copies of what loading must not change (Note [Load transaction]).
     kept = [(s, s.tensor.data, s.tensor.detach().clone()) for s in others]
@@ -634,7 +794,8 @@ def load_safetensors(module: nn.Module, paths: PathLike | Sequence[PathLike], *,
             storage = b.view.untyped_storage()
             if storage.nbytes() and id(b) not in copied_ids:
                 undo.push(lambda key=(storage.data_ptr(), id(storage)): _unregister(key))
-                _register(storage, b.path)
+                _register(storage, b.path, opened.get(b.path),
+                          _file_offset(storage, mapped.get(b.path) if mapped else None))
 
         ran: list[str] = []
         for path, sub in _post_load_order(module):

@@ -16,7 +16,9 @@ from torch import nn
 
 from ..config import OffloadConfig, OffloadStrategy
 from ..hooks import PIPELINE_ATTR, HookRegistry
-from ..plan import ResolvedOffloadPlan, resolve_offload_plan
+from ..loading import any_file_backed, changed_mapped_files, mapped_files, verify_mapped_files
+from ..plan import ResolvedOffloadPlan, named_tensors, resolve_offload_plan
+from ..plan.tree import pipeline_state
 from ..platform import Platform
 from .._interrupts import deferred_interrupts, interruption_point
 from .call_guard import CallGuard
@@ -139,6 +141,10 @@ class OffloadBackend:
         if plan.skip_reason is not None:
             return
         _require_ownable(pipeline)  # enable ends by recording its owner: check that it can
+        # Note [Changed files] (loading.py): enable reads the weights' file pages.
+        if any_file_backed():
+            verify_mapped_files(mapped_files(_all_tensors(pipeline, plan)),
+                                f"{type(self).__name__}.enable()")
         with deferred_interrupts():  # Note [Deferred interrupts] in _interrupts.py
             self._enable_transaction(pipeline, plan)
 
@@ -221,12 +227,21 @@ class OffloadBackend:
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
+        plan = self.plan
         if pipeline is not None:
             pipeline.__dict__.pop(PIPELINE_ATTR, None)
         else:
             self.plan = None
         self._pipeline = None
         self._forget()
+        if plan is not None and any_file_backed():  # Note [Changed files] in loading.py
+            changed = changed_mapped_files(mapped_files(_all_tensors(pipeline, plan)))
+            if changed:
+                warnings.warn(
+                    f"{type(self).__name__}.disable() restored tensors that are views of a file "
+                    f"changed since load_safetensors mapped it: {changed[0]}. They do not hold "
+                    "the loaded checkpoint; load it again from an intact file",
+                    RuntimeWarning, stacklevel=3)
 
     @contextmanager
     def edit_weights(self) -> Iterator[Any]:
@@ -352,6 +367,19 @@ class OffloadBackend:
     def __repr__(self) -> str:
         state = "enabled" if self.is_enabled() else "disabled"
         return f"<{type(self).__name__} {state} on {self.platform.name}>"
+
+
+def _all_tensors(pipeline: Any, plan: ResolvedOffloadPlan) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``pipeline`` and of its resolved components (a component
+    may sit behind a non-module attribute), by qualified name."""
+    named = pipeline_state(pipeline, []) if pipeline is not None else []
+    seen = {id(t) for _, t in named}
+    for comp in plan.components:
+        for name, t in named_tensors(comp.module, comp.path):
+            if id(t) not in seen:
+                seen.add(id(t))
+                named.append((name, t))
+    return named
 
 
 def _require_unowned_modules(pipeline: Any) -> None:

@@ -130,6 +130,7 @@ class BlockRing:
         self._platform_fill, skip_accesses = fast_calls(platform)
         self._tracks_accesses = not skip_accesses
         self.creates_no_tensors = False
+        self._checks_files = False  # set by prepare when a block is served from file pages
         self.transport.bind(streams, stats, self.label, pin=pin, predict_after=self.predict_after)
 
     # -- enable ---------------------------------------------------------------------------------
@@ -162,6 +163,7 @@ class BlockRing:
         for _ in range(self.num_slots):
             self.slots.append(self.new_slot(txn))
         self.build_views()
+        self._checks_files = self.maps_files
         self.stats.hold_device(self.num_slots * self.slot_weight_bytes,
                                self.num_slots * (self.slot_bytes - self.slot_weight_bytes))
 
@@ -260,6 +262,8 @@ class BlockRing:
         after the slot's last reader; the slot's ready event is recorded when it is filled."""
         slot = self.slots[s]
         pairs = slot.fills[k]
+        if self._checks_files:  # Note [Changed files] in loading.py: before any page is read
+            self.transport.verify_sources(k, self.groups[k])
         if pairs is not None and not _profiler._is_profiler_enabled:  # Note [Fast path]
             self._platform_fill(self.copy_stream, slot.free, pairs, slot.ready)
         else:

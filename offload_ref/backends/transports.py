@@ -96,6 +96,11 @@ class Transport:
         when a fill is more (a collective).  Called once per block and slot at enable."""
         return None
 
+    def verify_sources(self, k: int, group: TensorGroup) -> None:
+        """Raise before a fill of block ``k`` if its host side can no longer be read as it was
+        built (a mapped file truncated or overwritten: Note [Changed files] in loading.py)."""
+        return None
+
     def count_fill(self, k: int, group: TensorGroup) -> None:
         """Count one fill of block ``k`` in ``stats``."""
         self.stats.add_h2d(group.weight_bytes, group.padding_bytes)
@@ -140,6 +145,8 @@ class RankLocalTransport(Transport):
         # (block, ring slot, staging slot) -> the copies of a staged fill
         self._staged: dict[tuple[int, int, int], Pairs] = {}
         self._mapped: dict[int, list[torch.Tensor]] = {}  # id(group) -> one span per segment
+        self._uses: dict[int, Any] = {}  # id(group) -> its files (Note [Changed files])
+        self._after_uses: dict[int, Any] = {}  # block -> its files, for the staging look-ahead
         self._copies: dict[int, list[torch.Tensor]] = {}  # id(group) -> private host copies
         self._counts: dict[int, tuple[int, int]] = {}  # block -> h2d (weight, padding) per fill
 
@@ -171,6 +178,17 @@ class RankLocalTransport(Transport):
             copied += seg.numel * copy.element_size()
         self.stats.add_host(group.weight_bytes, 0, pinned=False)
         self.stats.file_backed_bytes += group.weight_bytes - copied
+        names: dict[int, str] = {}
+        for record in group.layout.records:
+            names.setdefault(record.segment, record.name)
+        self._uses[id(group)] = mapped_files(
+            [(names.get(i, group.label), span) for i, (span, file_backed)
+             in enumerate(zip(mapped, backed)) if file_backed])
+
+    def verify_sources(self, k: int, group: TensorGroup) -> None:
+        uses = self._uses.get(id(group))
+        if uses:
+            verify_mapped_files(uses, f"the copy of block {group.label!r} to the device")
 
     @property
     def maps_files(self) -> bool:
@@ -192,6 +210,7 @@ class RankLocalTransport(Transport):
             mapped = self._mapped.get(id(group))
             if mapped is None:
                 continue
+            self._after_uses[k] = self._uses.get(id(group))
             self._segments[k] = [
                 (sections[k][seg.dtype][0] + seg.offset * seg.dtype.itemsize, seg.dtype,
                  seg.numel, span)
@@ -240,6 +259,9 @@ class RankLocalTransport(Transport):
         if pool is not None:
             after = self.predict_after(k)
             if after in self._segments:
+                uses = self._after_uses.get(after)
+                if uses:  # the look-ahead reads the next block's pages now
+                    verify_mapped_files(uses, f"the staging of block {after} of {self.label}")
                 pool.prefetch((id(self), after), self._segments[after], keep=p)
 
     def count_fill(self, k: int, group: TensorGroup) -> None:
@@ -285,6 +307,7 @@ class RankLocalTransport(Transport):
 
     def _release_mapped(self, key: int) -> None:
         self._mapped.pop(key, None)
+        self._uses.pop(key, None)
         for copy in self._copies.pop(key, []):
             self.platform.host_free(copy)
 
@@ -292,9 +315,22 @@ class RankLocalTransport(Transport):
         self._release_mapped(id(group))
         self._counts.clear()
         self._segments.clear()
+        self._after_uses.clear()
         self._staged.clear()
         self.staging = None
         super().release(group)
+
+
+def mapped_files(named: Any) -> Any:
+    from ..loading import mapped_files as files
+
+    return files(named)
+
+
+def verify_mapped_files(uses: Any, doing: str) -> None:
+    from ..loading import verify_mapped_files as verify
+
+    verify(uses, doing)
 
 
 def _is_file_backed(t: torch.Tensor) -> bool:
