@@ -393,6 +393,55 @@ def test_disable_from_another_thread_waits_for_the_running_forward(strategy, pla
     assert platform.memory_allocated() == 0
 
 
+def _dit_inputs(pipeline):
+    """The DiT's arguments in one generation of ``pipeline`` (device tensors)."""
+    seen: list = []
+    handle = pipeline.transformer.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append((args, kwargs)) if not seen else None,
+        with_kwargs=True)
+    try:
+        _run(pipeline)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("where", ["x_embedder", "proj_out"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_disable_from_another_thread_waits_for_the_whole_dit_forward(strategy, where,
+                                                                       platform) -> None:
+    """Issue 37: under layerwise, disable() from another thread returned while the DiT ran a
+    non-block module (before its first block, after its last), and that forward died on the
+    restored weights.  Now it waits for the DiT's whole forward (Note [Component entries] in
+    call_guard.py), as under model level: the forward that was running ends exact."""
+    pipeline, backend = _enabled(strategy, platform)
+    args, kwargs = _dit_inputs(pipeline)
+    twin = resident(SPEC.build())
+    with torch.inference_mode():
+        want = twin.transformer(*args, **kwargs)
+    want = getattr(want, "sample", want)
+    handle, entered, release = _pause_inside(getattr(pipeline.transformer, where), "dit")
+
+    def forward():
+        with torch.inference_mode():
+            out = pipeline.transformer(*args, **kwargs)
+        return getattr(out, "sample", out)
+
+    thread, box = _threaded(forward, "dit")
+    assert entered.wait(timeout=20)
+    disabling, done = _threaded(backend.disable, "disabling")
+    time.sleep(0.3)
+    assert disabling.is_alive(), f"disable() returned while the DiT's {where} ran"
+    release.set()
+    thread.join(timeout=20)
+    disabling.join(timeout=20)
+    handle.remove()
+    assert "error" not in done, done.get("error")
+    assert "error" not in box, box.get("error")
+    assert torch.equal(box["out"], want)
+    assert not backend.is_enabled() and platform.memory_allocated() == 0
+
+
 # -- lifetime --------------------------------------------------------------------------------
 
 

@@ -49,6 +49,8 @@ class OffloadConcurrencyError(RuntimeError):
 
 
 _CALL_CODE = nn.Module._call_impl.__code__
+#: Entries of one thread past which a new one prunes the stale ones (Note [Component entries]).
+_PRUNE_AT = 4
 _get_ident = threading.get_ident
 
 
@@ -166,13 +168,23 @@ class CallGuard:
         self._add_entry(me, label, frame)
         return True
 
+    # Note [Component entries]
+    #     Under layerwise the owner of a ring (the DiT) holds an entry for its whole forward, so
+    #     ``exclusive`` (disable, edit_weights) waits for the component's forward and not just for
+    #     the block running at that moment; each block's entry nests inside it.  A nested entry
+    #     would prune this thread's stale entries (interrupted forwards) by walking the stack,
+    #     which is most of a block's guard cost once every block nests.  So pruning waits until
+    #     the thread holds a few entries: a stale entry of this thread only costs a place in its
+    #     list (``exit`` of an outer entry drops everything nested in it, and other threads test
+    #     entries for liveness in ``_busy_elsewhere`` anyway).
+
     def _add_entry(self, me: int, label: str, frame: FrameType | None) -> None:
         """Record this thread's forward of ``label`` (caller holds the lock)."""
         mine = self._inside.get(me)
         if mine is None:
             self._inside[me] = [(label, frame)]
             return
-        if mine:
+        if len(mine) >= _PRUNE_AT:  # Note [Component entries]
             self._prune_own(mine)
         mine.append((label, frame))
 

@@ -337,9 +337,13 @@ class _ComponentEditGuard(RefusesCopies, ModelHook):
     """On the owner of a ring (a DiT, a streamed encoder): its parameters, streamed and
     resident, take the plain guarded class for its forward and refuse in-place edits outside
     it (Note [Edits between forwards] in rebind_guard.py).  Two class assignments per parameter and
-    forward of the component, nothing per block (it takes no entry in the call guard, whose
-    steady state is one entry per thread).  A parameter ``disable()`` has unguarded meanwhile
-    keeps its class."""
+    forward of the component, nothing per block.  A parameter ``disable()`` has unguarded
+    meanwhile keeps its class.
+
+    It also holds an entry in the backend's call guard for the whole forward of the component
+    (Note [Component entries] in call_guard.py): ``disable()`` from another thread waits until
+    the component's forward has ended, its non-block modules (``proj_out``, ``norm_out``) and the
+    gaps between blocks included, as it does under model level."""
 
     def __init__(self, path: str, calls: CallGuard) -> None:
         self.path = path
@@ -354,16 +358,31 @@ class _ComponentEditGuard(RefusesCopies, ModelHook):
     # Each call sets the class whatever it was: an interrupted forward (no post-hook) leaves
     # the parameters plain until the next one, never refusing inside a forward.
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.run()
+        frame = call_frame()
+        calls = self.calls
+        if not calls.enter(self.path, frame):
+            return None  # the backend is being disabled: leave the component alone
+        try:
+            self.run()
+        except BaseException:
+            calls.exit(frame)
+            raise
         return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if self.calls.closed:
+        frame = call_frame()
+        calls = self.calls
+        if not calls.holds(frame):
             return None
-        for t in self.params:
-            if type(t) is RUNNING_PARAMETER:
-                t.__class__ = IDLE_PARAMETER
-        self.idle = bool(self.params)
+        try:
+            if calls.closed:
+                return None
+            for t in self.params:
+                if type(t) is RUNNING_PARAMETER:
+                    t.__class__ = IDLE_PARAMETER
+            self.idle = bool(self.params)
+        finally:
+            calls.exit(frame)
         return None
 
     def run(self) -> None:
