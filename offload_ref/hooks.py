@@ -106,14 +106,14 @@ class HookRegistry:
                 handles.append(module.register_forward_hook(hook.post_forward, with_kwargs=True,
                                                             always_call=True))
                 hook.post_hook_id = handles[-1].id
+            entry = _Entry(hook, tuple(handles), self._token, pre_id)
+            # One line: listed in the table and in this registry together, the table stored
+            # on the module if it is new (nothing half-registered if an exception comes first).
+            table[name] = entry; self._installed.append((weakref.ref(module), name)); module.__dict__.setdefault(HOOKS_ATTR, table)  # noqa: E702,E501
         except BaseException:
             for h in handles:
                 h.remove()
             raise
-        if not table:
-            module.__dict__[HOOKS_ATTR] = table
-        table[name] = _Entry(hook, tuple(handles), self._token, pre_id)
-        self._installed.append((weakref.ref(module), name))
 
     def get_hook(self, module: nn.Module, name: str) -> ModelHook | None:
         entry = module.__dict__.get(HOOKS_ATTR, {}).get(name)

@@ -336,9 +336,8 @@ class HostMaster:
         return self.layout.views(self.flats)
 
     def release(self) -> None:
-        flats, self.flats = self.flats, {}
-        for flat in flats.values():
-            self.platform.host_free(flat)
+        for dtype in list(self.flats):  # each forgotten on the line that frees it: a retry
+            self.platform.host_free(self.flats[dtype]); del self.flats[dtype]  # noqa: E702
 
 
 def unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

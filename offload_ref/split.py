@@ -135,7 +135,20 @@ class ComponentGroups:
                 guarded = txn.guard_rebinds(swapper.named_tensors(), type(self).__name__)
                 interruption_point()  # a Ctrl-C during enable rolls it back
                 platform.synchronize()
+                # Enabled, then committed (one assignment), still inside the transaction: an
+                # exception at any line rolls back (Note [Undo first] in backends/transaction.py).
+                self._calls = self.call_guard_class(f"{type(self).__name__}{list(self._groups)}")
+                self._guarded = guarded
+                self.stats = stats
+                # A model collected while enabled must not strand its device and host buffers.
+                self._finalizer = weakref.finalize(self, swapper.release)
+                self._swapper = _Active(swapper, tuple(self._groups))
+                txn.commit()
             except BaseException as exc:  # KeyboardInterrupt too: nothing may stay half-applied
+                self._swapper, self._guarded, self._calls = None, [], None
+                finalizer = getattr(self, "_finalizer", None)
+                if finalizer is not None:
+                    finalizer.detach()
                 try:
                     try:  # let in-flight copies land before their buffers are released
                         platform.synchronize()
@@ -148,13 +161,6 @@ class ComponentGroups:
                 raise OffloadEnableError(
                     f"ComponentGroups.enable failed: {exc}; every change was rolled back (enable "
                     "can be retried)") from exc
-            txn.commit()
-            self._calls = self.call_guard_class(f"{type(self).__name__}{list(self._groups)}")
-            self._guarded = guarded
-            self._swapper = _Active(swapper, tuple(self._groups))
-            self.stats = stats
-            # A model collected while enabled must not strand its device and host buffers.
-            self._finalizer = weakref.finalize(self, swapper.release)
 
     def disable(self) -> None:
         """Rebuild every tensor at its original placement.  Idempotent."""
@@ -173,18 +179,19 @@ class ComponentGroups:
             self._restore(guard_rebinds, unguard_rebinds)
 
     def _restore(self, guard_rebinds: Any, unguard_rebinds: Any) -> None:
-        active, self._swapper = self._swapper, None
-        if active is not None:
-            self._finalizer.detach()
+        active = self._swapper
+        if active is None:
+            return
+        try:  # enabled until every step is done; each is idempotent, so a retry finishes it
             unguard_rebinds(self._guarded)
+            active.swapper.restore()
+        except Exception:
+            unguard_rebinds(self._guarded)  # every one plain, then every one guarded again
             self._guarded = []
-            try:
-                active.swapper.restore()
-            except Exception:
-                guard_rebinds(active.swapper.named_tensors(), type(self).__name__, self._guarded)
-                self._swapper = active  # still enabled: the caller can retry
-                self._finalizer = weakref.finalize(self, active.swapper.release)
-                raise
+            guard_rebinds(active.swapper.named_tensors(), type(self).__name__, self._guarded)
+            raise  # still enabled: the caller can retry
+        self._finalizer.detach()
+        self._guarded = []; self._swapper = None  # noqa: E702 (disabled on one line)
 
     def active(self) -> str | None:
         """The group currently on the device, if any."""

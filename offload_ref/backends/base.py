@@ -149,6 +149,7 @@ class OffloadBackend:
             self._enable_transaction(pipeline, plan)
 
     def _enable_transaction(self, pipeline: Any, plan: ResolvedOffloadPlan) -> None:
+        self._forget()  # whatever an interrupted disable or rollback left of the last enable
         reference = _reference(pipeline)  # before any mutation: nothing can fail after commit
         txn = self.transaction_class(self.platform, self.registry, self.fault_injector)
         self._stats = OffloadStats()
@@ -168,7 +169,21 @@ class OffloadBackend:
                 interruption_point()  # a Ctrl-C during enable rolls it back
                 self.platform.synchronize()
                 self.before_commit(txn)  # the last thing that may fail (Note [Collective safety])
+                # The backend's own state, then the commit (one assignment), still inside the
+                # transaction: an exception at any line of enable rolls it back (issue 37).
+                self.last_steps = list(txn.steps)
+                self._pipeline = reference
+                if isinstance(reference, weakref.ref):
+                    # The pipeline keeps its backend alive (PIPELINE_ATTR); if the pipeline is
+                    # collected while enabled, this releases the device and host buffers it
+                    # still held.
+                    self._finalizer = weakref.finalize(pipeline, _release_orphan, self)
+                txn.commit()
             except BaseException as exc:
+                self._pipeline = None
+                if self._finalizer is not None:
+                    self._finalizer.detach()
+                    self._finalizer = None
                 self.enable_failed(exc)
                 self.last_steps = list(txn.steps)
                 where = (f"step {len(txn.steps) - 1} ({txn.steps[-1]})" if txn.steps
@@ -187,13 +202,6 @@ class OffloadBackend:
                     f"{type(self).__name__}.enable failed at {where}: {exc}; every change was "
                     "rolled back and the backend is disabled (enable can be retried)"
                 ) from exc
-        self.last_steps = list(txn.steps)
-        txn.commit()
-        self._pipeline = reference
-        if isinstance(reference, weakref.ref):
-            # The pipeline keeps its backend alive (PIPELINE_ATTR); if the pipeline is collected
-            # while enabled, this releases the device and host buffers it still held.
-            self._finalizer = weakref.finalize(pipeline, _release_orphan, self)
 
     def disable(self) -> None:
         """Remove our hooks and rebuild every tensor at its original placement.  Idempotent.
@@ -211,19 +219,22 @@ class OffloadBackend:
         # Note [One thread at a time]: wait until no other thread is inside an offloaded
         # forward; hooks that fire from now on leave their modules alone.
         with self._guard.exclusive(close=True), torch.inference_mode(False), torch.no_grad():
-            unguard_rebinds(self._guarded)  # Note [Rebind guard]: plain tensors again
-            self._guarded = []
             try:
+                unguard_rebinds(self._guarded)  # Note [Rebind guard]: plain tensors again
+                # A retry after an exception anywhere in here redoes what is left (each step of
+                # uninstall is idempotent: Note [Undo first] in transaction.py).
                 self.uninstall(pipeline)
             except Exception as exc:
+                unguard_rebinds(self._guarded)  # every one plain (idempotent), then guarded
+                self._guarded = []
                 guard_rebinds(self._guarded_named, type(self).__name__, self._guarded)
                 raise OffloadDisableError(
                     f"Failed to fully disable {type(self).__name__}: {exc}; the backend stays "
                     "enabled with its host masters, call disable() again"
                 ) from exc
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
+            self._guarded = []
+            while self._handles:  # each forgotten once removed
+                self._handles[-1].remove(); self._handles.pop()  # noqa: E702
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None

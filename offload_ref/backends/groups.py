@@ -126,6 +126,7 @@ class ComponentSwapper:
         # swap settles it first (Note [Interrupted swaps]).
         self._unsettled: str | None = None
         self._held: set[str] = set()  # components whose device bytes are counted in stats
+        self._restored: set[int] = set()  # ids of groups restore() has rebound (a retry skips)
         # label -> an event recorded after the copies of its last load (Note [Masters a copy
         # still reads])
         self._copied: dict[str, Any] = {}
@@ -248,8 +249,8 @@ class ComponentSwapper:
             self._wait_for_copies(label)
             for t, v in zip(group.tensors, group.master.host_views()):
                 set_data(t, v)
-            for dtype in list(group.device_flats):
-                self.platform.free(group.device_flats.pop(dtype))
+            for dtype in list(group.device_flats):  # freed, then forgotten: Note [Undo first]
+                self.platform.free(group.device_flats[dtype]); del group.device_flats[dtype]  # noqa: E702,E501
             if label in self._held:
                 self.stats.release_device(group.weight_bytes, group.padding_bytes)
                 self._held.discard(label)
@@ -326,7 +327,10 @@ class ComponentSwapper:
     def restore(self) -> None:
         """Rebuild every tensor at its original placement (Note [Original placement])."""
         self.settle()
-        groups = list(self.swappable.values()) + self.resident
+        # A retry after a restore that raised skips the groups it already restored (their
+        # masters may be released): Note [Undo first] in transaction.py.
+        done = self._restored
+        groups = [g for g in list(self.swappable.values()) + self.resident if id(g) not in done]
         # A loaded component edited in place keeps the edit: restore it from its device copy.
         restored = [restore_group(g, self.platform,  # may raise: nothing changed
                                   g.device_flats if g.label in self.swappable and g.device_flats
@@ -336,20 +340,22 @@ class ComponentSwapper:
         for group, views in zip(groups, restored):
             for t, v in zip(group.tensors, views):
                 rebind_restored(t, v)
+            done.add(id(group))
         self.release()
 
     def release(self) -> None:
         for group in list(self.swappable.values()) + self.resident:
-            for flat in group.device_flats.values():
-                self.platform.free(flat)
-            group.device_flats = {}
+            # Each buffer forgotten on the line that frees it (Note [Undo first] in
+            # transaction.py): a release that raised midway can run again.
+            for dtype in list(group.device_flats):
+                self.platform.free(group.device_flats[dtype]); del group.device_flats[dtype]  # noqa: E702,E501
             if group.master is not None:
                 group.master.release()
         self.forget()
 
     def forget(self) -> None:
-        self.swappable = {}
-        self.resident = []
+        self.swappable, self.resident = {}, []  # first: a retry then finds nothing to restore
         self._unsettled = None
         self._copied = {}
         self._held = set()
+        self._restored = set()

@@ -21,23 +21,27 @@ from .rebind_guard import set_data
 __all__ = ["rebind_restored"]
 
 
-def _swap_to_normal(label: str, t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-    """Turn the inference tensor ``t`` into an ordinary one viewing ``data``, keeping the Python
-    object (and its class and attributes); returns the object that now holds the original
-    (Note [Inference tensors])."""
+def normal_twin(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """An ordinary tensor viewing ``data`` with ``t``'s class and attributes: what the inference
+    tensor ``t`` becomes by :func:`swap_in` (Note [Inference tensors]).  Changes nothing."""
     fresh = data.detach()
     if type(t) is not torch.Tensor:  # nn.Parameter and its subclasses
         fresh = torch.Tensor._make_subclass(type(t), fresh, t.requires_grad)
     fresh.__dict__.update(t.__dict__)
+    return fresh
+
+
+def swap_in(label: str, t: torch.Tensor, twin: torch.Tensor) -> None:
+    """Swap ``t`` with its :func:`normal_twin`, keeping the Python object: afterwards ``twin``
+    holds the original."""
     try:
-        torch.utils.swap_tensors(t, fresh)
+        torch.utils.swap_tensors(t, twin)
     except RuntimeError as exc:
         raise RuntimeError(
             f"{label}: a tensor created under torch.inference_mode() cannot be converted for "
             f"offloading ({exc}); drop the other references to it, or build the pipeline "
             "outside inference_mode"
         ) from exc
-    return fresh
 
 
 def rebind_restored(t: torch.Tensor, v: torch.Tensor) -> None:

@@ -563,6 +563,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         self._edit_guards: list[_ComponentEditGuard] = []
         self._refusals: _ReadRefusals | None = None
         self._staging: StagingPool | None = None
+        self._restored = False  # disable's restore phase is done (a retry only releases)
 
     def install(self, pipeline: Any, plan: ResolvedOffloadPlan, txn: Transaction) -> None:
         placeholders = _Placeholders()
@@ -723,13 +724,25 @@ class LayerWiseOffloadBackend(OffloadBackend):
         return out
 
     def uninstall(self, pipeline: Any) -> None:
+        if not self._restored:  # a retry after a release that raised only releases
+            self._restore_all()
+            self._restored = True
+        self.platform.synchronize()
+        for ring in list(self.rings):  # each forgotten once released: a retry releases the rest
+            ring.release(); self.rings.remove(ring)  # noqa: E702 (Note [Undo first])
+        if self._staging is not None:
+            self._staging.release(); self._staging = None  # noqa: E702
+
+    def _restore_all(self) -> None:
+        """Every tensor back at its original placement, hooks removed (disable's first phase;
+        raises before it changes anything, or completes)."""
         if self._staging is not None:
             self._staging.close()  # no staging is issued from here on (synchronized below)
         for guard in self._edit_guards:  # unguarded: no class swaps from now on
             guard.params, guard.idle = [], False
         refused = self._refusals.at_disable() if self._refusals is not None else None
         if refused is not None:
-            warnings.warn(refused, RuntimeWarning, stacklevel=3)
+            warnings.warn(refused, RuntimeWarning, stacklevel=4)
         # A streamed block edited in place cannot keep the edit: between generations its slot
         # may still be filling (a prefetch in flight), so the edit may have raced with the copy.
         # Its masters are restored, loudly (Note [Weight edits]).
@@ -739,7 +752,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
                 f"{len(edited)} streamed weight(s) were edited in place outside edit_weights() "
                 f"(e.g. {edited[:3]}); disable() restores them from their host masters, because "
                 "the edit may have raced with a prefetch copy.  Edit streamed weights inside "
-                "`with backend.edit_weights(): ...`", RuntimeWarning, stacklevel=3)
+                "`with backend.edit_weights(): ...`", RuntimeWarning, stacklevel=4)
         restored = [ring.restored_views() for ring in self.rings]  # may raise: nothing changed
         self.platform.synchronize()
         assert self._resident is not None
@@ -755,15 +768,10 @@ class LayerWiseOffloadBackend(OffloadBackend):
         # parameters' only): an entry left behind would keep the refusal record, and through it
         # the resident state's device storage, alive after disable().
         forget_readable([t for ring in self.rings for g in ring.groups for t in g.tensors])
-        self.platform.synchronize()
-        for ring in self.rings:
-            ring.release()
-        if self._staging is not None:
-            self._staging.release()
-            self._staging = None
 
     def _reset(self) -> None:
         # After a rollback the undo log has already freed the slots and masters.
+        self._restored = False
         self.rings = []
         self._hooks = []
         self._parts = []

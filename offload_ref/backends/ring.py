@@ -610,10 +610,9 @@ class BlockRing:
         return self.transport.true_value(k, self.groups[k], i)
 
     def release(self) -> None:
-        for slot in self.slots:
-            self.platform.free(slot.storage)
+        for slot in list(self.slots):  # each forgotten on the line that frees it: a retry
+            self.platform.free(slot.storage); self.slots.remove(slot)  # noqa: E702
             slot.flats, slot.views, slot.fills = [], [], []
-        self.slots = []
         self._placeholder_cache = []
         self._running = []  # drops the frames of interrupted blocks
         for g in self.groups:

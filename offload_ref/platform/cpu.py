@@ -73,6 +73,10 @@ _AMPLIFIER_CHUNKS = (2, 4)
 _STOP = object()  # queue sentinel: the worker exits after the items queued before it
 
 
+class _StreamStopped(RuntimeError):
+    """Work put on a CPU stream whose platform was closed."""
+
+
 def _poison_(tensor: torch.Tensor) -> None:
     """Overwrite ``tensor`` with a value no correct computation produces from it."""
     if tensor.numel() == 0:
@@ -213,7 +217,8 @@ class _Worker:
     def put(self, kind: str, payload: Any) -> None:
         with self.cond:
             if self.stopping:
-                raise RuntimeError(f"CPU stream '{self.name}' is stopped (its platform was closed)")
+                raise _StreamStopped(f"CPU stream '{self.name}' is stopped (its platform was "
+                                     "closed)")
             self.pending += 1
             if self.batch is not None:
                 self.batch.append((kind, payload))
@@ -223,7 +228,8 @@ class _Worker:
     def put_batch(self, items: list[tuple[str, Any]]) -> None:
         with self.cond:
             if self.stopping:
-                raise RuntimeError(f"CPU stream '{self.name}' is stopped (its platform was closed)")
+                raise _StreamStopped(f"CPU stream '{self.name}' is stopped (its platform was "
+                                     "closed)")
             self.pending += len(items)
             if self.batch is not None:
                 self.batch.extend(items)
@@ -595,7 +601,8 @@ class CpuPlatform:
             marker = _Recording(worker.name, {})
             try:
                 worker.put("mark", marker)
-            except RuntimeError:  # stopping: its thread drains the queue and exits
+            except _StreamStopped:  # its thread drains the queue and exits (any other error
+                # would leave a live worker joined forever)
                 worker.thread.join()
                 continue
             markers.append(marker)
@@ -687,10 +694,14 @@ class CpuPlatform:
             _poison_(backing)  # uninitialized memory must not pass for weights by luck
         nbytes = numel * backing.element_size()
         key = backing.untyped_storage().data_ptr()
-        with self._lock:
-            self._ledger[key] = _Allocation(next(self._allocation_index), backing, numel, nbytes)
-            self._allocated += nbytes
-        return tensor
+        allocation = _Allocation(next(self._allocation_index), backing, numel, nbytes)
+        # One line (Note [Guard locking] in call_guard.py): counted in the ledger and handed to
+        # the caller with no line between, so an exception raised at any line of enable either
+        # leaves no allocation or one its caller received (issue 37).
+        with self._lock: return self._counted(key, allocation, tensor)  # noqa: E701
+
+    def _counted(self, key: int, allocation: _Allocation, tensor: torch.Tensor) -> torch.Tensor:
+        self._ledger[key] = allocation; self._allocated += allocation.nbytes; return tensor  # noqa: E702,E501
 
     def free(self, tensor: torch.Tensor) -> None:
         """Release the allocation holding ``tensor`` (a write: poisoned under the amplifier)."""
@@ -698,11 +709,15 @@ class CpuPlatform:
         with self._lock:
             allocation = self._require_allocation(tensor, "free")
             self._access(stream, "free", writes=(tensor,))
-            del self._ledger[allocation.tensor.untyped_storage().data_ptr()]
-            self._allocated -= allocation.nbytes
             work = self._poison_in_order(stream, allocation.tensor)
         if work is not None:
             work()
+        # The ledger lets go last, on one line (Note [Undo first] in backends/transaction.py): a
+        # free that raised before it changed nothing and can be called again.
+        with self._lock: self._uncount(allocation)  # noqa: E701
+
+    def _uncount(self, allocation: _Allocation) -> None:
+        del self._ledger[allocation.tensor.untyped_storage().data_ptr()]; self._allocated -= allocation.nbytes  # noqa: E702,E501
 
     def discard(self, tensor: torch.Tensor) -> None:
         """The contents of ``tensor`` are dead (a write: poisoned under the amplifier)."""
