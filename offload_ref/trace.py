@@ -3,8 +3,9 @@
 The offloader's own ranges (Note [Spans] in ``_spans.py``) are ordinary ``record_function``
 ranges, so the trace is torch's own: it opens in Perfetto (ui.perfetto.dev) and chrome://tracing
 and carries every aten op and, on CUDA, every kernel and memcpy next to them.  ``--png`` draws a
-summary timeline with matplotlib (the optional extra ``offload-ref[trace]``): one lane per
-thread or stream, ranges coloured by block, stalls (long waits) marked.
+summary timeline with matplotlib (the optional extra ``offload-ref[trace]``; Note [Trace
+picture] in trace_picture.py), and ``--compare-no-prefetch`` draws a second run with prefetch off
+below it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -27,7 +27,6 @@ __all__ = ["add_trace_parser", "draw_timeline", "offload_spans", "run_trace"]
 #: A built-in pipeline that ``trace`` (and ``bench``) know beyond the kit's fixtures: the heavy
 #: DiT-shaped one, whose blocks take long enough to compute that overlap is visible.
 _HEAVY = "heavy"
-_BLOCK_INDEX = re.compile(r"\bblock=(\d+)")
 _MISSING_MATPLOTLIB = ('offload-ref trace: error: --png needs matplotlib; '
                        'pip install "offload-ref[trace]"')
 
@@ -173,93 +172,18 @@ def offload_spans(path: str) -> list[dict[str, Any]]:
 
 # -- the picture -------------------------------------------------------------------------------
 
-def draw_timeline(trace_path: str, png_path: str, *, stall_ms: float = 0.5) -> None:
-    """One lane per thread track with offloader ranges (and per CUDA stream with kernels), each
-    range coloured by its block; waits longer than ``stall_ms`` are marked as stalls.  Raises
-    ImportError when matplotlib is missing."""
-    import matplotlib
+def draw_timeline(trace_path: str, png_path: str, *, stall_ms: float = 0.5,
+                  compare: str | None = None) -> None:
+    """Draw the trace at ``trace_path`` (and the one at ``compare`` below it, on the same time
+    axis) into ``png_path`` (Note [Trace picture] in trace_picture.py).  Raises ImportError when
+    matplotlib is missing."""
+    from .trace_picture import draw, picture_of
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    with open(trace_path, encoding="utf-8") as f:
-        trace = json.load(f)
-    events = trace.get("traceEvents", [])
-    thread_names = {(e.get("pid"), e.get("tid")): e.get("args", {}).get("name", "")
-                    for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    ours = [e for e in events
-            if e.get("ph") == "X" and str(e.get("name", "")).startswith("offload_ref.")]
-    gpu = [e for e in events if e.get("ph") == "X"
-           and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not ours:
-        raise ValueError(f"{trace_path}: no offload_ref spans to draw")
-    t0 = min(float(e["ts"]) for e in ours + gpu)
-    lanes: dict[Any, list[dict[str, Any]]] = {}
-    for e in ours:
-        lanes.setdefault(("cpu", e.get("pid"), e.get("tid")), []).append(e)
-    for e in gpu:
-        lanes.setdefault(("gpu", e.get("pid"), e.get("tid")), []).append(e)
-    order = sorted(lanes, key=lambda key: (key[0] == "gpu",
-                                           not any(".block " in e["name"] for e in lanes[key]),
-                                           str(key)))
-    tab10 = plt.get_cmap("tab10")
-    palette = [tab10(i) for i in range(10) if i not in (3, 7)]  # red means a stall, grey idle
-
-    def cmap(index: int) -> Any:
-        return palette[index % len(palette)]
-
-    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.8 * len(order)))
-    stalls = 0
-    for row, key in enumerate(order):
-        for e in lanes[key]:
-            start, dur = (float(e["ts"]) - t0) / 1e3, float(e.get("dur", 0)) / 1e3
-            name = str(e["name"])
-            match = _BLOCK_INDEX.search(name)
-            colour = cmap(int(match.group(1))) if match else "0.6"
-            if key[0] == "gpu":
-                ax.broken_barh([(start, dur)], (row - 0.3, 0.6), color="0.4")
-            elif name.startswith("offload_ref.wait"):
-                if dur >= stall_ms:
-                    stalls += 1
-                    ax.broken_barh([(start, dur)], (row - 0.45, 0.9), facecolor="red",
-                                   edgecolor="darkred", hatch="//", alpha=0.8)
-            elif name.startswith("offload_ref.block"):
-                ax.broken_barh([(start, dur)], (row - 0.35, 0.7), facecolor=colour,
-                               edgecolor="black", linewidth=0.3)
-            else:  # copy, collective
-                ax.broken_barh([(start, dur)], (row - 0.25, 0.5), facecolor=colour,
-                               edgecolor="black", linewidth=0.3,
-                               hatch=".." if name.startswith("offload_ref.collective") else None)
-    labels = []
-    for key in order:
-        kind, pid, tid = key
-        if kind == "gpu":
-            labels.append(f"CUDA stream {tid}")
-        else:
-            labels.append(thread_names.get((pid, tid)) or f"thread {tid}")
-    # Each pass over the DiT starts with its first block's compute: a dotted line per pass
-    # (a denoising step makes one pass, or two under classifier-free guidance).
-    starts = sorted((float(e["ts"]) - t0) / 1e3 for e in ours
-                    if str(e["name"]).startswith("offload_ref.block")
-                    and (m := _BLOCK_INDEX.search(str(e["name"]))) and int(m.group(1)) == 0)
-    for n, start in enumerate(starts):
-        ax.axvline(start, color="0.3", linestyle=":", linewidth=0.8)
-        ax.text(start, -0.6, f"pass {n + 1}", fontsize="x-small", va="bottom")
-    ax.set_yticks(range(len(order)), labels)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms since the first offloader range")
-    ax.set_title(f"offload_ref timeline: {trace_path} (colour = block; red hatched = wait "
-                 f">= {stall_ms:g} ms, {stalls} stall(s))", pad=16)  # room for the pass labels
-    ax.legend(handles=[Patch(facecolor="red", hatch="//", label="stall (wait)"),
-                       Patch(facecolor=cmap(0), label="block 0 (compute or its copy)"),
-                       Patch(facecolor=cmap(1), label="block 1 ..."),
-                       Patch(facecolor="white", edgecolor="0.3", linestyle=":",
-                             label="a pass over the DiT begins")],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120, bbox_inches="tight")  # the legend sits outside the axes
-    plt.close(fig)
+    pictures = [picture_of(trace_path, stall_ms=stall_ms,
+                           title=f"{trace_path}" + (" (prefetch on)" if compare else ""))]
+    if compare is not None:
+        pictures.append(picture_of(compare, stall_ms=stall_ms, title=f"{compare} (prefetch off)"))
+    draw(pictures, png_path, stall_ms=stall_ms)
 
 
 # -- the subcommand ----------------------------------------------------------------------------
@@ -279,6 +203,9 @@ def add_trace_parser(sub: Any, selection: Callable[[argparse.ArgumentParser], No
                    help="also draw the timeline (needs matplotlib: offload-ref[trace])")
     p.add_argument("--stall-ms", type=float, default=0.5,
                    help="--png marks waits at least this long as stalls (default 0.5)")
+    p.add_argument("--compare-no-prefetch", action="store_true",
+                   help="layerwise: trace a second generation with prefetch off (written next "
+                        "to -o as NAME.no-prefetch.json); --png draws it below the first")
     p.add_argument("--device", default="cpu", type=device, help="cpu (default) or cuda[:N]")
     p.add_argument("--torch-threads", type=count(1, MAX_THREADS), default=1, metavar="N")
     p.set_defaults(func=_cmd_trace)
@@ -308,9 +235,21 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     if not spec.supports(strategy):
         raise _UsageError(f"--strategy {strategy}: {spec.name} supports "
                           f"{', '.join(spec.strategies)}")
+    compare = None
+    if args.compare_no_prefetch:
+        if strategy == "model_level" or not args.prefetch:
+            raise _UsageError("--compare-no-prefetch compares a layerwise trace with prefetch on "
+                              "against one with it off: use a layerwise --strategy, without "
+                              "--no-prefetch")
+        stem = args.output[:-5] if args.output.endswith(".json") else args.output
+        compare = f"{stem}.no-prefetch.json"
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     run_trace(spec, strategy, args.output, prefetch=args.prefetch, device=args.device,
-              threads=args.torch_threads, log=lambda line: print(line, file=sys.stderr))
+              threads=args.torch_threads, log=log)
+    if compare is not None:
+        run_trace(spec, strategy, compare, prefetch=False, device=args.device,
+                  threads=args.torch_threads, log=log)
     if args.png:
-        draw_timeline(args.output, args.png, stall_ms=args.stall_ms)
+        draw_timeline(args.output, args.png, stall_ms=args.stall_ms, compare=compare)
         print(f"offload-ref trace: timeline {args.png}", file=sys.stderr)
     return 0

@@ -191,3 +191,42 @@ def test_spans_cost_nothing_without_a_profiler(monkeypatch: pytest.MonkeyPatch) 
     assert sum(n.startswith("offload_ref.block ") for n in ours) == 8, ours
     assert sum(n.startswith("offload_ref.wait ") for n in ours) == 8, ours
     assert sum(n.startswith("offload_ref.copy ") for n in ours) >= 8, ours
+
+
+def test_the_picture_names_every_block_keeps_copies_visible_and_joins_stalls_to_copies(
+        heavy_traces: dict[str, Path]) -> None:
+    """Note [Trace picture] (offload_ref/trace_picture.py): issue 36 found a legend that stopped at
+    block 1, copies drawn as hairlines, stalls unconnected and an axis in the tool's words."""
+    from offload_ref.trace_picture import _MIN_WIDTH, picture_of
+
+    serial = picture_of(str(heavy_traces["serial"]))
+    ours = [e for e in _events(heavy_traces["serial"]) if e["name"].startswith("offload_ref.")]
+    assert serial.blocks == sorted({_block(e) for e in ours if "block=" in e["name"]})
+    assert len(serial.blocks) == 8
+    axis = serial.end_ms
+    copies = [b for b in serial.bars if b.kind == "copy"]
+    assert copies and all(b.width_ms >= _MIN_WIDTH * axis * 0.99 for b in copies)
+    assert any(b.width_ms > b.dur_ms for b in copies)  # widened to stay visible
+    stalls = [b for b in serial.bars if b.kind == "stall"]
+    assert stalls and serial.stalls == len(stalls)
+    for copy, stall in serial.links:  # the copy each stall waited for: its block, begun before
+        assert copy.block == stall.block and copy.start_ms <= stall.start_ms + stall.dur_ms
+    assert len(serial.links) >= len(stalls) - 1  # at most the first one's copy precedes the trace
+    assert "ms" in serial.xlabel and "offloader range" not in serial.xlabel
+    assert serial.passes and serial.passes == sorted(serial.passes)
+    for lane, start, length in serial.gaps:
+        assert length >= 0.5 and serial.lanes[lane]
+
+
+def test_compare_no_prefetch_traces_both_runs_and_draws_them_one_above_the_other(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "both.png"
+    out = _trace(tmp_path, "both", "--pipeline", "flux2", "--strategy", "layer_wise",
+                 "--compare-no-prefetch", "--png", str(png))
+    second = tmp_path / "both.no-prefetch.json"
+    assert out.exists() and second.exists()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["trace", "--pipeline", "flux2", "--strategy", "model_level",
+                 "--compare-no-prefetch", "-o", str(tmp_path / "m.json")]) == 2
+    assert "layerwise --strategy" in capsys.readouterr().err
