@@ -208,7 +208,7 @@ def _count_block_calls(plan: Any, pipeline: Any, run: Callable[[], None]) -> int
     from offload_ref.discovery import get_submodule_path
 
     paths = [p for s in plan.stacks if len(s.streamed_blocks) >= 2
-             for p in s.block_paths[s.resident_head:]]
+             for p in s.streamed_paths]
     if not paths:
         paths = [c.path for c in plan.components if c.selected and c.role in ("dit", "encoder")]
     count = [0]

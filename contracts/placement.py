@@ -101,7 +101,7 @@ class Owners:
         strategy = getattr(getattr(plan, "strategy", None), "value", str(plan.strategy))
         comps = tuple(c.path for c in plan.components)
         streamed = tuple(p for c in plan.components for s in c.stacks
-                         for p in s.block_paths[s.resident_head:])
+                         for p in s.streamed_paths)
         swapped = tuple(c.path for c in plan.components
                         if c.selected and not c.stacks and c.role in ("dit", "encoder")
                         and not c.on_demand)

@@ -44,13 +44,22 @@ def _offloader(name: str, device: torch.device) -> Callable[[Any], Any]:
             move_to_device(pipe, device)
         return resident
     if name.startswith("offload_ref_layerwise"):
-        head, depth = _shape_of(name)
+        head, depth, strided = _shape_of(name)
 
         def ours(pipe: Any) -> Any:
             backend = LayerWiseOffloadBackend(
                 OffloadConfig(strategy=OffloadStrategy.LAYER_WISE), get_platform(device),
                 prefetch=not name.endswith("no_prefetch"), prefetch_depth=depth)
-            if head:
+            if strided:  # Note [Resident blocks] in plan/resolver.py
+                import dataclasses
+
+                from .plan import OffloadPlan
+
+                plan = getattr(pipe, "_offload_plan", None) or OffloadPlan()
+                pipe.__dict__["_offload_plan"] = dataclasses.replace(
+                    plan, layerwise_resident_layers={"transformer": strided},
+                    layerwise_resident_policy={"transformer": "strided"})
+            elif head:
                 backend.resident_heads = {"transformer": head}
             backend.enable(pipe)
             return backend
@@ -65,15 +74,16 @@ def _offloader(name: str, device: torch.device) -> Callable[[Any], Any]:
     return peer
 
 
-def _shape_of(name: str) -> tuple[int, int]:
-    """(resident head, prefetch depth) of an offload-ref row: ``offload_ref_layerwise_headN``
-    keeps N leading blocks resident, ``offload_ref_layerwise_depthN`` copies N blocks ahead."""
-    for key in ("head", "depth"):
-        tail = name.rpartition("_")[2]
+def _shape_of(name: str) -> tuple[int, int, int]:
+    """(resident head, prefetch depth, strided resident blocks) of an offload-ref row:
+    ``offload_ref_layerwise_headN`` keeps N leading blocks resident, ``..._stridedN`` N blocks
+    spread through the ring, ``..._depthN`` copies N blocks ahead."""
+    tail = name.rpartition("_")[2]
+    for key in ("head", "depth", "strided"):
         if tail.startswith(key) and tail[len(key):].isdigit():
             n = int(tail[len(key):])
-            return (n, 1) if key == "head" else (0, n)
-    return 0, 1
+            return {"head": (n, 1, 0), "depth": (0, n, 0), "strided": (0, 1, n)}[key]
+    return 0, 1, 0
 
 
 def _missing(name: str) -> str | None:
@@ -174,10 +184,12 @@ def run_residency_bench(model: DeviceModel, *, hidden: int = 512, blocks: int = 
                         device: str | torch.device = "hpu:0") -> dict[str, Any]:
     """Residency against deeper prefetch at equal device bytes (issue 35, item 5): for each
     ``e`` in ``extra`` spare blocks of device memory beyond layerwise's two slots, offload-ref
-    layerwise with a resident head of ``e`` blocks (depth 1) beside prefetch depth ``e + 1``
-    (no head), each modeled on ``model``; with plain layerwise and prefetch off for scale."""
+    layerwise with ``e`` resident blocks, leading (a head) and strided, beside prefetch depth
+    ``e + 1`` (none resident), each modeled on ``model``; with plain layerwise and prefetch off
+    for scale."""
     rows = ("resident", "offload_ref_layerwise", "offload_ref_layerwise_no_prefetch",
             *(f"offload_ref_layerwise_head{e}" for e in extra),
+            *(f"offload_ref_layerwise_strided{e}" for e in extra),
             *(f"offload_ref_layerwise_depth{e + 1}" for e in extra))
     out = run_model_bench(model, hidden=hidden, blocks=blocks, tokens=tokens, device=device,
                           rows=rows)
@@ -187,6 +199,8 @@ def run_residency_bench(model: DeviceModel, *, hidden: int = 512, blocks: int = 
         "head_device_bytes": r[f"offload_ref_layerwise_head{e}"]["peak_device_bytes"],
         "depth_device_bytes": r[f"offload_ref_layerwise_depth{e + 1}"]["peak_device_bytes"],
         "head_step_s": r[f"offload_ref_layerwise_head{e}"]["total_s"],
+        "strided_step_s": r[f"offload_ref_layerwise_strided{e}"]["total_s"],
+        "strided_device_bytes": r[f"offload_ref_layerwise_strided{e}"]["peak_device_bytes"],
         "depth_step_s": r[f"offload_ref_layerwise_depth{e + 1}"]["total_s"],
         "head_over_depth": round(r[f"offload_ref_layerwise_head{e}"]["total_s"]
                                  / r[f"offload_ref_layerwise_depth{e + 1}"]["total_s"], 4),
@@ -200,13 +214,14 @@ def format_residency_bench(r: dict[str, Any]) -> str:
         f"At equal device bytes, on {r['model']['name']} (hidden {c['hidden']}, {c['blocks']} "
         f"blocks of {c['block_bytes'] / 2**20:.2f} MiB, {c['tokens']} tokens; compute / copy "
         f"per block {r['compute_over_copy_per_block']}): spare blocks kept resident (head) "
-        "against spent on deeper prefetch (depth)",
-        f"{'spare':>5} {'head MiB':>9} {'depth MiB':>9} {'head us':>9} {'depth us':>9} "
-        f"{'head/depth':>10}",
+        "against spread through the ring (strided) against spent on deeper prefetch (depth)",
+        f"{'spare':>5} {'head MiB':>9} {'depth MiB':>9} {'head us':>9} {'strided us':>10} "
+        f"{'depth us':>9} {'head/depth':>10}",
     ]
     for p in r["pairs"]:
         lines.append(f"{p['spare_blocks']:>5} {p['head_device_bytes'] / 2**20:>9.2f} "
                      f"{p['depth_device_bytes'] / 2**20:>9.2f} {p['head_step_s'] * 1e6:>9.1f} "
+                     f"{p['strided_step_s'] * 1e6:>10.1f} "
                      f"{p['depth_step_s'] * 1e6:>9.1f} {p['head_over_depth']:>10.3f}")
     return "\n".join(lines)
 

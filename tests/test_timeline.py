@@ -177,7 +177,10 @@ def test_at_equal_device_bytes_residency_beats_deeper_prefetch_when_copies_domin
     for pair in first["pairs"]:
         # Equal device bytes: a head block is one slot's worth (every block is the same size).
         assert pair["head_device_bytes"] == pair["depth_device_bytes"], pair
+        assert pair["strided_device_bytes"] == pair["depth_device_bytes"], pair
         assert pair["head_over_depth"] < 0.95, pair
+        # Spread through the ring, resident blocks let the copies run beside their compute.
+        assert pair["strided_step_s"] <= pair["head_step_s"], pair
     # A deeper ring streams every block: it cannot beat the bandwidth bound of depth 1.
     one = r["offload_ref_layerwise"]
     for e in (1, 2):

@@ -99,7 +99,7 @@ def tie_candidate_in(rings: list[Any]) -> tuple[Any, str, str] | None:
         for name, p in blocks[1].named_parameters():
             q = first.get(name)
             if q is not None and q is not p and q.shape == p.shape and q.dtype == p.dtype:
-                return stack, name, f"{stack.block_paths[stack.resident_head + 1]}.{name}"
+                return stack, name, f"{stack.streamed_paths[1]}.{name}"
     return None
 
 
@@ -117,7 +117,7 @@ def check_parameter_shared_by_two_blocks_is_never_copied_twice(case) -> None:
     host bytes count it once) or is rejected before mutation with a message naming both paths."""
     pipeline = case.build()
     stack, name, second_path = _tie_candidates(case, pipeline)
-    first_path = f"{stack.block_paths[stack.resident_head]}.{name}"
+    first_path = f"{stack.streamed_paths[0]}.{name}"
     _tie(stack, name)
     reference_pipeline = case.build()
     ref_stack, _, _ = _tie_candidates(case, reference_pipeline)

@@ -451,7 +451,7 @@ def _interrupt_targets(case: Any, pipeline: Any) -> list[tuple[str, Any]]:
     if case.strategy.value != "model_level":
         targets = []
         for stack in plan.stacks:
-            blocks = list(zip(stack.block_paths[stack.resident_head:], stack.streamed_blocks))
+            blocks = list(zip(stack.streamed_paths, stack.streamed_blocks))
             if len(blocks) >= 2:
                 targets += [blocks[len(blocks) // 2], blocks[-1]]
         return targets

@@ -53,7 +53,7 @@ def _plan_signature(plan: Any) -> Any:
     for c in plan.components:
         stacks = [
             (s.owner_path, s.container_paths, tuple(id(b) for b in s.blocks), s.block_paths,
-             s.resident_head, str(s.transfer), tuple(a.path for a in s.aliases))
+             s.resident_indices, str(s.transfer), tuple(a.path for a in s.aliases))
             for s in c.stacks
         ]
         comps.append((c.path, id(c.module), c.role, c.selected, c.on_demand, tuple(stacks)))

@@ -288,7 +288,7 @@ def _ring_tensors(stack: Any) -> list[list[torch.Tensor]]:
     with something outside the block (kept resident once, see BlockStack.shared)."""
     shared = set(stack.shared)
     out = []
-    for block, path in zip(stack.streamed_blocks, stack.block_paths[stack.resident_head:]):
+    for block, path in zip(stack.streamed_blocks, stack.streamed_paths):
         named = list(block.named_parameters(prefix=path, remove_duplicate=False))
         named += [(n, b) for n, b in block.named_buffers(prefix=path, remove_duplicate=False)
                   if b is not None]
@@ -404,7 +404,7 @@ def check_layerwise_keeps_at_most_two_blocks_resident(case) -> None:
             problems.append(f"{platform.memory_allocated()} device bytes while {path} runs > "
                             f"bound {bound}")
 
-    blocks = [(p, b) for s in rings for p, b in zip(s.block_paths[s.resident_head:],
+    blocks = [(p, b) for s in rings for p, b in zip(s.streamed_paths,
                                                      s.streamed_blocks)]
     with observe(blocks, before) as calls, _parts_outside_their_block(blocks) as outside:
         case.run(pipeline)
@@ -447,7 +447,7 @@ def check_layerwise_prefetches_the_next_block_before_it_runs(case) -> None:
         order.append((id(stack), k))
         ready.append(_materialized(platform, stack))
 
-    blocks = [(p, b) for s in rings for p, b in zip(s.block_paths[s.resident_head:],
+    blocks = [(p, b) for s in rings for p, b in zip(s.streamed_paths,
                                                      s.streamed_blocks)]
     with observe(blocks, before):
         case.run(pipeline)
@@ -543,13 +543,13 @@ def check_layerwise_streams_every_block_of_every_ring(case) -> None:
     def before(path: str, module: nn.Module) -> None:
         seen[path] = is_resident(platform, module)
 
-    own = {p: ts for s in rings for p, ts in zip(s.block_paths[s.resident_head:],
+    own = {p: ts for s in rings for p, ts in zip(s.streamed_paths,
                                                 _ring_tensors(s))}
 
     def after(path: str, module: nn.Module) -> None:
         released[path] = not any(platform.is_resident(t) for t in own[path])
 
-    blocks = [(p, b) for s in rings for p, b in zip(s.block_paths[s.resident_head:],
+    blocks = [(p, b) for s in rings for p, b in zip(s.streamed_paths,
                                                      s.streamed_blocks)]
     with observe(blocks, before, after):
         case.run(pipeline)

@@ -110,7 +110,7 @@ class BlockRing:
         self.pin = pin
         self.prefetch_enabled = prefetch
         self.blocks: tuple[nn.Module, ...] = stack.streamed_blocks
-        self.block_paths = stack.block_paths[stack.resident_head:]
+        self.block_paths = stack.streamed_paths
         self.groups: list[TensorGroup] = []
         self.sections: list[dict[torch.dtype, tuple[int, int]]] = []  # byte offset, numel
         self.slot_bytes = 0  # the largest aligned block (Note [Slot layout])

@@ -35,21 +35,47 @@ def _frozen_map(mapping: Mapping | None, value_kind: str) -> Mapping:
     return MappingProxyType(result)
 
 
-def _head_map(mapping: Any) -> Mapping[str, int]:
-    """``OffloadPlan.layerwise_resident_layers``: dotted DiT path -> a non-negative int."""
+def _head_map(mapping: Any) -> Mapping[str, int | tuple[int, ...]]:
+    """``OffloadPlan.layerwise_resident_layers``: dotted DiT path -> a non-negative int (how many
+    blocks stay resident) or a tuple of block indices (exactly which; normalized sorted)."""
     where = "OffloadPlan.layerwise_resident_layers"
     if not isinstance(mapping, Mapping):
         raise TypeError(f"{where} = {mapping!r}: must be a mapping of DiT path to a number of "
-                        "leading blocks, e.g. {'transformer': 2}")
-    result = {}
+                        "resident blocks or a tuple of their indices, e.g. {'transformer': 2}")
+    result: dict[str, int | tuple[int, ...]] = {}
     for key, value in mapping.items():
         if not isinstance(key, str):
             raise TypeError(f"{where}: keys must be dotted DiT paths (str), got {key!r}")
+        if isinstance(value, (tuple, list)):
+            if not all(type(i) is int and i >= 0 for i in value):
+                raise ValueError(f"{where}[{key!r}] = {value!r}: block indices must be ints >= 0")
+            if len(set(value)) != len(value):
+                raise ValueError(f"{where}[{key!r}] = {value!r}: a block index is repeated")
+            result[key] = tuple(sorted(value))
+            continue
         if type(value) is not int or value < 0:
             raise ValueError(f"{where}[{key!r}] = {value!r}: must be an int >= 0 (the number of "
-                             "leading blocks kept on the device)")
+                             "blocks kept on the device) or a tuple of block indices")
         result[key] = value
     return MappingProxyType(result)
+
+
+#: ``OffloadPlan.layerwise_resident_policy`` values (Note [Resident blocks] in plan/resolver.py).
+RESIDENT_POLICIES = ("leading", "strided")
+
+
+def _policy_map(mapping: Any) -> Mapping[str, str]:
+    where = "OffloadPlan.layerwise_resident_policy"
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"{where} = {mapping!r}: must be a mapping of DiT path to one of "
+                        f"{list(RESIDENT_POLICIES)}")
+    for key, value in mapping.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{where}: keys must be dotted DiT paths (str), got {key!r}")
+        if value not in RESIDENT_POLICIES:
+            raise ValueError(f"{where}[{key!r}] = {value!r}: must be one of "
+                             f"{list(RESIDENT_POLICIES)}")
+    return MappingProxyType(dict(mapping))
 
 
 @dataclass(frozen=True)
@@ -61,10 +87,14 @@ class OffloadPlan:
     * ``offload_submodules``: path of a DiT submodule that owns its residency -> its container;
     * ``resident_dit_paths``: DiTs that may keep ``resident_layers`` leading blocks on the device
       under distributed layerwise (the config's ``LayerOptions.resident_layers`` says how many);
-    * ``layerwise_resident_layers``: DiT path -> how many leading blocks stay on the device under
-      plain layerwise offload (a resident head: placed once at enable, never hooked; the rest
-      stream, at least two of them).  ``strategy="auto"`` chooses its own head (Note [Auto mode]
-      in plan/auto.py);
+    * ``layerwise_resident_layers``: DiT path -> how many blocks stay on the device under plain
+      layerwise offload (placed once at enable, never hooked; the rest stream, at least two of
+      them), or a tuple of exactly which block indices.  ``strategy="auto"`` chooses its own head
+      (Note [Auto mode] in plan/auto.py);
+    * ``layerwise_resident_policy``: DiT path -> where a *count* of resident blocks sits:
+      ``"leading"`` (the first blocks: a resident head; the default) or ``"strided"`` (spread
+      through the ring, block ``floor(i * n / r + 1/2)`` for i < r), Note [Resident blocks] in
+      plan/resolver.py;
     * ``on_demand_component_paths``: components whose residency the pipeline manages through
       ``load_to_device()`` / ``offload_to_cpu()``;
     * ``encoder_dlo_weight_replication``: encoders whose loaded weights are identical on every rank
@@ -83,7 +113,8 @@ class OffloadPlan:
     on_demand_component_paths: tuple[str, ...] = ()
     encoder_dlo_weight_replication: tuple[str, ...] = ()
     encoder_component_types: Mapping[str, str] = field(default_factory=dict)
-    layerwise_resident_layers: Mapping[str, int] = field(default_factory=dict)
+    layerwise_resident_layers: Mapping[str, int | tuple[int, ...]] = field(default_factory=dict)
+    layerwise_resident_policy: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_attrs", _frozen_map(self.block_attrs, "tuple"))
@@ -101,6 +132,8 @@ class OffloadPlan:
         object.__setattr__(self, "encoder_component_types", kinds)
         object.__setattr__(self, "layerwise_resident_layers",
                            _head_map(self.layerwise_resident_layers))
+        object.__setattr__(self, "layerwise_resident_policy",
+                           _policy_map(self.layerwise_resident_policy))
         for name in ("resident_dit_paths", "on_demand_component_paths",
                      "encoder_dlo_weight_replication"):
             value = getattr(self, name)
@@ -114,6 +147,7 @@ class OffloadPlan:
             self.on_demand_component_paths, self.encoder_dlo_weight_replication,
             tuple(self.encoder_component_types.items()),
             tuple(self.layerwise_resident_layers.items()),
+            tuple(self.layerwise_resident_policy.items()),
         ))
 
 

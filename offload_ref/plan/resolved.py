@@ -65,6 +65,23 @@ class RingPlan:
     #: Blocks copied ahead of the running one (plain layerwise's ``prefetch_depth``): the ring
     #: has ``prefetch_depth + 1`` slots (Note [Prefetch depth] in backends/ring.py).
     prefetch_depth: int = 1
+    #: Resident blocks that are not a leading head (``layerwise_resident_policy="strided"``, or
+    #: an explicit tuple of indices): block indices, sorted; ``()`` when ``resident_head`` says
+    #: it all (Note [Resident blocks] in plan/resolver.py).
+    resident_blocks: tuple[int, ...] = ()
+
+    @property
+    def resident_indices(self) -> tuple[int, ...]:
+        """Indices of the blocks kept on the device (the head's, or ``resident_blocks``)."""
+        return self.resident_blocks or tuple(range(self.resident_head))
+
+    @property
+    def streamed_paths(self) -> tuple[str, ...]:
+        """Paths of the streamed blocks, in ring order (``streamed_blocks``' paths)."""
+        if not self.resident_blocks:
+            return self.block_paths[self.resident_head:]
+        kept = set(self.resident_blocks)
+        return tuple(p for i, p in enumerate(self.block_paths) if i not in kept)
 
     @property
     def slots(self) -> int:
@@ -73,12 +90,15 @@ class RingPlan:
 
     @property
     def streamed_blocks(self) -> tuple[nn.Module, ...]:
-        return self.blocks[self.resident_head:]
+        if not self.resident_blocks:
+            return self.blocks[self.resident_head:]
+        kept = set(self.resident_blocks)
+        return tuple(b for i, b in enumerate(self.blocks) if i not in kept)
 
     def _key(self) -> tuple:
         return (self.owner_path, self.container_paths, tuple(map(id, self.blocks)),
                 self.block_paths, self.resident_head, self.transfer, self.aliases, self.shared,
-                self.prefetch_depth)
+                self.prefetch_depth, self.resident_blocks)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RingPlan) and self._key() == other._key()
@@ -253,7 +273,9 @@ class ResolvedOffloadPlan:
                 sizes = [_nbytes_of(b) for b in s.blocks]
                 lines.append(
                     f"    ring {'+'.join(s.container_paths)}: {len(s.blocks)} blocks, largest "
-                    f"{max(sizes)} bytes, resident head {s.resident_head}, transfer "
+                    f"{max(sizes)} bytes, "
+                    + (f"resident blocks {list(s.resident_blocks)}" if s.resident_blocks
+                       else f"resident head {s.resident_head}") + ", transfer "
                     f"{s.transfer.value}"
                     + (f", prefetch depth {s.prefetch_depth}" if s.prefetch_depth != 1 else "")
                 )
@@ -290,5 +312,5 @@ def owned_tensors(plan: ResolvedOffloadPlan,
 def _streamed_tensors(stack: RingPlan, k: int) -> list[torch.Tensor]:
     """Block k's tensors that its ring streams (its shared ones stay resident)."""
     shared = set(stack.shared)
-    path = stack.block_paths[stack.resident_head + k]
+    path = stack.streamed_paths[k]
     return [t for name, t in named_tensors(stack.streamed_blocks[k], path) if name not in shared]

@@ -435,18 +435,11 @@ class Resolver:
             )
             return []
         blocks, block_paths, container_paths = self._blocks_of(path, module, names, source)
-        head = 0
+        head, kept = 0, ()
         options = self.config.options_for("dit")
         strategy = self.config.strategy
         if strategy is OffloadStrategy.LAYER_WISE and self.heads.get(path, 0):
-            head = self.heads[path]
-            if len(blocks) - head < 2:
-                raise OffloadTopologyError(
-                    f"{self.cls_name}: {self.head_source}[{path!r}] = {head} leaves "
-                    f"{max(len(blocks) - head, 0)} of the {len(blocks)} blocks of DiT {path!r} "
-                    "streaming; layerwise offload streams at least two; lower it to at most "
-                    f"{max(len(blocks) - 2, 0)}"
-                )
+            head, kept = self._resident_blocks(path, len(blocks))
         if strategy is OffloadStrategy.DISTRIBUTED_LAYER_WISE and options.resident_layers:
             if path not in self.plan.resident_dit_paths:
                 self.fail_or_warn(
@@ -473,7 +466,7 @@ class Resolver:
             )
             return []
         return [self._stack(path, module, container_paths, blocks, block_paths, head,
-                            self._transfer("dit"))]
+                            self._transfer("dit"), kept)]
 
     def _encoder_stacks(self, path: str, module: nn.Module, kind: str) -> list[RingPlan]:
         names = self.plan.encoder_block_attrs.get(path)
@@ -526,10 +519,50 @@ class Resolver:
         self._require_lifecycle(path, module)
         return ResolvedComponent(path, module, ComponentRole.DIT, True, True)
 
-    def _stack(self, owner_path, owner, container_paths, blocks, block_paths, head, transfer):
+    def _stack(self, owner_path, owner, container_paths, blocks, block_paths, head, transfer,
+               kept=()):
         aliases = _ring_aliases(owner_path, owner, blocks, block_paths)
         return RingPlan(owner_path, tuple(container_paths), tuple(blocks), tuple(block_paths),
-                        head, transfer, aliases, prefetch_depth=self.prefetch_depth)
+                        head, transfer, aliases, prefetch_depth=self.prefetch_depth,
+                        resident_blocks=kept)
+
+    # Note [Resident blocks]
+    #     Plain layerwise keeps some blocks of a DiT on the device, placed once at enable and
+    #     never hooked; the ring streams the others, in order, wrapping around, and prefetches
+    #     only them.  ``OffloadPlan.layerwise_resident_layers[path]`` says which: a count r, or a
+    #     tuple of block indices (exactly those).  For a count, ``layerwise_resident_policy``
+    #     says where: ``"leading"`` (blocks 0..r-1, a resident head, the default) or
+    #     ``"strided"`` (blocks floor(i * n / r + 1/2), i < r, spread through the ring: while a
+    #     resident block computes, the copy of the next streamed block runs beside it, where a
+    #     leading head leaves the copy engine idle).  At least two blocks stream.  A set that is
+    #     the leading blocks is stored as ``RingPlan.resident_head``; any other as
+    #     ``RingPlan.resident_blocks``.  ``strategy="auto"`` keeps a leading head (Note [Auto
+    #     mode] in plan/auto.py).
+
+    def _resident_blocks(self, path: str, n: int) -> tuple[int, tuple[int, ...]]:
+        """(resident head, other resident indices) of DiT ``path`` with ``n`` blocks."""
+        value = self.heads[path]
+        policy = self.plan.layerwise_resident_policy.get(path, "leading")
+        where = f"{self.head_source}[{path!r}] = {value!r}"
+        if isinstance(value, tuple):
+            out = [i for i in value if i >= n]
+            if out:
+                raise OffloadTopologyError(
+                    f"{self.cls_name}: {where} names block(s) {out} of DiT {path!r}, which has "
+                    f"{n} blocks (indices 0..{n - 1})")
+            kept = value
+        elif policy == "strided":
+            kept = tuple(sorted({int(i * n / value + 0.5) for i in range(value)}))
+        else:
+            kept = tuple(range(value))
+        if n - len(kept) < 2:
+            raise OffloadTopologyError(
+                f"{self.cls_name}: {where} leaves {max(n - len(kept), 0)} of the {n} blocks of "
+                f"DiT {path!r} streaming; layerwise offload streams at least two; keep at most "
+                f"{max(n - 2, 0)} resident")
+        if kept == tuple(range(len(kept))):
+            return len(kept), ()
+        return 0, kept
 
     # -- declarations and nesting --------------------------------------------------------------
 
@@ -550,15 +583,16 @@ class Resolver:
                    "encoder", encoders, "_encoder_modules"))
         other = {"DiT": ("encoder", encoders), "encoder": ("DiT", dits)}
         # A resident head is new: a key naming no DiT is refused under every config.
-        for key in self.plan.layerwise_resident_layers:
-            if key not in dits and key not in missing:
-                close = difflib.get_close_matches(key, dits, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise OffloadTopologyError(
-                    f"{self.cls_name}: OffloadPlan.layerwise_resident_layers names {key!r}, which "
-                    f"is no DiT of the pipeline; discovered DiTs: {dits}{hint}.  Fix the key, or "
-                    f"declare {key!r} in _dit_modules"
-                )
+        for name in ("layerwise_resident_layers", "layerwise_resident_policy"):
+            for key in getattr(self.plan, name):
+                if key not in dits and key not in missing:
+                    close = difflib.get_close_matches(key, dits, n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    raise OffloadTopologyError(
+                        f"{self.cls_name}: OffloadPlan.{name} names {key!r}, which is no DiT "
+                        f"of the pipeline; discovered DiTs: {dits}{hint}.  Fix the key, or "
+                        f"declare {key!r} in _dit_modules"
+                    )
         for name, keys, role, paths, declaration in fields:
             if not paths:
                 continue  # no component of the role at all: the strategy reports that (legacy
@@ -619,8 +653,7 @@ class Resolver:
         inside: dict[int, str] = {}  # id of a module strictly inside a streamed block -> block
         for comp in components:
             for stack in comp.stacks:
-                for block, bpath in zip(stack.streamed_blocks,
-                                        stack.block_paths[stack.resident_head:]):
+                for block, bpath in zip(stack.streamed_blocks, stack.streamed_paths):
                     for sub in block.modules():
                         if sub is not block:
                             inside.setdefault(id(sub), bpath)
