@@ -29,6 +29,13 @@ CASES = [("flux2", "layer_wise", 6), ("soulx_singer", "layer_wise", 6),
          ("cosmos3", "layer_wise", 6)]
 
 
+def _fresh(spec, strategy: str):
+    """A new platform, pipeline and backend (after a trial left the old ones unusable)."""
+    platform = CpuPlatform()
+    return (platform, spec.build(),
+            get_offload_backend(OffloadConfig(strategy=strategy), platform=platform))
+
+
 def _generate(spec, pipeline) -> None:
     with torch.inference_mode():
         pipeline(**spec.make_inputs())
@@ -37,9 +44,7 @@ def _generate(spec, pipeline) -> None:
 @pytest.mark.parametrize("name,strategy,stride", CASES, ids=[f"{n}-{s}" for n, s, _ in CASES])
 def test_an_exception_at_any_line_of_enable_leaves_nothing_behind(name, strategy, stride):
     spec = get_spec(name)
-    platform = CpuPlatform()
-    pipeline = spec.build()
-    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+    platform, pipeline, backend = _fresh(spec, strategy)
     places = lines_run(lambda: backend.enable(pipeline))
     backend.disable()
     assert len(places) > 100 and platform.memory_allocated() == 0
@@ -69,9 +74,7 @@ def test_an_exception_at_any_line_of_enable_leaves_nothing_behind(name, strategy
         except BaseException as exc:  # noqa: BLE001
             problems.append(f"{place}: not retryable: {exc!r}"[:300])
             platform.close()
-            platform = CpuPlatform()
-            pipeline = spec.build()
-            backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+            platform, pipeline, backend = _fresh(spec, strategy)
     platform.close()
     assert fired_count > 0
     assert not problems, f"{len(problems)} of {len(places[::1 if FULL else stride])} lines:\n" + \
@@ -85,9 +88,7 @@ def test_an_exception_at_any_line_of_disable_leaves_a_backend_that_finishes_it(n
     on the device; either way disable() again frees everything and the pipeline generates
     offloaded again."""
     spec = get_spec(name)
-    platform = CpuPlatform()
-    pipeline = spec.build()
-    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+    platform, pipeline, backend = _fresh(spec, strategy)
     backend.enable(pipeline)
     places = lines_run(backend.disable)
     assert len(places) > 50 and platform.memory_allocated() == 0
@@ -115,8 +116,6 @@ def test_an_exception_at_any_line_of_disable_leaves_a_backend_that_finishes_it(n
         except BaseException as exc:  # noqa: BLE001
             problems.append(f"{place}: not retryable: {exc!r}"[:300])
             platform.close()
-            platform = CpuPlatform()
-            pipeline = spec.build()
-            backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+            platform, pipeline, backend = _fresh(spec, strategy)
     platform.close()
     assert not problems, "\n".join(problems[:20])
