@@ -49,8 +49,6 @@ class OffloadConcurrencyError(RuntimeError):
 
 
 _CALL_CODE = nn.Module._call_impl.__code__
-#: Entries of one thread past which a new one prunes the stale ones (Note [Component entries]).
-_PRUNE_AT = 4
 _get_ident = threading.get_ident
 
 
@@ -123,6 +121,8 @@ class CallGuard:
         # with no waiter is only a cost.
         self._waiters = getattr(self._cond, "_waiters", None)
         self._inside: dict[int, list[tuple[str, FrameType | None]]] = {}
+        # Note [Component entries]: whole forwards of streamed components, apart from ``_inside``
+        self._components: dict[int, list[tuple[str, FrameType | None]]] = {}
         self._exclusive: int | None = None  # thread holding the guard exclusively
         self._closed = False  # set by exclusive(close=True): hooks leave modules alone
 
@@ -159,6 +159,9 @@ class CallGuard:
         general path.  Caller holds the lock."""
         if self._exclusive is not None or self._closed:
             return False
+        components = self._components
+        if components and (len(components) > 1 or me not in components):
+            return False  # another thread is inside a component: the general path refuses
         inside = self._inside
         if not inside:  # nobody inside: the steady state of a block's pre-hook
             inside[me] = [(label, frame)]
@@ -169,14 +172,54 @@ class CallGuard:
         return True
 
     # Note [Component entries]
-    #     Under layerwise the owner of a ring (the DiT) holds an entry for its whole forward, so
-    #     ``exclusive`` (disable, edit_weights) waits for the component's forward and not just for
-    #     the block running at that moment; each block's entry nests inside it.  A nested entry
-    #     would prune this thread's stale entries (interrupted forwards) by walking the stack,
-    #     which is most of a block's guard cost once every block nests.  So pruning waits until
-    #     the thread holds a few entries: a stale entry of this thread only costs a place in its
-    #     list (``exit`` of an outer entry drops everything nested in it, and other threads test
-    #     entries for liveness in ``_busy_elsewhere`` anyway).
+    #     Under layerwise the owner of a ring (the DiT) holds a component entry for its whole
+    #     forward, so ``exclusive`` (disable, edit_weights) waits for the component's forward and
+    #     not just for the block running at that moment, and another thread's call is refused
+    #     from the component's first line on.  Component entries are kept apart from the hooks'
+    #     own (``_components``, not ``_inside``): hooks read this thread's entries to tell a
+    #     nested call from a new one, and a block's entry would otherwise always nest, paying
+    #     the stack walk that prunes stale entries on every block.
+
+    def enter_component(self, label: str, frame: FrameType | None) -> bool:
+        """Register this thread's forward of the streamed component ``label`` (Note
+        [Component entries]); False and the rest as :meth:`enter`."""
+        me = _get_ident()
+        with self._cond:
+            while self._exclusive is not None and self._exclusive != me:
+                self._cond.wait()
+            if self._closed:
+                return False
+            busy = self._busy_elsewhere(me)
+            if busy:
+                thread, where = busy
+                raise OffloadConcurrencyError(
+                    f"{label} was called in thread {me} while thread {thread} is inside {where} "
+                    f"of the same pipeline, offloaded by {self.owner}; an enabled pipeline serves "
+                    "one thread at a time (its weights stream through shared device slots): "
+                    "give each thread its own pipeline and backend, or serialize the calls")
+            mine = self._components.setdefault(me, [])
+            if mine:  # left by a forward a Ctrl-C ended (or a nested call): keep the live ones
+                self._prune_own(mine)
+            mine.append((label, frame))
+            return True
+
+    def holds_component(self, frame: FrameType | None) -> bool:
+        mine = self._components.get(_get_ident())
+        return bool(mine) and any(f is frame for _, f in mine)
+
+    def exit_component(self, frame: FrameType | None) -> None:
+        me = _get_ident()
+        with self._cond:
+            mine = self._components.get(me)
+            if not mine:
+                return
+            for i in range(len(mine) - 1, -1, -1):
+                if mine[i][1] is frame:
+                    del mine[i:]
+                    break
+            if not mine:
+                del self._components[me]
+                self._cond.notify_all()
 
     def _add_entry(self, me: int, label: str, frame: FrameType | None) -> None:
         """Record this thread's forward of ``label`` (caller holds the lock)."""
@@ -184,7 +227,7 @@ class CallGuard:
         if mine is None:
             self._inside[me] = [(label, frame)]
             return
-        if len(mine) >= _PRUNE_AT:  # Note [Component entries]
+        if mine:
             self._prune_own(mine)
         mine.append((label, frame))
 
@@ -260,20 +303,23 @@ class CallGuard:
     # -- internals --------------------------------------------------------------------------------
 
     def _busy_elsewhere(self, me: int) -> tuple[int, str] | None:
-        """Another thread's live entry (caller holds the lock); stale entries are dropped."""
-        others = [t for t, entries in self._inside.items() if t != me and entries]
-        if not others:
-            return None
-        frames = sys._current_frames()
-        for thread in others:
-            entries = self._inside[thread]
-            top = frames.get(thread)
-            live = [(label, f) for label, f in entries
-                    if top is not None and (f is None or _on_stack(f, top))]
-            if live:
-                self._inside[thread] = live
-                return thread, live[-1][0]
-            del self._inside[thread]
+        """Another thread's live entry, a component's included (caller holds the lock); stale
+        entries are dropped."""
+        frames = None
+        for table in (self._inside, self._components):
+            others = [t for t, entries in table.items() if t != me and entries]
+            if not others:
+                continue
+            frames = frames if frames is not None else sys._current_frames()
+            for thread in others:
+                entries = table[thread]
+                top = frames.get(thread)
+                live = [(label, f) for label, f in entries
+                        if top is not None and (f is None or _on_stack(f, top))]
+                if live:
+                    table[thread] = live
+                    return thread, live[-1][0]
+                del table[thread]
         return None
 
     def _prune_own(self, mine: list[tuple[str, FrameType | None]]) -> None:

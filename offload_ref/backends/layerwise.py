@@ -360,19 +360,19 @@ class _ComponentEditGuard(RefusesCopies, ModelHook):
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         frame = call_frame()
         calls = self.calls
-        if not calls.enter(self.path, frame):
+        if not calls.enter_component(self.path, frame):
             return None  # the backend is being disabled: leave the component alone
         try:
             self.run()
         except BaseException:
-            calls.exit(frame)
+            calls.exit_component(frame)
             raise
         return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         frame = call_frame()
         calls = self.calls
-        if not calls.holds(frame):
+        if not calls.holds_component(frame):
             return None
         try:
             if calls.closed:
@@ -382,7 +382,7 @@ class _ComponentEditGuard(RefusesCopies, ModelHook):
                     t.__class__ = IDLE_PARAMETER
             self.idle = bool(self.params)
         finally:
-            calls.exit(frame)
+            calls.exit_component(frame)
         return None
 
     def run(self) -> None:
