@@ -173,6 +173,16 @@ class _LetsEveryThreadIn(CallGuard):
     def exit(self, frame: Any) -> bool:
         return True
 
+    # ... and a component's whole forward (Note [Component entries]) records nothing either
+    def enter_component(self, label: str, frame: Any) -> bool:
+        return True
+
+    def holds_component(self, frame: Any) -> bool:
+        return True
+
+    def exit_component(self, frame: Any) -> None:
+        return None
+
 
 class _UnguardedGroups(ComponentGroups):
     """ComponentGroups whose contexts let every thread in: a second thread swaps the groups
