@@ -140,19 +140,8 @@ class CallGuard:
         if entered:
             return True
         with self._cond:
-            while self._exclusive is not None and self._exclusive != me:
-                self._cond.wait()
-            if self._closed:
+            if not self._admit(me, label):
                 return False
-            busy = self._busy_elsewhere(me)
-            if busy:
-                thread, where = busy
-                raise OffloadConcurrencyError(
-                    f"{label} was called in thread {me} while thread {thread} is inside {where} "
-                    f"of the same pipeline, offloaded by {self.owner}; an enabled pipeline serves "
-                    "one thread at a time (its weights stream through shared device slots): "
-                    "give each thread its own pipeline and backend, or serialize the calls"
-                )
             self._add_entry(me, label, frame)
             return True
 
@@ -191,18 +180,8 @@ class CallGuard:
         [Component entries]); False and the rest as :meth:`enter`."""
         me = _get_ident()
         with self._cond:
-            while self._exclusive is not None and self._exclusive != me:
-                self._cond.wait()
-            if self._closed:
+            if not self._admit(me, label):
                 return False
-            busy = self._busy_elsewhere(me)
-            if busy:
-                thread, where = busy
-                raise OffloadConcurrencyError(
-                    f"{label} was called in thread {me} while thread {thread} is inside {where} "
-                    f"of the same pipeline, offloaded by {self.owner}; an enabled pipeline serves "
-                    "one thread at a time (its weights stream through shared device slots): "
-                    "give each thread its own pipeline and backend, or serialize the calls")
             mine = self._components.setdefault(me, [])
             if len(mine) >= 8:  # left by forwards a Ctrl-C ended: keep the live ones
                 self._prune_own(mine)
@@ -310,6 +289,23 @@ class CallGuard:
                 self._cond.notify_all()
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _admit(self, me: int, label: str) -> bool:
+        """The general path of an entry (caller holds the condition): wait out another thread's
+        ``exclusive``; False once closed; OffloadConcurrencyError if another thread is inside."""
+        while self._exclusive is not None and self._exclusive != me:
+            self._cond.wait()
+        if self._closed:
+            return False
+        busy = self._busy_elsewhere(me)
+        if busy:
+            thread, where = busy
+            raise OffloadConcurrencyError(
+                f"{label} was called in thread {me} while thread {thread} is inside {where} "
+                f"of the same pipeline, offloaded by {self.owner}; an enabled pipeline serves "
+                "one thread at a time (its weights stream through shared device slots): "
+                "give each thread its own pipeline and backend, or serialize the calls")
+        return True
 
     def _busy_elsewhere(self, me: int) -> tuple[int, str] | None:
         """Another thread's live entry, a component's included (caller holds the lock); stale
