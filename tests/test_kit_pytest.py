@@ -210,6 +210,17 @@ OFFLOAD_REF_SPECS = [get_spec("flux2")]
 
 def test_offload(offload_ref_check):
     offload_ref_check()
+
+
+def test_frozen_while_kit_checks_run():
+    import gc
+    print("FROZEN-DURING", gc.get_freeze_count())
+"""
+
+_PRINTS_FREEZE_AFTER = """
+def pytest_unconfigure(config):
+    import gc
+    print("FROZEN-AFTER", gc.get_freeze_count())
 """
 
 
@@ -219,11 +230,17 @@ def test_the_pytest_route_runs_placement_checks_on_although_the_module_imports_d
     torch's HPU hooks before the simulated accelerator loaded, and every pytest route of the kit
     ran with placement checks off.  The plugin now loads it before such a module is imported."""
     pytester.makepyfile(test_author=_IMPORTS_DIFFUSERS_FIRST)
+    pytester.makeconftest(_PRINTS_FREEZE_AFTER)
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-k", "check_offloaded_output_matches_reference_bitwise")
-    result.assert_outcomes(passed=2)
+        "-p", "no:cacheprovider", "-s",
+        "-k", "check_offloaded_output_matches_reference_bitwise or frozen")
+    result.assert_outcomes(passed=3)
     out = result.stdout.str()
     assert "placement checks ON" in out and "PLACEMENT CHECKS OFF" not in out, out
+    # Note [Collected objects are frozen] in contracts/plugin.py: frozen while the kit's cases
+    # run, given back to the collector when the session ends
+    assert _seen(result, "FROZEN-DURING") != "0", out
+    assert _seen(result, "FROZEN-AFTER") == "0", out
 
 
 # -- pytest-xdist --------------------------------------------------------------------------------
