@@ -19,8 +19,13 @@ def _single_torch_thread():
 def pytest_configure(config):
     """Load the simulated accelerator before anything asks torch for its accelerator (torch looks
     its HPU hooks up once per process), so every check runs where host and device differ."""
+    import os
+
     from offload_ref.platform import simulated
 
+    # pytester's subprocesses run with HOME in their temporary folder: without the cache folder
+    # named, each would build the simulated accelerator anew (35-45 s a test)
+    os.environ.setdefault("OFFLOAD_REF_SIM_CACHE", str(simulated._cache_dir().parent))
     simulated.available()
 
 
