@@ -72,7 +72,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 _PREVIOUS_THREADS = pytest.StashKey[int]()
-#: Whether the plugin froze the collected objects (Note [Collected objects are frozen])
+#: Whether the plugin froze the collected objects (Note [Frozen heap] in runner.py)
 _FROZEN = pytest.StashKey[bool]()
 _ROWS = pytest.StashKey[list]()
 _CUDA = pytest.StashKey[dict]()
@@ -311,10 +311,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not _runs_kit_checks(session.items):
         return
-    # Note [Collected objects are frozen]
-    gc.collect()
-    gc.freeze()
-    session.config.stash[_FROZEN] = True
+    from .runner import freeze_heap  # Note [Frozen heap] in runner.py
+
+    session.config.stash[_FROZEN] = freeze_heap()
     threads = session.config.getoption("--offload-ref-threads")
     if not threads:
         return
@@ -322,19 +321,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     session.config.stash[_PREVIOUS_THREADS] = torch.get_num_threads()
     torch.set_num_threads(threads)
-
-
-# Note [Collected objects are frozen]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Checks that read the device's allocated bytes first run ``gc.collect()`` (a tensor kept alive
-# only by a reference cycle is no offloader's), several times a case.  A full collection walks
-# every object the process holds: torch's and the pipelines' modules, and the pytest items of
-# every collected case.  After collection those all live to the end of the session, so the
-# plugin moves them to the permanent generation (``gc.freeze``): a collection then walks only
-# what the session made since, which the checks' own objects are.  In this project's suite that
-# took a 64 ms collection to a few ms, and the flux2 cases from 22.9 s to 18.1 s.  Cyclic garbage
-# among the frozen objects is not collected before ``gc.unfreeze()`` at the session's end;
-# objects freed by reference counting are freed as before.
 
 
 def _restore_threads(session: pytest.Session) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 import traceback
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -431,6 +433,42 @@ def escaped_specs(specs: Sequence[PipelineSpec], observer: RunObserver | None = 
     return escaped
 
 
+# Note [Frozen heap]
+# ~~~~~~~~~~~~~~~~~~
+# Checks that read the device's allocated bytes first run ``gc.collect()`` (a tensor kept alive
+# only by a reference cycle is no offloader's), several times a case.  A full collection walks
+# every object the process holds: torch's and the pipelines' modules, and in a pytest session
+# the items of every collected case.  Those live to the end of the run, so once the cases are
+# planned the kit moves them to the permanent generation (``gc.freeze``): a collection then
+# walks only what the run made since.  In this project's suite that took a collection from 64 ms
+# to 8 ms and the contract gate from 400 s to 247 s.  Cyclic garbage among the frozen objects is
+# not collected before the run ends (``gc.unfreeze``); objects freed by reference counting are
+# freed as before.  ``gc.freeze`` does not nest, so where objects are frozen already (the
+# process's own freeze, or an enclosing kit run: the pytest plugin's session, a pytester session
+# inside a test) the kit changes nothing, and so never unfreezes what it did not freeze.
+
+
+def freeze_heap() -> bool:
+    """Collect, then freeze every object alive now (Note [Frozen heap]).  False, changing
+    nothing, when objects are frozen already: whoever froze them unfreezes them."""
+    if gc.get_freeze_count():
+        return False
+    gc.collect()
+    gc.freeze()
+    return True
+
+
+@contextlib.contextmanager
+def heap_frozen() -> Iterator[None]:
+    """The block runs with the heap frozen (:func:`freeze_heap`), unfrozen after if it froze."""
+    froze = freeze_heap()
+    try:
+        yield
+    finally:
+        if froze:
+            gc.unfreeze()
+
+
 def run_checks(
     specs: Sequence[PipelineSpec],
     *,
@@ -488,6 +526,14 @@ def _run_checks(specs: Sequence[PipelineSpec], checks: Iterable[str] | None,
     for result in results:
         observer.result(result)
     total = len(results) + len(todo)
+    with heap_frozen():
+        _run_planned(todo, results, total, expected, progress, observer)
+    return results
+
+
+def _run_planned(todo: list[tuple[PlannedCase, CaseId]], results: list[CheckResult], total: int,
+                 expected: Mapping[str, str], progress: Callable[[int, int, CheckResult], None]
+                 | None, observer: RunObserver) -> None:
     for planned_case, cid in todo:
         info, spec, strategy = planned_case.info, planned_case.spec, planned_case.strategy
         if planned_case.planning_error is not None or planned_case.not_applicable is not None:
@@ -529,4 +575,3 @@ def _run_checks(specs: Sequence[PipelineSpec], checks: Iterable[str] | None,
         observer.result(results[-1])
         if progress is not None:
             progress(len(results), total, results[-1])
-    return results

@@ -237,10 +237,39 @@ def test_the_pytest_route_runs_placement_checks_on_although_the_module_imports_d
     result.assert_outcomes(passed=3)
     out = result.stdout.str()
     assert "placement checks ON" in out and "PLACEMENT CHECKS OFF" not in out, out
-    # Note [Collected objects are frozen] in contracts/plugin.py: frozen while the kit's cases
+    # Note [Frozen heap] in contracts/runner.py: frozen while the kit's cases
     # run, given back to the collector when the session ends
     assert _seen(result, "FROZEN-DURING") != "0", out
     assert _seen(result, "FROZEN-AFTER") == "0", out
+
+
+def test_a_kit_session_inside_a_frozen_process_leaves_the_freeze_alone(pytester) -> None:
+    """gc.freeze does not nest: a kit session (or run_checks) started where objects are frozen
+    already (this session's own plugin, a pytester session inside a test) must neither freeze
+    nor unfreeze.  Before, such an inner session unfroze the outer one's objects at its end, and
+    every later gc.collect of the outer session walked them again (Note [Frozen heap])."""
+    import gc
+
+    from offload_ref.contracts.runner import run_checks
+    from offload_ref.fixtures import get_spec
+
+    froze_here = not gc.get_freeze_count()
+    if froze_here:  # this test run alone: no kit session froze this process
+        gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        pytester.makepyfile(test_author=_IMPORTS_DIFFUSERS_FIRST)
+        pytester.runpytest_inprocess(
+            "-p", "no:cacheprovider", "-k", "frozen").assert_outcomes(passed=1)
+        # frozen objects freed by reference counting leave the count; none may join it (a
+        # second freeze), nor may the rest leave (an unfreeze)
+        assert frozen // 2 < gc.get_freeze_count() <= frozen
+        run_checks([get_spec("flux2")], checks=["check_dotted_paths_resolve_nested_components"],
+                   include_global=False)
+        assert frozen // 2 < gc.get_freeze_count() <= frozen
+    finally:
+        if froze_here:
+            gc.unfreeze()
 
 
 # -- pytest-xdist --------------------------------------------------------------------------------
