@@ -527,13 +527,15 @@ def _run_checks(specs: Sequence[PipelineSpec], checks: Iterable[str] | None,
         observer.result(result)
     total = len(results) + len(todo)
     with heap_frozen():
-        _run_planned(todo, results, total, expected, progress, observer)
+        _run_planned(todo, results, total, impl, expected, progress, observer)
     return results
 
 
 def _run_planned(todo: list[tuple[PlannedCase, CaseId]], results: list[CheckResult], total: int,
-                 expected: Mapping[str, str], progress: Callable[[int, int, CheckResult], None]
-                 | None, observer: RunObserver) -> None:
+                 impl: Implementation, expected: Mapping[str, str],
+                 progress: Callable[[int, int, CheckResult], None] | None,
+                 observer: RunObserver) -> None:
+    """Run the planned cases ``todo`` in order, appending each result to ``results``."""
     for planned_case, cid in todo:
         info, spec, strategy = planned_case.info, planned_case.spec, planned_case.strategy
         if planned_case.planning_error is not None or planned_case.not_applicable is not None:
