@@ -2,7 +2,7 @@
 
 An offloader under test is named by a *factory*, ``MODULE:ATTR``, called as
 ``factory(device, strategy)`` with the device the kit computes on (:func:`~.case.kit_device`)
-and ``strategy`` one of :data:`STRATEGIES`.  It returns an object with the seeds'
+and ``strategy`` one of :data:`STRATEGIES`.  It returns an object with vLLM-Omni's
 ``OffloadBackend`` lifecycle:
 
 * ``enable(pipeline)``: install offloading on ``pipeline`` (a plain object or an ``nn.Module``);

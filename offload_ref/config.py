@@ -628,7 +628,7 @@ def _legacy_strategy(od_config: Any) -> OffloadStrategy:
 
 
 def _parallel_flag(od_config: Any, name: str, default: Any) -> Any:
-    """``od_config.<name>`` or ``od_config.parallel_config.<name>`` (the seeds'
+    """``od_config.<name>`` or ``od_config.parallel_config.<name>`` (vLLM-Omni's
     DiffusionParallelConfig: an object or a mapping); both set and different is a
     contradiction, never a silent choice."""
     top = getattr(od_config, name, None)

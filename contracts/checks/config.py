@@ -8,7 +8,7 @@ A rejection must raise the exception type the schema prescribes, with a message 
 offending key, the value it got and the values it accepts.  TypeError is for a value of the wrong
 container or key type (a non-mapping, non-string keys, a non-bool flag, components given as a
 string).  ValueError is for everything else, including numeric fields of the wrong type
-(``resident_layers=1.0`` or ``"2"``), as the seeds' parser does.
+(``resident_layers=1.0`` or ``"2"``), as vLLM-Omni's parser does.
 """
 
 from __future__ import annotations
@@ -537,7 +537,7 @@ def check_config_dlo_with_hsdp_and_rank_local_is_accepted(case) -> None:
 
 @check("G", scope="global")
 def check_config_nested_parallel_config_is_read_and_contradictions_rejected(case) -> None:
-    """The parallel facts of a nested ``parallel_config`` (the seeds' DiffusionParallelConfig,
+    """The parallel facts of a nested ``parallel_config`` (vLLM-Omni's DiffusionParallelConfig,
     an object or a mapping) count like the top-level attributes; a contradiction between the
     two is a ValueError naming both keys."""
     for nested in (SimpleNamespace(use_hsdp=True, data_parallel_size=4),
