@@ -36,7 +36,7 @@ from .resolved import (
     _streamed_tensors,
     owned_tensors,
 )
-from .tree import _has_readable_storage, _storage_key, named_tensors, pipeline_state
+from .tree import _has_readable_storage, _storage_key, _subtree, named_tensors, pipeline_state
 
 
 class Resolver:
@@ -406,12 +406,10 @@ class Resolver:
                     f"{type(owner).__name__}; fix the declaration or add the attribute"
                 )
             container_paths.append(full)
-            if isinstance(container, (nn.ModuleList, nn.Sequential)):
-                for i, block in enumerate(container):
-                    blocks.append(block)
-                    block_paths.append(f"{full}.{i}")
-            elif isinstance(container, nn.ModuleDict):
-                for key, block in container.items():
+            if isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+                entries = (container.items() if isinstance(container, nn.ModuleDict)
+                           else enumerate(container))
+                for key, block in _stage_blocks(list(entries)):
                     blocks.append(block)
                     block_paths.append(f"{full}.{key}")
             elif isinstance(container, nn.Module):
@@ -707,6 +705,35 @@ class Resolver:
 
 _ROLE_WORD = {ComponentRole.DIT: "DiT", ComponentRole.ENCODER: "encoder", ComponentRole.VAE: "VAE",
               ComponentRole.RESIDENT: "resident"}
+
+
+# Note [Pipeline-parallel stages]
+#     Under pipeline parallelism a DiT's block list keeps its full length on every stage, and
+#     the blocks of other stages are placeholders: modules that hold no parameter and no buffer
+#     (vLLM's ``PPMissingLayer`` is an ``nn.Identity``), which the stage's forward never calls
+#     (it runs ``blocks[start_layer:end_layer]``).  A ring over the whole list would hold them
+#     as blocks: the call-order predictor would first guess a placeholder after the stage's
+#     last block, and the first block of every later pass would be loaded synchronously until
+#     it learned the order (vLLM-Omni's static ring never learned it: PR #6456).  So the
+#     resolver leaves placeholders out of the ring: a declared container that holds at least
+#     one block with tensors streams only the blocks with tensors, under their own paths
+#     (``blocks.4``: indices are those of the list), and the ring wraps around the stage's own
+#     slice from the first pass.  When the DiT's ``start_layer``/``end_layer`` cover exactly the
+#     blocks with tensors, that slice is the same set; when they do not (attributes of another
+#     meaning, a second container), they slice nothing.  Each container is judged on its own.
+#     Resident block counts and indices (``layerwise_resident_layers``) count the ring's blocks.
+#     A container whose blocks all hold no tensor is left as it is.
+
+
+def _stage_blocks(entries: list[tuple[Any, nn.Module]]) -> list[tuple[Any, nn.Module]]:
+    """The entries of a declared block container that stream (Note [Pipeline-parallel
+    stages]): every entry, unless some hold tensors, then those only."""
+    def holds_tensors(block: nn.Module) -> bool:
+        return any(t is not None for m in _subtree(block)
+                   for t in (*m._parameters.values(), *m._buffers.values()))
+
+    kept = [(key, block) for key, block in entries if holds_tensors(block)]
+    return kept if kept else entries
 
 
 def _with_nested(components: list[ResolvedComponent]) -> list[ResolvedComponent]:
