@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ComponentGroups",
     "HookRegistry",
+    "HostBudgetError",
     "LayerOptions",
     "LoadReport",
     "ModelHook",
@@ -55,6 +56,7 @@ _WHERE = {
     "resolve_offload_plan": ".plan",
     "HookRegistry": ".hooks",
     "ModelHook": ".hooks",
+    "HostBudgetError": ".host",
     "OffloadBackend": ".backends.base",
     "OffloadEnableError": ".backends.base",
     "OffloadStats": ".backends.stats",

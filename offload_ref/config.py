@@ -201,6 +201,11 @@ class OffloadConfig:
     #: ... and the most bytes the staging pool may hold (None: ``staging_slots`` slots of the
     #: largest file-backed block); it must hold two slots.
     staging_budget_bytes: int | None = None
+    #: The most host bytes ``enable()`` may allocate for host masters, each pinned one as the
+    #: platform locks it (Note [Host budget] in host.py): a positive int, or None: the room left
+    #: in the process's memory cgroup less a margin of 1/16 of its limit, when it runs under a
+    #: limit (else no budget).  ``enable()`` refuses a plan over it before any allocation.
+    host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         strategies = [s.value for s in OffloadStrategy]
@@ -270,6 +275,10 @@ class OffloadConfig:
                 f"OffloadConfig.world_size must be an int >= 1, got {_r(self.world_size)}")
         _check_budget("OffloadConfig.device_budget_bytes", self.device_budget_bytes, strategy)
         _check_staging(self.staging_slots, self.staging_budget_bytes, strategy)
+        if self.host_budget_bytes is not None and (type(self.host_budget_bytes) is not int
+                                                   or self.host_budget_bytes < 1):
+            raise ValueError(f"OffloadConfig.host_budget_bytes = {_r(self.host_budget_bytes)}: "
+                             "must be a positive int (bytes) or None (the container's limit)")
         if strategy is OffloadStrategy.AUTO and self.world_size != 1:
             raise ValueError(
                 f"OffloadConfig.world_size = {self.world_size}: strategy='auto' chooses among "
@@ -328,6 +337,7 @@ class OffloadConfig:
                 self.device_budget_bytes,
                 self.staging_slots,
                 self.staging_budget_bytes,
+                self.host_budget_bytes,
             )
         )
 
@@ -345,6 +355,7 @@ class OffloadConfig:
                 self.device_budget_bytes,
                 self.staging_slots,
                 self.staging_budget_bytes,
+                self.host_budget_bytes,
             ),
         )
 
@@ -373,7 +384,8 @@ class OffloadConfig:
 
 
 def _rebuild(strategy, components, pin_memory, layer_options, world_size, use_hsdp, explicit,
-             device_budget_bytes=None, staging_slots=None, staging_budget_bytes=None):
+             device_budget_bytes=None, staging_slots=None, staging_budget_bytes=None,
+             host_budget_bytes=None):
     return OffloadConfig(
         strategy=strategy,
         components=components,
@@ -385,6 +397,7 @@ def _rebuild(strategy, components, pin_memory, layer_options, world_size, use_hs
         device_budget_bytes=device_budget_bytes,
         staging_slots=staging_slots,
         staging_budget_bytes=staging_budget_bytes,
+        host_budget_bytes=host_budget_bytes,
     )
 
 

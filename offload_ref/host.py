@@ -350,3 +350,112 @@ def unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str,
         seen.add(id(t))
         out.append((name, t))
     return out
+
+
+# -- the host budget ---------------------------------------------------------------------------
+
+# Note [Host budget]
+#     Users of offloading run out of host memory before device memory: a container's limit
+#     kills the process (the OOM killer, not an exception), and a caching pinned allocator
+#     rounds each request up (five 1.20 GiB requests locked 10.01 GiB: sglang #39021).  So
+#     ``enable()`` compares the host bytes its plan allocates (``ResolvedOffloadPlan.
+#     host_allocations``, Note [Host bytes] in plan/prediction.py), each pinned one as the
+#     platform locks it (``Platform.host_lock_bytes``, where a platform has it), with a budget,
+#     before any allocation, and refuses with the numbers and the largest parts.  The budget is
+#     ``OffloadConfig.host_budget_bytes``, or by default the room left in the process's memory
+#     cgroup (v2 ``memory.max`` - ``memory.current``; v1 ``memory.limit_in_bytes`` -
+#     ``memory.usage_in_bytes``) less a margin of 1/16 of the limit, when the process runs under
+#     a limit; else there is none.  The margin leaves room for what enable does not predict
+#     (activations, a staging pool, the allocator's own rounding); the masters are compared
+#     with the room left, not the limit, because the pipeline's own weights are still in host
+#     memory while enable copies them.
+
+
+class HostBudgetError(RuntimeError):
+    """``enable()`` would allocate more host bytes than ``OffloadConfig.host_budget_bytes`` (or
+    the room left in the container's memory limit) allows; raised before any allocation."""
+
+
+def container_memory(root: str = "/sys/fs/cgroup",
+                     proc_cgroup: str = "/proc/self/cgroup") -> tuple[int, int] | None:
+    """``(limit, usage)`` in bytes of this process's memory cgroup (v2, else v1), or None when
+    it has no limit or none can be read (Note [Host budget])."""
+    import os
+
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":  # v2 unified hierarchy
+            candidates.append((os.path.join(root, rel, "memory.max"),
+                               os.path.join(root, rel, "memory.current")))
+        elif "memory" in controllers.split(","):
+            base = os.path.join(root, "memory", rel)
+            candidates.append((os.path.join(base, "memory.limit_in_bytes"),
+                               os.path.join(base, "memory.usage_in_bytes")))
+    for limit_path, usage_path in candidates:
+        try:
+            with open(limit_path) as f:
+                text = f.read().strip()
+            with open(usage_path) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if text == "max":
+            return None
+        try:
+            limit = int(text)
+        except ValueError:
+            continue
+        if limit >= 1 << 60:  # v1's "no limit" is a page-rounded LONG_MAX
+            return None
+        return limit, usage
+    return None
+
+
+def host_budget(configured: int | None) -> tuple[int, str] | None:
+    """``(budget, where it comes from)`` for ``OffloadConfig.host_budget_bytes`` =
+    ``configured`` (Note [Host budget]); None when there is none."""
+    if configured is not None:
+        return configured, "OffloadConfig.host_budget_bytes"
+    room = container_memory()
+    if room is None:
+        return None
+    limit, usage = room
+    return (limit - usage - limit // 16,
+            f"the room left in this container's memory limit ({limit} bytes, {usage} in use, "
+            f"less a margin of {limit // 16}; set OffloadConfig.host_budget_bytes to choose)")
+
+
+def require_host_budget(subject: str, allocations: Sequence[tuple[str, int]], platform: Platform,
+                        pin: bool, configured: int | None) -> None:
+    """Raise :class:`HostBudgetError` when ``allocations`` (``(what, requested bytes)``), each
+    pinned one as ``platform`` locks it, exceed the budget (Note [Host budget])."""
+    budget = host_budget(configured)
+    if budget is None or not allocations:
+        return
+    limit, source = budget
+    pinned = pin and bool(getattr(platform, "pin_memory_supported", False))
+    lock = getattr(platform, "host_lock_bytes", None) if pinned else None
+    need = [(what, lock(n) if lock is not None else n) for what, n in allocations]
+    total = sum(n for _, n in need)
+    if total <= limit:
+        return
+    parts: dict[str, int] = {}
+    for what, n in need:
+        part = what.rsplit(" (", 1)[0]
+        parts[part] = parts.get(part, 0) + n
+    largest = sorted(parts.items(), key=lambda item: -item[1])[:3]
+    locked = (f", as {type(platform).__name__} locks pinned memory ({sum(n for _, n in allocations)}"
+              " requested)") if lock is not None and total != sum(n for _, n in allocations) else ""
+    raise HostBudgetError(
+        f"{subject}: enable() would allocate {total} host bytes for its host masters"
+        f"{locked}, over the host budget of {limit} bytes ({source}); nothing was allocated. "
+        f"Largest parts: " + ", ".join(f"{p} {n}" for p, n in largest) + ".  Offload fewer "
+        "components or blocks (layerwise masters only the streamed blocks; resident blocks "
+        "need none), or raise the budget")

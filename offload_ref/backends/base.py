@@ -17,6 +17,7 @@ from torch import nn
 from ..config import OffloadConfig, OffloadStrategy
 from ..hooks import PIPELINE_ATTR, HookRegistry
 from ..loading import any_file_backed, changed_mapped_files, mapped_files, verify_mapped_files
+from ..host import require_host_budget
 from ..plan import ResolvedOffloadPlan, named_tensors, resolve_offload_plan
 from ..plan.tree import pipeline_state
 from ..platform import Platform
@@ -141,6 +142,10 @@ class OffloadBackend:
         if plan.skip_reason is not None:
             return
         _require_ownable(pipeline)  # enable ends by recording its owner: check that it can
+        # Note [Host budget] (host.py): the host masters fit, before anything is allocated
+        require_host_budget(f"{type(self).__name__} on {type(pipeline).__name__}",
+                            plan.host_allocations or (), self.platform, self.config.pin_memory,
+                            self.config.host_budget_bytes)
         # Note [Changed files] (loading.py): enable reads the weights' file pages.
         if any_file_backed():
             verify_mapped_files(mapped_files(_all_tensors(pipeline, plan)),

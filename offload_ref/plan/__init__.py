@@ -47,7 +47,8 @@ from .declarations import (
     encoder_kind,
     selectable_components,
 )
-from .prediction import predict_device_bytes, shard_bytes, staging_budget_error
+from .prediction import (host_allocations, predict_device_bytes, predict_host_bytes, shard_bytes,
+                         staging_budget_error)
 from .resolved import (
     AutoCandidate,
     AutoChoice,
@@ -80,7 +81,9 @@ __all__ = [
     "named_tensors",
     "owned_tensors",
     "pipeline_state",
+    "host_allocations",
     "predict_device_bytes",
+    "predict_host_bytes",
     "resolve_offload_plan",
     "staging_budget_error",
     "selectable_components",

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..config import OffloadStrategy, WeightTransfer
-from ..host import padded_span_bytes
+from ..host import padded_span_bytes, storage_key, tensor_extent
 from .resolved import (
     ComponentRole,
     ResolvedComponent,
@@ -114,3 +114,69 @@ def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent],
                 seen.add(id(t))
                 everything.append(t)
     return _span_bytes(everything, alignment) - _span_bytes(mine, alignment)
+
+
+# Note [Host bytes]
+#     ``enable()`` allocates host memory for the host masters only: under model level one
+#     master per swapped component (a DiT, or an encoder; on-demand components keep their own),
+#     under layerwise one per streamed block of every ring (its resident non-block state goes to
+#     the device, and a resident block is placed there once).  A master is one flat buffer per
+#     dtype of the group's tensors, each storage's span in its aligned region (Note [Aligned
+#     layout] in host.py), so its bytes are the span bytes of the group's tensors of that dtype.
+#     A tensor whose storage is file pages (mmap-loaded) is served from those pages and costs
+#     nothing; the other tensors of such a group get exact-size private copies, one per storage
+#     span.  Rings served from file pages add a pinned staging pool when they use one (its size
+#     depends on the platform: ``stats().staging_pool_bytes``; Note [Pinned staging]), which
+#     this prediction leaves out.  An AllGather ring keeps a rank's shard, not whole blocks.
+#     These are requested sizes: ``platform.host_allocated()`` after ``enable()`` equals their
+#     sum; a platform that pins through a caching allocator may lock more
+#     (``host_lock_bytes``, checked against ``OffloadConfig.host_budget_bytes``).
+
+
+def host_allocations(plan: ResolvedOffloadPlan) -> tuple[tuple[str, int], ...]:
+    """``(what, bytes)`` of every host buffer ``enable()`` allocates for ``plan`` (Note [Host
+    bytes]), requested sizes."""
+    from ..loading import is_file_backed
+
+    a = plan.alignment
+    out: list[tuple[str, int]] = []
+
+    def master(label: str, tensors: list[torch.Tensor]) -> None:
+        tensors = [t for t in tensors if t.numel()]
+        if any(is_file_backed(t) for t in tensors):
+            copies = [t for t in tensors if not is_file_backed(t)]
+            spans: dict[Any, list[int]] = {}
+            for t in copies:  # exact-size private copies, one per storage span
+                lo, hi = tensor_extent(t)
+                span = spans.setdefault(storage_key(t), [lo, hi, t.element_size()])
+                span[0], span[1] = min(span[0], lo), max(span[1], hi)
+            out.extend((f"{label} (copy)", (hi - lo) * size) for lo, hi, size in spans.values())
+            return
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            nbytes = _span_bytes([t for t in tensors if t.dtype == dtype], a)
+            if nbytes:
+                out.append((f"{label} ({dtype})", nbytes))
+
+    placed = [c for c in plan.components if not c.on_demand]
+    if plan.strategy is OffloadStrategy.MODEL_LEVEL:
+        for c in placed:
+            if c.selected and c.role in (ComponentRole.DIT, ComponentRole.ENCODER):
+                master(c.path, [t for _, t in owned_tensors(plan, c)])
+        return tuple(out)
+    for s in plan.stacks:
+        if len(s.streamed_blocks) < 2:
+            continue
+        for k, path in enumerate(s.streamed_paths):
+            tensors = _streamed_tensors(s, k)
+            if s.transfer is WeightTransfer.ALLGATHER and plan.world_size > 1:
+                shard = shard_bytes(_span_bytes(tensors, a), plan.world_size, a)
+                if shard:
+                    out.append((f"{path} (rank shard)", shard))
+            else:
+                master(path, tensors)
+    return tuple(out)
+
+
+def predict_host_bytes(plan: ResolvedOffloadPlan) -> int:
+    """Host bytes ``enable()`` allocates for ``plan``: the sum of :func:`host_allocations`."""
+    return sum(n for _, n in host_allocations(plan))

@@ -221,6 +221,9 @@ class ResolvedOffloadPlan:
     other_state_bytes: int = 0  # parameters/buffers of the pipeline outside every component
     # predicted peak device bytes, padding included (see predict_device_bytes)
     device_bytes_bound: int = 0
+    #: the host buffers enable() allocates, ``(what, bytes)``, requested sizes (Note [Host
+    #: bytes] in prediction.py); None where the pipeline's own offload allocates (split model)
+    host_allocations: tuple[tuple[str, int], ...] | None = ()
     alignment: int = ALLOCATOR_ALIGNMENT  # the platform's alignment the prediction assumes
     world_size: int = 1  # ranks an AllGather ring shards across (distributed layerwise)
     #: ``strategy="auto"``: the choice this plan is (``strategy`` is the chosen one; ``NONE``
@@ -287,9 +290,25 @@ class ResolvedOffloadPlan:
             lines.append(f"predicted peak device bytes: {self.predicted_device_bytes()} "
                          f"(of which {self.other_state_bytes} outside every component; tensors "
                          f"in {self.alignment}-byte aligned regions)")
+        if self.components or self.delegated:
+            host = self.predicted_host_bytes()
+            lines.append("predicted host bytes: " + (
+                "not predicted (the pipeline's own enable_omni_model_cpu_offload allocates)"
+                if host is None else
+                f"{host} in {len(self.host_allocations or ())} host master buffers (requested "
+                "sizes; a pinned staging pool for file-backed blocks comes on top)"))
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
+
+    def predicted_host_bytes(self) -> int | None:
+        """Host bytes ``enable()`` allocates for the host masters, computed when the plan was
+        resolved (Note [Host bytes] in prediction.py): ``platform.host_allocated()`` after
+        ``enable()`` on a platform with the same ``alignment``; None for a split model, whose
+        own offload allocates."""
+        if self.host_allocations is None:
+            return None
+        return sum(n for _, n in self.host_allocations)
 
     def predicted_device_bytes(self) -> int:
         """The strategy's residency bound, computed when the plan was resolved (before any

@@ -27,7 +27,8 @@ from ..discovery import (
 )
 from .declarations import OffloadPlan, OffloadTopologyError, encoder_kind
 from .ownership import _ring_aliases, _with_shared
-from .prediction import _other_state_bytes, _span_bytes, predict_device_bytes, staging_budget_error
+from .prediction import (_other_state_bytes, _span_bytes, host_allocations, predict_device_bytes,
+                         staging_budget_error)
 from .resolved import (
     ComponentRole,
     ResolvedComponent,
@@ -98,7 +99,7 @@ class Resolver:
             return ResolvedOffloadPlan(strategy, skip_reason="offloading is disabled")
         if strategy is OffloadStrategy.MODEL_LEVEL and supports_model_cpu_offload(self.pipeline):
             self.validate_delegated()
-            return ResolvedOffloadPlan(strategy, delegated=True)
+            return ResolvedOffloadPlan(strategy, delegated=True, host_allocations=None)
 
         try:
             found = discover_components(self.pipeline, warn=self._warn_scan,
@@ -137,7 +138,8 @@ class Resolver:
                                        self.pipeline, components, self.alignment),
                                    alignment=self.alignment,
                                    world_size=self.config.world_size)
-        return dataclasses.replace(plan, device_bytes_bound=predict_device_bytes(plan))
+        return dataclasses.replace(plan, device_bytes_bound=predict_device_bytes(plan),
+                                   host_allocations=host_allocations(plan))
 
     def _check_staging_budget(self, components: list[ResolvedComponent]) -> None:
         """A staging budget must hold two slots of the largest block served from file pages

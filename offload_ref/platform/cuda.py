@@ -168,6 +168,11 @@ class CudaPlatform(AcceleratorPlatform):
         with self._lock:
             return sum(self._host.values())
 
+    def host_lock_bytes(self, nbytes: int) -> int:
+        """Host bytes page-locked for a pinned request of ``nbytes`` (Note [Host budget] in
+        host.py): whole pages, as :meth:`host_empty` registers them."""
+        return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
     def pinned_bytes(self) -> int:
         with self._lock:
             return self._pinned_total
