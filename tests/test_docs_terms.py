@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from test_architecture_doc import _defined_names  # noqa: E402 (tests/ is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 VOCABULARY_PAGE = "docs/architecture.md"
 VOCABULARY_LINK = "architecture.md#vocabulary"
@@ -197,20 +199,6 @@ def test_every_defining_link_exists() -> None:
         if not doc.is_file() or (anchor and anchor not in _anchors(doc)):
             missing.append(link)
     assert not missing, f"no such page or heading under docs/: {missing}"
-
-
-def _defined_names() -> set[str]:
-    names: set[str] = set()
-    for folder in ("offload_ref", "contracts", "fixtures"):
-        for path in (ROOT / folder).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    names.add(node.name)
-                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                    names.add(node.id)
-                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                    names.add(node.attr)
-    return names
 
 
 def test_every_name_the_vocabulary_gives_in_the_code_is_defined() -> None:
