@@ -180,3 +180,31 @@ def test_the_plan_states_its_host_bound() -> None:
 def test_the_budget_must_be_a_positive_int(bad) -> None:
     with pytest.raises(ValueError, match="host_budget_bytes"):
         OffloadConfig(strategy="layer_wise", components=("dit",), host_budget_bytes=bad)
+
+
+@pytest.mark.parametrize("strategy", ["model_level", "layer_wise"])
+def test_file_backed_weights_cost_only_their_groups_other_tensors(strategy, tmp_path) -> None:
+    """Weights loaded from a safetensors file (file pages): a streamed block's tensors are served
+    from the pages, so the host bytes are the exact-size copies of what is not on them (the
+    non-persistent buffers); the prediction says so, and the CPU platform (which keeps no pinned
+    staging pool) measures it."""
+    from safetensors.torch import save_file
+
+    from offload_ref import is_file_backed, load_safetensors
+
+    pipeline = get_spec("flux2").build()
+    path = tmp_path / "flux2.safetensors"
+    save_file({k: v.contiguous() for k, v in pipeline.state_dict().items()}, str(path))
+    load_safetensors(pipeline, path)
+    assert any(is_file_backed(t) for t in pipeline.parameters())
+    config = _config(pipeline, strategy)
+    plan = resolve_offload_plan(pipeline, config)
+    platform = CpuPlatform(device=kit_device())
+    backend = get_offload_backend(config, platform=platform)
+    try:
+        backend.enable(pipeline)
+        assert platform.host_allocated() == plan.predicted_host_bytes(), plan.host_allocations
+        assert backend.stats().staging_pool_bytes == 0
+    finally:
+        backend.disable()
+        platform.close()

@@ -123,9 +123,10 @@ def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent],
 #     the device, and a resident block is placed there once).  A master is one flat buffer per
 #     dtype of the group's tensors, each storage's span in its aligned region (Note [Aligned
 #     layout] in host.py), so its bytes are the span bytes of the group's tensors of that dtype.
-#     A tensor whose storage is file pages (mmap-loaded) is served from those pages and costs
-#     nothing; the other tensors of such a group get exact-size private copies, one per storage
-#     span.  Rings served from file pages add a pinned staging pool when they use one (its size
+#     Under layerwise a tensor whose storage is file pages (mmap-loaded) is served from those
+#     pages and costs nothing; the other tensors of such a block get exact-size private copies,
+#     one per storage span (model level copies file-backed weights into its masters as any
+#     others).  Rings served from file pages add a pinned staging pool when they use one (its size
 #     depends on the platform: ``stats().staging_pool_bytes``; Note [Pinned staging]), which
 #     this prediction leaves out.  An AllGather ring keeps a rank's shard, not whole blocks.
 #     These are requested sizes: ``platform.host_allocated()`` after ``enable()`` equals their
@@ -141,9 +142,9 @@ def host_allocations(plan: ResolvedOffloadPlan) -> tuple[tuple[str, int], ...]:
     a = plan.alignment
     out: list[tuple[str, int]] = []
 
-    def master(label: str, tensors: list[torch.Tensor]) -> None:
+    def master(label: str, tensors: list[torch.Tensor], maps_files: bool = False) -> None:
         tensors = [t for t in tensors if t.numel()]
-        if any(is_file_backed(t) for t in tensors):
+        if maps_files and any(is_file_backed(t) for t in tensors):
             copies = [t for t in tensors if not is_file_backed(t)]
             spans: dict[Any, list[int]] = {}
             for t in copies:  # exact-size private copies, one per storage span
@@ -173,7 +174,7 @@ def host_allocations(plan: ResolvedOffloadPlan) -> tuple[tuple[str, int], ...]:
                 if shard:
                     out.append((f"{path} (rank shard)", shard))
             else:
-                master(path, tensors)
+                master(path, tensors, maps_files=True)
     return tuple(out)
 
 
