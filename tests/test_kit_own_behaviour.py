@@ -145,3 +145,24 @@ def test_state_dict_after_a_generation_is_judged_against_the_pipeline_after_one(
     results = _run(_spec(pipelines.build_caches_on_first_call),
                    ["check_state_dict_while_enabled_returns_true_weights"])
     assert [r.outcome for r in results] == ["passed", "passed"], [r.message for r in results]
+
+
+def test_the_kits_identity_sets_keep_their_objects_so_no_address_is_reused() -> None:
+    """The clean-clone CI at 478ba8f failed J.5 on a correct offloader, once: the pipeline makes
+    a parameter anew at every call, and the new one took the address of a freed parameter the
+    kit had recorded by id() as built.  ``Identities`` holds what it records."""
+    import gc
+    import weakref
+
+    from torch import nn
+
+    from offload_ref.contracts.checks._util import Identities
+
+    made = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    alive = [weakref.ref(p) for p in made]
+    built = Identities(made)
+    twin = nn.Parameter(torch.zeros(2))
+    assert all(p in built for p in made) and twin not in built
+    del made
+    gc.collect()
+    assert all(ref() is not None for ref in alive)  # held: their addresses cannot be reused

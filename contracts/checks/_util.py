@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +21,7 @@ from ..registry import NotApplicable, fail
 from ..traits import needs_of, unmet
 
 __all__ = [
+    "Identities",
     "Snapshot",
     "count_forward_calls",
     "expect_error",
@@ -31,6 +32,20 @@ __all__ = [
     "offload_attributes",
     "snapshot",
 ]
+
+
+class Identities:
+    """Objects compared by identity, kept alive: ``x in ids`` is True only for those very
+    objects.  A set of ``id()`` is not enough across a generation: a pipeline that makes a
+    parameter anew at every call frees the old one, and the new one may be allocated at the
+    freed address, so its ``id`` is a built parameter's (the kit then took the pipeline's own
+    new weight for one it was built with, at random: a false verdict)."""
+
+    def __init__(self, objects: Iterable[Any]) -> None:
+        self._held = {id(o): o for o in objects}
+
+    def __contains__(self, obj: Any) -> bool:
+        return self._held.get(id(obj)) is obj
 
 
 class PipelineView(nn.Module):

@@ -15,7 +15,7 @@ from offload_ref.discovery import get_submodule_path
 
 from ..registry import check, fail, not_applicable
 from ._observe import observe
-from ._util import _same_values, first_dit, module_view, values_equal
+from ._util import Identities, _same_values, first_dit, module_view, values_equal
 from .lifecycle import BACKENDS
 
 _EDIT_SCALE = 1.25  # a power-of-two-free factor: every edited weight changes
@@ -132,7 +132,7 @@ def check_edits_through_data_are_exact_or_refused(case) -> None:
         want = case.run(edited_reference, grad_mode=_EDITING)
         pipeline = case.build()
         backend = case.backend()
-        built = {id(p) for p in module_view(pipeline).parameters()}
+        built = Identities(module_view(pipeline).parameters())
         backend.enable(pipeline)
         try:
             case.run(pipeline, grad_mode=_EDITING)  # edit a pipeline that has run (prefetched
@@ -140,9 +140,9 @@ def check_edits_through_data_are_exact_or_refused(case) -> None:
             # The weights the offloader was given; then any the pipeline made itself during the
             # generation (no offloader knows them: their edit is the pipeline's own business).
             edited, refused, torch_refused = _edit_through_data(
-                module_view(pipeline), how, refusals, only=lambda p: id(p) in built)
+                module_view(pipeline), how, refusals, only=lambda p: p in built)
             made, _, _ = _edit_through_data(module_view(pipeline), how, (),
-                                            only=lambda p: id(p) not in built)
+                                            only=lambda p: p not in built)
             if not refused and not torch_refused:
                 expected, what = want, "the edited reference"
             elif not edited and not torch_refused and not made:
@@ -173,9 +173,9 @@ def _made_edited(case: Any, how: str) -> Any:
     """An un-offloaded pipeline on the device that has run one generation and had the weights it
     made during it (not those it was built with) edited through ``.data``, ``how``."""
     reference = case.build_resident()
-    built = {id(p) for p in module_view(reference).parameters()}
+    built = Identities(module_view(reference).parameters())
     case.run(reference, grad_mode=_EDITING)
-    _edit_through_data(module_view(reference), how, (), only=lambda p: id(p) not in built)
+    _edit_through_data(module_view(reference), how, (), only=lambda p: p not in built)
     return reference
 
 
@@ -348,7 +348,7 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
         _backward(module, args, kwargs)
         want[path] = _grads(module)
     pipeline = case.build()
-    built = {id(p) for p in module_view(pipeline).parameters() if not p.is_inference()}
+    built = Identities(p for p in module_view(pipeline).parameters() if not p.is_inference())
     backend = case.backend()
     backend.enable(pipeline)
     # Steady state (prefetched blocks, a loaded component): a first call makes what the pipeline
@@ -357,7 +357,7 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
     case.run(pipeline, grad_mode="no_grad")
     case.run(pipeline)
     named = list(module_view(pipeline).named_parameters())
-    inference = [n for n, p in named if p.is_inference() and id(p) in built]
+    inference = [n for n, p in named if p.is_inference() and p in built]
     if inference:
         backend.disable()
         fail(f"after a generation under torch.inference_mode() the enabled pipeline's weights "
@@ -857,15 +857,15 @@ def check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_chang
     edited_reference, edited_output = _edited_in_place(case, path, edit=True)
     pipeline = case.build()
     backend = case.backend()
-    built = {id(p) for _, p in _dit_weights(pipeline, path)}
+    built = Identities(p for _, p in _dit_weights(pipeline, path))
     backend.enable(pipeline)
     try:
         case.run(pipeline, grad_mode="no_grad")  # a pipeline that has run (prefetched blocks)
         # The weights the offloader was given first; then any the pipeline made itself during
         # the generation (no offloader knows them, so none can refuse their edit).
         weights = _dit_weights(pipeline, path)
-        weights = ([(n, t) for n, t in weights if id(t) in built]
-                   + [(n, t) for n, t in weights if id(t) not in built])
+        weights = ([(n, t) for n, t in weights if t in built]
+                   + [(n, t) for n, t in weights if t not in built])
         done, stopped = 0, None
         with torch.no_grad():
             for name, t in weights:
