@@ -22,7 +22,15 @@ from .resolved import (
 from .tree import _tensors, pipeline_state
 
 
-def predict_device_bytes(plan: ResolvedOffloadPlan) -> int:
+def _ring_tensors(plan: ResolvedOffloadPlan) -> list[tuple[Any, list[list[torch.Tensor]]]]:
+    """Each ring that streams (two blocks or more) with its streamed blocks' tensors: one walk
+    per block, shared by the device and the host predictions of one resolution."""
+    return [(s, [_streamed_tensors(s, k) for k in range(len(s.streamed_blocks))])
+            for s in plan.stacks if len(s.streamed_blocks) >= 2]
+
+
+def predict_device_bytes(plan: ResolvedOffloadPlan,
+                         rings: list[tuple[Any, list[list[torch.Tensor]]]] | None = None) -> int:
     """The predicted peak device bytes of ``plan`` (``ResolvedOffloadPlan.device_bytes_bound``,
     which the resolver sets with it; a plan changed after resolution can be predicted again).
 
@@ -47,16 +55,14 @@ def predict_device_bytes(plan: ResolvedOffloadPlan) -> int:
         return plan.other_state_bytes + kept + max(groups)
     held = _tensors(*(c.module for c in placed))
     held_ids = {id(t) for t in held}
-    rings = [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
     # One walk per block: its streamed tensors serve both its slot size and the streamed total.
-    block_tensors = [[_streamed_tensors(s, k) for k in range(len(s.streamed_blocks))]
-                     for s in rings]
-    per_block = [[_span_bytes(ts, a) for ts in blocks] for blocks in block_tensors]
-    streamed = _span_bytes([t for blocks in block_tensors for ts in blocks for t in ts
+    rings = _ring_tensors(plan) if rings is None else rings
+    per_block = [[_span_bytes(ts, a) for ts in blocks] for _, blocks in rings]
+    streamed = _span_bytes([t for _, blocks in rings for ts in blocks for t in ts
                             if id(t) in held_ids], a)
     return (plan.other_state_bytes + _span_bytes(held, a) - streamed
             + sum(s.slots * _slot_bytes(max(sizes), s.transfer, plan.world_size, a)
-                  for s, sizes in zip(rings, per_block)))
+                  for (s, _), sizes in zip(rings, per_block)))
 
 
 def staging_budget_error(budget: int, slot_bytes: int) -> str:
@@ -134,9 +140,12 @@ def _other_state_bytes(pipeline: Any, components: list[ResolvedComponent],
 #     (``host_lock_bytes``, checked against ``OffloadConfig.host_budget_bytes``).
 
 
-def host_allocations(plan: ResolvedOffloadPlan) -> tuple[tuple[str, int], ...]:
+def host_allocations(plan: ResolvedOffloadPlan,
+                     rings: list[tuple[Any, list[list[torch.Tensor]]]] | None = None
+                     ) -> tuple[tuple[str, int], ...]:
     """``(what, bytes)`` of every host buffer ``enable()`` allocates for ``plan`` (Note [Host
-    bytes]), requested sizes."""
+    bytes]), requested sizes.  ``rings``: :func:`_ring_tensors` of ``plan``, when the caller
+    has it."""
     from ..loading import is_file_backed
 
     a = plan.alignment
@@ -164,11 +173,8 @@ def host_allocations(plan: ResolvedOffloadPlan) -> tuple[tuple[str, int], ...]:
             if c.selected and c.role in (ComponentRole.DIT, ComponentRole.ENCODER):
                 master(c.path, [t for _, t in owned_tensors(plan, c)])
         return tuple(out)
-    for s in plan.stacks:
-        if len(s.streamed_blocks) < 2:
-            continue
-        for k, path in enumerate(s.streamed_paths):
-            tensors = _streamed_tensors(s, k)
+    for s, blocks in (_ring_tensors(plan) if rings is None else rings):
+        for path, tensors in zip(s.streamed_paths, blocks):
             if s.transfer is WeightTransfer.ALLGATHER and plan.world_size > 1:
                 shard = shard_bytes(_span_bytes(tensors, a), plan.world_size, a)
                 if shard:

@@ -27,8 +27,8 @@ from ..discovery import (
 )
 from .declarations import OffloadPlan, OffloadTopologyError, encoder_kind
 from .ownership import _ring_aliases, _with_shared
-from .prediction import (_other_state_bytes, _span_bytes, host_allocations, predict_device_bytes,
-                         staging_budget_error)
+from .prediction import (_other_state_bytes, _ring_tensors, _span_bytes, host_allocations,
+                         predict_device_bytes, staging_budget_error)
 from .resolved import (
     ComponentRole,
     ResolvedComponent,
@@ -138,8 +138,9 @@ class Resolver:
                                        self.pipeline, components, self.alignment),
                                    alignment=self.alignment,
                                    world_size=self.config.world_size)
-        return dataclasses.replace(plan, device_bytes_bound=predict_device_bytes(plan),
-                                   host_allocations=host_allocations(plan))
+        rings = _ring_tensors(plan)  # one walk of the streamed blocks for both predictions
+        return dataclasses.replace(plan, device_bytes_bound=predict_device_bytes(plan, rings),
+                                   host_allocations=host_allocations(plan, rings))
 
     def _check_staging_budget(self, components: list[ResolvedComponent]) -> None:
         """A staging budget must hold two slots of the largest block served from file pages
