@@ -184,3 +184,40 @@ def test_a_stage_with_one_block_of_its_own_is_refused_by_the_two_block_rule() ->
     with pytest.raises(OffloadTopologyError, match="at least two blocks"):
         resolve_offload_plan(pipe, OffloadConfig(strategy="layer_wise", components=("dit",),
                                                  explicit=True))
+
+
+class _DevicePipe(_Pipe):
+    """The stage pipeline as the kit runs it: inputs moved to the execution device."""
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from offload_ref import execution_device
+
+        return self.transformer(x.to(execution_device(self)))
+
+
+def _last_stage(seed: int = 0) -> _DevicePipe:
+    torch.manual_seed(seed)
+    return _DevicePipe(_StageDit(range(4, 8))).eval().requires_grad_(False)
+
+
+def _stage_inputs(seed: int = 0) -> dict:
+    return {"x": torch.randn(2, DIM, generator=torch.Generator().manual_seed(seed))}
+
+
+def test_the_kit_counts_a_stages_own_blocks() -> None:
+    """Before: the kit's checks took a container's entries for its blocks, placeholders
+    included, and failed a correct offloader on a last stage three times (a resident head of 6
+    of "8" blocks, a twin DiT of two placeholders, a reversed container compared with
+    placeholders in it)."""
+    from offload_ref.contracts import PipelineSpec
+    from offload_ref.contracts.runner import run_checks
+
+    spec = PipelineSpec("pp_last_stage", _last_stage, _stage_inputs, strategies=("layer_wise",))
+    results = run_checks([spec], include_global=False, checks=[
+        "check_block_claimed_by_two_components_is_rejected",
+        "check_plan_block_attrs_beat_class_attributes",
+        "check_resident_head_stays_put_unhooked_and_within_the_prediction",
+        "check_offloaded_output_matches_reference_bitwise"])
+    assert [r.outcome for r in results] == ["passed"] * 4, [
+        (r.id.check, r.outcome, r.message[:300]) for r in results]

@@ -363,13 +363,19 @@ def dit_containers(pipeline: nn.Module, dit_path: str, dit: nn.Module) -> tuple[
 
 
 def dit_blocks(pipeline: nn.Module, dit_path: str, dit: nn.Module) -> list[nn.Module]:
+    """The blocks the DiT's declared containers hold, in order.  A container that keeps the
+    blocks of other pipeline-parallel stages as placeholders (modules without a parameter or a
+    buffer, vLLM's ``PPMissingLayer``) holds only its blocks with tensors (Note
+    [Pipeline-parallel stages] in offload_ref/plan/resolver.py): a stage streams, counts and
+    keeps resident only its own."""
     blocks = []
     for name in dit_containers(pipeline, dit_path, dit):
         container = get_submodule_path(dit, name)
-        if isinstance(container, (nn.ModuleList, nn.Sequential)):
-            blocks.extend(container)
-        elif isinstance(container, nn.ModuleDict):
-            blocks.extend(container.values())
+        if isinstance(container, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            held = list(container.values() if isinstance(container, nn.ModuleDict)
+                        else container)
+            own = [b for b in held if any(True for _ in (*b.parameters(), *b.buffers()))]
+            blocks.extend(own or held)
         elif isinstance(container, nn.Module):
             blocks.append(container)
     return blocks
