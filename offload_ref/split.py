@@ -112,6 +112,7 @@ class ComponentGroups:
         from .backends.base import OffloadEnableError
         from .backends.stats import OffloadStats
         from .backends.transaction import Transaction
+        from .backends.wrappers import WrapperSet
         from .hooks import HookRegistry
         from .plan import named_tensors
         from .platform import get_platform
@@ -121,6 +122,9 @@ class ComponentGroups:
         platform = platform if platform is not None else get_platform(device)
         stats = OffloadStats()
         swapper = self.swapper_class(platform, stats)
+        # Note [Wrapper subclasses] (plan/tree.py): the wrappers follow every move of the groups
+        swapper.wrappers = WrapperSet.of([("", m) for m in (
+            *self._resident, *resident, *(m for mods in self._groups.values() for m in mods))])
         txn = Transaction(platform, HookRegistry())
         residents = [("resident", named_tensors(m)) for m in (*self._resident, *resident)]
         swappable = [
@@ -129,7 +133,10 @@ class ComponentGroups:
         with deferred_interrupts():  # Note [Deferred interrupts] in _interrupts.py
             guarded: list[torch.Tensor] = []
             try:
+                # the last undo: after every rebind's
+                txn.on_rollback(lambda: swapper.wrappers.follow(as_built=True))
                 swapper.prepare(txn, swappable, residents, pin=pin_memory)
+                swapper.wrappers.follow()
                 # Note [Rebind guard] (backends/rebind_guard.py): an edit through .data is seen or
                 # refused.
                 guarded = txn.guard_rebinds(swapper.named_tensors(), type(self).__name__)

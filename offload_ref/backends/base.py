@@ -5,6 +5,7 @@ pipeline, and the ``state_dict`` / ``load_state_dict`` guards of an enabled pipe
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from ..hooks import PIPELINE_ATTR, HookRegistry
 from ..loading import any_file_backed, changed_mapped_files, mapped_files, verify_mapped_files
 from ..host import require_host_budget
 from ..plan import ResolvedOffloadPlan, named_tensors, resolve_offload_plan
-from ..plan.tree import pipeline_state
+from ..plan.tree import _module_attributes, pipeline_state, wrapper_inner
 from ..platform import Platform
 from .._interrupts import deferred_interrupts, interruption_point
 from .call_guard import CallGuard
@@ -27,6 +28,7 @@ from .rebind_guard import guard_rebinds, guarded_by, unguard_rebinds
 from .refusals import OffloadWeightEditError, RefusalPolicy, RefusesCopies
 from .stats import OffloadStats
 from .transaction import FaultInjector, Transaction
+from .wrappers import NO_WRAPPERS, WrapperSet
 
 __all__ = [
     "OffloadBackend",
@@ -104,6 +106,13 @@ class OffloadBackend:
         self._guarded: list[torch.Tensor] = []
         self._guarded_named: list[tuple[str, torch.Tensor]] = []
         self._finalizer: weakref.finalize | None = None
+        #: The wrapper subclasses of the current enable (Note [Wrapper subclasses] in
+        #: plan/tree.py); swappers call its ``follow()`` after each move.
+        self.wrappers: WrapperSet = NO_WRAPPERS
+        #: ``(qualified name, wrapper)`` of the wrappers the install's hooks give their own class
+        #: for the forward that uses them, guarded otherwise (Note [Guarded wrappers] in
+        #: rebind_guard.py).
+        self.wrapper_guards: list[tuple[str, torch.Tensor]] = []
 
     # -- public lifecycle -----------------------------------------------------------------------
 
@@ -165,9 +174,17 @@ class OffloadBackend:
         # building it must not record autograd history, whatever mode the caller is in.
         with torch.inference_mode(False), torch.no_grad():
             try:
+                # Note [Wrapper subclasses] (plan/tree.py): found before any rebind; the undo,
+                # recorded first, runs after every other one.
+                self.wrappers = WrapperSet.of(_module_roots(pipeline))
+                if self.wrappers:
+                    txn.on_rollback(functools.partial(self.wrappers.follow, as_built=True))
                 self.install(pipeline, plan, txn)
+                if self.wrappers:
+                    txn.step("wrapper subclasses take their inner tensors' device")
+                    self.wrappers.follow()
                 self._install_state_hooks(pipeline, plan, txn)
-                self._guarded_named = self.rebound_tensors()
+                self._guarded_named = self.rebound_tensors() + self.wrapper_guards
                 self._guarded = txn.guard_rebinds(self._guarded_named, type(self).__name__)
                 self.after_guard(txn)
                 txn.set_attr(pipeline, PIPELINE_ATTR, _Owner(self), type(pipeline).__name__)
@@ -229,6 +246,7 @@ class OffloadBackend:
                 # A retry after an exception anywhere in here redoes what is left (each step of
                 # uninstall is idempotent: Note [Undo first] in transaction.py).
                 self.uninstall(pipeline)
+                self.wrappers.follow(as_built=True)  # Note [Wrapper subclasses] (plan/tree.py)
             except Exception as exc:
                 unguard_rebinds(self._guarded)  # every one plain (idempotent), then guarded
                 self._guarded = []
@@ -305,7 +323,8 @@ class OffloadBackend:
         owners = []
         guarded: dict[int, tuple[str, nn.Module]] = {}
         for path, module in by_path.items():
-            entries = [(n, live[id(t)]) for n, t in _direct_tensors(module) if id(t) in live]
+            entries = [(n, v) for n, t in _direct_tensors(module)
+                       for v in (_true_value(t, live),) if v is not _NOT_LIVE]
             if not entries:
                 continue
             owners.append((path, module, entries))
@@ -343,6 +362,7 @@ class OffloadBackend:
     def _forget(self) -> None:
         self._reset()
         self._guarded, self._guarded_named = [], []  # a rollback has unguarded them
+        self.wrappers, self.wrapper_guards = NO_WRAPPERS, []
         self._stats = OffloadStats()  # stats describe the current enable only
 
     def stats(self) -> OffloadStats:
@@ -586,6 +606,42 @@ def _direct_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     out = [(n, t) for n, t in module._parameters.items() if t is not None]
     out += [(n, t) for n, t in module._buffers.items() if t is not None]
     return out
+
+
+_NOT_LIVE = object()
+
+
+def _true_value(t: torch.Tensor, live: dict[int, Callable[[], torch.Tensor | None] | None]
+                ) -> Any:
+    """What ``offloaded_tensors`` says of ``t`` (:data:`_NOT_LIVE` if nothing); for a wrapper
+    subclass, a value built around its inner tensors' true values (Note [Wrapper subclasses] in
+    plan/tree.py), or None when each of them is always bound to real storage."""
+    inner = wrapper_inner(t)
+    if inner is None:
+        return live.get(id(t), _NOT_LIVE)
+    parts = [(name, it, _true_value(it, live)) for name, it in inner]
+    if all(v is _NOT_LIVE for _, _, v in parts):
+        return _NOT_LIVE
+    if all(v is None or v is _NOT_LIVE for _, _, v in parts):
+        return None
+
+    def value() -> torch.Tensor:
+        true = {}
+        for name, it, v in parts:
+            got = v() if callable(v) else None
+            true[name] = it if got is None else got
+        _, ctx = t.__tensor_flatten__()
+        return type(t).__tensor_unflatten__(true, ctx, t.size(), t.stride())
+
+    return value
+
+
+def _module_roots(pipeline: Any) -> list[tuple[str, nn.Module]]:
+    """``(prefix, module)``: the pipeline, or the nn.Module attributes of a plain-object
+    pipeline."""
+    if isinstance(pipeline, nn.Module):
+        return [("", pipeline)]
+    return _module_attributes(pipeline)
 
 
 def _roots(pipeline: Any, plan: ResolvedOffloadPlan) -> list[tuple[str, nn.Module]]:

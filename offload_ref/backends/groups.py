@@ -26,6 +26,7 @@ from .rebind_guard import set_data
 from .refusals import OffloadWeightEditError
 from .stats import OffloadStats
 from .transaction import Transaction
+from .wrappers import NO_WRAPPERS, WrapperSet
 
 __all__ = ["ComponentSwapper", "TensorGroup", "restore_group"]
 
@@ -130,6 +131,10 @@ class ComponentSwapper:
         # label -> an event recorded after the copies of its last load (Note [Masters a copy
         # still reads])
         self._copied: dict[str, Any] = {}
+        # Set by the owner: the wrapper subclasses whose inner tensors these groups hold, given
+        # their inner tensors' device after every move (Note [Wrapper subclasses] in
+        # plan/tree.py).
+        self.wrappers: WrapperSet = NO_WRAPPERS
 
     # -- enable ---------------------------------------------------------------------------------
 
@@ -249,6 +254,7 @@ class ComponentSwapper:
             self._wait_for_copies(label)
             for t, v in zip(group.tensors, group.master.host_views()):
                 set_data(t, v)
+            self.wrappers.follow()
             for dtype in list(group.device_flats):  # freed, then forgotten: Note [Undo first]
                 self.platform.free(group.device_flats[dtype]); del group.device_flats[dtype]  # noqa: E702,E501
             if label in self._held:
@@ -275,6 +281,7 @@ class ComponentSwapper:
             _spans.stream_exit(self.platform, span)
             for t, v in zip(group.tensors, group.layout.views(flats)):
                 set_data(t, v)
+            self.wrappers.follow()
         except BaseException:
             # A failed (or interrupted) load leaves the component on its master and gives back
             # every buffer it allocated, whatever was raised (Note [Transactions]).
@@ -296,6 +303,7 @@ class ComponentSwapper:
         self._wait_for_copies(label)
         for t, v in zip(group.tensors, group.master.host_views()):
             set_data(t, v)  # back to the immutable master: no device -> host copy
+        self.wrappers.follow()
         for dtype in list(group.device_flats):
             self.platform.discard(group.device_flats[dtype])
         self.settle()  # frees the buffers and releases their bytes in stats
@@ -341,6 +349,7 @@ class ComponentSwapper:
             for t, v in zip(group.tensors, views):
                 rebind_restored(t, v)
             done.add(id(group))
+        self.wrappers.follow(as_built=True)
         self.release()
 
     def release(self) -> None:

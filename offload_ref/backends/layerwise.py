@@ -24,6 +24,7 @@ from ..config import OffloadStrategy
 from ..discovery import get_submodule_path
 from ..hooks import ModelHook, runs_after_offload
 from ..host import storage_key
+from ..plan.tree import wrappers_in
 from ..plan import (
     OffloadTopologyError,
     ResolvedOffloadPlan,
@@ -39,8 +40,10 @@ from .rebind_guard import (
     IDLE_PARAMETER,
     RUNNING_PARAMETER,
     forget_readable,
+    idle_wrappers,
     readable_while,
     refuse_edits_between_forwards,
+    run_wrappers,
 )
 from .refusals import REFUSE_ALL, OffloadWeightEditError, RefusalPolicy, RefusesCopies
 from .ring import BlockRing, _Placeholders
@@ -350,6 +353,7 @@ class _ComponentEditGuard(RefusesCopies, ModelHook):
         self.calls = calls  # the backend's: closed once disable() has begun
         self.tensors: list[torch.Tensor] = []  # its parameters (nested owners' excluded)
         self.params: list[torch.Tensor] = []  # ... once guarded
+        self.wrappers: list[torch.Tensor] = []  # its wrapper subclasses (Note [Guarded wrappers])
         self.idle = False
 
     def _copy_subject(self) -> str:  # Note [No copies while enabled]
@@ -380,7 +384,8 @@ class _ComponentEditGuard(RefusesCopies, ModelHook):
             for t in self.params:
                 if type(t) is RUNNING_PARAMETER:
                     t.__class__ = IDLE_PARAMETER
-            self.idle = bool(self.params)
+            idle_wrappers(self.wrappers)
+            self.idle = bool(self.params) or bool(self.wrappers)
         finally:
             calls.exit_component(frame)
         return None
@@ -393,6 +398,7 @@ class _ComponentEditGuard(RefusesCopies, ModelHook):
         for t in self.params:
             if type(t) is IDLE_PARAMETER:
                 t.__class__ = RUNNING_PARAMETER
+        run_wrappers(self.wrappers)
 
 
 class LayerWisePartHook(RefusesCopies, ModelHook):
@@ -614,14 +620,22 @@ class LayerWiseOffloadBackend(OffloadBackend):
         # Note [Reads between forwards] (rebind_guard.py): a streamed tensor's guarded .data reads
         # only while its block runs.
         streamed_tensors = [t for ring in self.rings for g in ring.groups for t in g.tensors]
+        # Note [Wrapper subclasses] (plan/tree.py): a streamed wrapper stays on the device
+        self.wrappers.keep_on_device({id(t): v for ring in self.rings
+                                      for k, g in enumerate(ring.groups)
+                                      for t, v in zip(g.tensors, ring.slots[0].views[k])})
         txn.on_rollback(lambda: forget_readable(streamed_tensors))
         refusals = _ReadRefusals(type(self).__name__, resident.named_tensors())
         self._refusals = refusals
         if self.refusal_policy.refuses_reads_between_forwards:  # Note [Refusal policy]
             for ring in self.rings:
                 for k, group in enumerate(ring.groups):
-                    readable_while(group.tensors, functools.partial(ring.is_running, k),
-                                   refusals.refused)
+                    # a block's wrapper subclasses too (Note [Guarded wrappers] in
+                    # rebind_guard.py)
+                    wrappers = self.wrappers.holding(group.tensors)
+                    txn.on_rollback(functools.partial(forget_readable, wrappers))
+                    readable_while([*group.tensors, *wrappers],
+                                   functools.partial(ring.is_running, k), refusals.refused)
         self._hooks = []
         self._parts = []
         blocks = {id(b) for ring in self.rings for b in ring.blocks}
@@ -652,8 +666,14 @@ class LayerWiseOffloadBackend(OffloadBackend):
                 continue
             guard = guards[path] = _ComponentEditGuard(path, self._guard)
             guard.refusal_policy = self.refusal_policy  # Note [Refusal policy] (refusals.py)
+            # Note [Guarded wrappers] (rebind_guard.py): its wrappers take their own class for
+            # its forward
+            wrappers = [(n, w) for n, w in wrappers_in([(path, owner)]) if id(w) not in claimed]
             guard.tensors = [t for t in owner.parameters() if id(t) not in claimed]
             claimed.update(id(t) for t in guard.tensors)
+            claimed.update(id(w) for _, w in wrappers)
+            guard.wrappers = [w for _, w in wrappers]
+            self.wrapper_guards += wrappers
             self._edit_guards.append(guard)
             txn.register_hook(owner, self.hook_name + ".edits", guard, path)
         for hook in self._hooks:
@@ -666,7 +686,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         report = self._refusals.refused_edit
         for guard in self._edit_guards:
             guard.params = refuse_edits_between_forwards(guard.tensors, report)
-            guard.idle = bool(guard.params)
+            guard.idle = bool(guard.params) or bool(guard.wrappers)
 
     def transport_for(self, stack: Any) -> Transport | None:
         """The transport of ``stack``'s ring (None: rank-local host masters)."""
@@ -739,7 +759,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         if self._staging is not None:
             self._staging.close()  # no staging is issued from here on (synchronized below)
         for guard in self._edit_guards:  # unguarded: no class swaps from now on
-            guard.params, guard.idle = [], False
+            guard.params, guard.wrappers, guard.idle = [], [], False
         refused = self._refusals.at_disable() if self._refusals is not None else None
         if refused is not None:
             warnings.warn(refused, RuntimeWarning, stacklevel=4)

@@ -21,7 +21,7 @@ pipeline's ``enable_omni_model_cpu_offload`` owns the swaps (usually through
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,6 +30,7 @@ from torch import nn
 
 from ..config import OffloadStrategy
 from ..hooks import ModelHook
+from ..plan.tree import wrappers_in
 from ..plan import (
     ComponentRole,
     ResolvedComponent,
@@ -41,6 +42,7 @@ from .base import OffloadBackend
 from .groups import ComponentSwapper
 from .stats import OffloadStats
 from .call_guard import CallGuard, call_frame
+from .rebind_guard import idle_wrappers, run_wrappers
 from .refusals import RefusesCopies
 from .transaction import Transaction
 
@@ -56,10 +58,11 @@ class ModelLevelOffloadHook(RefusesCopies, ModelHook):
     leave the backend's call guard (Note [One thread at a time] in call_guard.py)."""
 
     def __init__(self, backend: ModelLevelOffloadBackend, component: ResolvedComponent,
-                 guard: CallGuard) -> None:
+                 guard: CallGuard, wrappers: Sequence[torch.Tensor] = ()) -> None:
         self.backend = backend
         self.component = component
         self.guard = guard
+        self.wrappers = list(wrappers)  # Note [Guarded wrappers] (rebind_guard.py)
         self.refusal_policy = backend.refusal_policy  # Note [Refusal policy] (refusals.py)
 
     def _copy_subject(self) -> str:  # Note [No copies while enabled]
@@ -77,13 +80,15 @@ class ModelLevelOffloadHook(RefusesCopies, ModelHook):
                     self.component.path, [r.name for r in group.layout.records], group.tensors)
             with torch.inference_mode(False):  # Note [Hooks leave inference mode] (layerwise.py)
                 self.backend.activate(self.component)
+            run_wrappers(self.wrappers)  # Note [Guarded wrappers] (rebind_guard.py)
         except BaseException:
             self.guard.exit(frame)
             raise
         return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        self.guard.exit(call_frame())
+        if self.guard.exit(call_frame()) and self.wrappers and not self.guard.entered_here():
+            idle_wrappers(self.wrappers)  # the outermost call of the component ended
         return None
 
 
@@ -119,6 +124,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
             self._delegated = True
             return
         swapper = self.swapper_class(self.platform, self._stats)
+        swapper.wrappers = self.wrappers  # Note [Wrapper subclasses] (plan/tree.py)
         self._swapper = swapper
         placed = [c for c in plan.components if not c.on_demand]  # the rest is the pipeline's
         swappable = [c for c in placed if c.role in _SWAPPED and c.selected]
@@ -135,8 +141,12 @@ class ModelLevelOffloadBackend(OffloadBackend):
         self._components = plan.components
         for comp in plan.components:
             if comp.role in _SWAPPED and not comp.on_demand:
+                # Note [Guarded wrappers] (rebind_guard.py): a swapped component's wrappers
+                wrappers = wrappers_in([(comp.path, comp.module)]) if comp in swappable else []
+                self.wrapper_guards += wrappers
                 txn.register_hook(comp.module, self.hook_name,
-                                  ModelLevelOffloadHook(self, comp, self._guard), comp.path)
+                                  ModelLevelOffloadHook(self, comp, self._guard,
+                                                        [w for _, w in wrappers]), comp.path)
 
     def enable_delegated(self, pipeline: Any, txn: Transaction) -> None:
         """Hand a split model's offload to its ``enable_omni_model_cpu_offload`` (with the

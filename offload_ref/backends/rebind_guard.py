@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..plan.tree import wrapper_inner
 from .refusals import OffloadWeightEditError
 
 __all__ = [
@@ -80,6 +81,11 @@ _GUARDED: dict[int, tuple[str, str]] = {}
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    inner_a, inner_b = wrapper_inner(a), wrapper_inner(b)
+    if inner_a is not None or inner_b is not None:  # Note [Wrapper subclasses] (plan/tree.py)
+        return (inner_a is not None and inner_b is not None and len(inner_a) == len(inner_b)
+                and a.shape == b.shape and a.dtype == b.dtype
+                and all(_same_view(x, y) for (_, x), (_, y) in zip(inner_a, inner_b)))
     return (a.dtype == b.dtype and a.device == b.device and a.data_ptr() == b.data_ptr()
             and a.shape == b.shape and a.stride() == b.stride())
 
@@ -128,6 +134,9 @@ def _guarded_data(self: torch.Tensor) -> torch.Tensor:
 def _guarded_set_data(self: torch.Tensor, value: Any) -> None:
     if value is self or (isinstance(value, torch.Tensor) and _same_view(value, self)):
         return  # ``w.data += d`` assigns the edited view back; ``.to()`` a no-op conversion
+    if id(self) not in _GUARDED:  # a guarded wrapper class's op made this one: not ours
+        set_data(self, value)
+        return
     name, owner = _GUARDED.get(id(self), ("an offloaded tensor", "an offload backend"))
     raise OffloadWeightEditError(
         f"{name}.data was assigned a new tensor while {owner} offloads it (`.data = ...`, "
@@ -274,6 +283,57 @@ _ORIGINAL: dict[type, type] = {v: k for k, v in _GUARDED_CLASS.items()}
 _ORIGINAL[_IdleParameter] = nn.Parameter
 
 
+# Note [Guarded wrappers]
+#     A wrapper subclass (Note [Wrapper subclasses] in plan/tree.py) streams by its inner
+#     tensors, which are plain tensors and keep their class; its own ``.data`` is what code
+#     reads and assigns (a fused projection, a LoRA merge, ``module.to(dtype)``).  So while a
+#     backend is enabled each wrapper it offloads has, outside the forward that uses it, a
+#     guarded subclass of its class: ``.data`` as a guarded parameter's (a read between its
+#     block's forwards refused, an assignment refused), every other op handed to the original
+#     class's ``__torch_dispatch__`` / ``__torch_function__`` (a subclass keyed op table, as
+#     torchao's, finds its entries).  Inside the forward it has its own class again
+#     (:func:`run_wrappers`, from the component's hook): a forward sees the type it was built
+#     with.  Between forwards ``type(w)`` is the guarded class, ``isinstance`` holds.
+
+def _wrapper_guard(cls: type) -> type:
+    """The guarded subclass of the wrapper class ``cls`` (Note [Guarded wrappers])."""
+    guarded = _GUARDED_CLASS.get(cls)
+    if guarded is not None:
+        return guarded
+    namespace: dict[str, Any] = {
+        "data": _GUARDED_DATA,
+        "__module__": __name__,
+        "__qualname__": f"_Guarded{cls.__name__}",
+        "__doc__": f"A {cls.__name__} an offload backend guards (Note [Guarded wrappers]).",
+    }
+    for hook in ("__torch_dispatch__", "__torch_function__"):
+        original = getattr(cls, hook, None)
+        if original is None or original is torch._C._disabled_torch_function_impl:
+            continue
+        namespace[hook] = classmethod(
+            lambda _, *args, _original=original, **kwargs: _original(*args, **kwargs))
+    guarded = type(f"_Guarded{cls.__name__}", (cls,), namespace)
+    _GUARDED_CLASS[cls] = guarded
+    _ORIGINAL[guarded] = cls
+    return guarded
+
+
+def run_wrappers(wrappers: Sequence[torch.Tensor]) -> None:
+    """Give each guarded wrapper its own class for the forward that uses it (Note [Guarded
+    wrappers])."""
+    for t in wrappers:
+        original = _ORIGINAL.get(type(t))
+        if original is not None and id(t) in _GUARDED:
+            t.__class__ = original
+
+
+def idle_wrappers(wrappers: Sequence[torch.Tensor]) -> None:
+    """... and its guarded class again after it."""
+    for t in wrappers:
+        if id(t) in _GUARDED and type(t) not in _ORIGINAL:
+            t.__class__ = _wrapper_guard(type(t))
+
+
 def guarded_by(t: torch.Tensor) -> tuple[str, str] | None:
     """``(qualified name, owner)`` of a tensor an enabled backend guards, else None."""
     if type(t) not in _ORIGINAL:
@@ -289,7 +349,9 @@ def guard_rebinds(named: Sequence[tuple[str, torch.Tensor]], owner: str,
     for name, t in named:
         guarded = _GUARDED_CLASS.get(type(t))
         if guarded is None:
-            continue
+            if wrapper_inner(t) is None:
+                continue
+            guarded = _wrapper_guard(type(t))  # Note [Guarded wrappers]
         _GUARDED[id(t)] = (name, owner)
         into.append(t)
         t.__class__ = guarded

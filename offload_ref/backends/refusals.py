@@ -57,6 +57,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..plan.tree import wrapper_inner
+
 __all__ = [
     "OffloadAutogradError",
     "OffloadWeightEditError",
@@ -161,6 +163,9 @@ def refuse_autograd(label: str, names: Sequence[str], tensors: Sequence[torch.Te
     if module is not None:
         offloaded = {id(t) for t in tensors}
         for name, p in module.named_parameters():
+            if p.requires_grad and wrapper_inner(p) is not None:  # its inner tensors stream
+                _refuse_recording(label, f"its offloaded weight {name} requires grad",
+                                  "freeze the weights (module.requires_grad_(False))")
             if p.requires_grad and id(p) not in offloaded:
                 _refuse_recording(label, f"its parameter {name} requires grad (it is not "
                                   "offloaded: added after enable?), so autograd saves the "

@@ -20,7 +20,18 @@ from torch import nn
 
 from ..discovery import get_submodule_path
 from .resolved import ResolvedComponent, RingAlias
-from .tree import _storage_key, named_tensors
+from .tree import _storage_key, named_tensors, tensor_leaves
+
+
+def _direct_leaves(module: nn.Module) -> list[tuple[str, Any]]:
+    """The module's own parameters and buffers, a wrapper subclass's inner tensors in its place
+    (Note [Wrapper subclasses] in tree.py)."""
+    out = []
+    for registry in ("_parameters", "_buffers"):
+        for name, t in module.__dict__.get(registry, {}).items():
+            if t is not None:
+                out += tensor_leaves(name, t)
+    return out
 
 
 def _ring_aliases(owner_path, owner, blocks, block_paths) -> tuple[RingAlias, ...]:
@@ -39,15 +50,14 @@ def _ring_aliases(owner_path, owner, blocks, block_paths) -> tuple[RingAlias, ..
     def walk(module: nn.Module, prefix: str) -> None:
         if id(module) in block_ids:
             return
-        for registry in ("_parameters", "_buffers"):
-            for name, t in module.__dict__.get(registry, {}).items():
-                if t is None or not t.numel():
-                    continue
-                qual = f"{prefix}.{name}"
-                hit = in_block.get(_storage_key(t))
-                if hit is not None and qual not in seen:
-                    seen.add(qual)
-                    aliases.append(RingAlias(qual, hit[0], hit[1]))
+        for name, t in _direct_leaves(module):
+            if not t.numel():
+                continue
+            qual = f"{prefix}.{name}"
+            hit = in_block.get(_storage_key(t))
+            if hit is not None and qual not in seen:
+                seen.add(qual)
+                aliases.append(RingAlias(qual, hit[0], hit[1]))
         for name, child in module._modules.items():
             if child is not None:
                 walk(child, f"{prefix}.{name}")
@@ -91,11 +101,10 @@ def _shared_storages(pipeline: Any,
         if id(module) in visited or id(module) in stop:
             return
         visited.add(id(module))
-        for registry in ("_parameters", "_buffers"):
-            for name, t in module.__dict__.get(registry, {}).items():
-                key = _storage_key(t) if t is not None and t.numel() else None
-                if key in block_of:
-                    on_tensor(key, f"{prefix}{name}")
+        for name, t in _direct_leaves(module):
+            key = _storage_key(t) if t.numel() else None
+            if key in block_of:
+                on_tensor(key, f"{prefix}{name}")
         for name, child in module._modules.items():
             if child is not None:
                 walk(child, f"{prefix}{name}.", visited, stop, on_tensor)

@@ -218,11 +218,14 @@ class Resolver:
                 if not _has_readable_storage(t):
                     raise OffloadTopologyError(
                         f"{self.cls_name}: tensor {prefix + name!r} is a {type(t).__name__}, a "
-                        "tensor subclass whose storage cannot be read (a DTensor from FSDP/HSDP "
-                        "or tensor parallelism, or another wrapper subclass); offload-ref offloads "
-                        "plain dense tensors only.  Materialize it before enabling offload (a "
-                        "DTensor: .full_tensor() or .to_local()), or do not combine offload with "
-                        "sharded parameters (docs/model-authors.md)"
+                        "tensor subclass whose storage cannot be read: a DTensor from FSDP/HSDP "
+                        "or tensor parallelism (its local tensor is one rank's shard, not the "
+                        "weight), or a wrapper subclass that does not name its inner tensors "
+                        "(__tensor_flatten__ / __tensor_unflatten__, as torchao's tensors do); "
+                        "offload-ref offloads plain tensors, and wrapper subclasses by their inner "
+                        "tensors.  Materialize it before enabling offload (a DTensor: "
+                        ".full_tensor() or .to_local()), give the subclass that protocol, or do "
+                        "not combine offload with sharded parameters (docs/model-authors.md)"
                     )
 
     def _warn_scan(self, message: str) -> None:

@@ -1,6 +1,22 @@
 """Walks of module trees: the tensors of a pipeline, a component or a block (by identity, every
 path included or each tensor once), read from the modules' registries directly, and the storage
-key of a tensor."""
+key of a tensor.
+
+Note [Wrapper subclasses]
+    A quantized weight is often a wrapper subclass (torchao's ``Float8Tensor``, a GGUF or
+    4-bit tensor): a tensor without storage of its own whose data lives in plain inner tensors
+    it names in ``__tensor_flatten__`` (an FP8 payload and a scale), and which
+    ``__tensor_unflatten__`` builds again around inner tensors.  Every walk here yields such a
+    tensor's inner tensors in its place, under ``<path>.<inner name>`` (recursively, for an
+    inner tensor that is itself a wrapper): host masters, slots, alignment, rebinds and device
+    bytes are theirs, exactly as for a plain tensor, and the module keeps the wrapper object
+    itself.  The wrapper's own device follows its inner tensors (:class:`WrapperSet` in
+    ``backends/wrappers.py``): after every move of its inner tensors it is given the metadata of
+    a wrapper built by ``__tensor_unflatten__`` around them, so a forward sees the type, dtype,
+    shape and strides the module was built with, on the device its data is on.  A DTensor is a
+    wrapper too, but its inner tensor is one rank's shard, not the weight: it is not looked
+    into, and the resolver refuses it (as any tensor without readable storage).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +26,76 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
 from ..discovery import require_acyclic
 from ..host import storage_key
 from .declarations import OffloadTopologyError
+
+
+def wrapper_inner(t: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """The inner tensors of a wrapper subclass, ``(name, tensor)`` in ``__tensor_flatten__``
+    order, or None for any other tensor (Note [Wrapper subclasses])."""
+    cls = type(t)
+    flattens = _FLATTENS.get(cls)
+    if flattens is None:
+        flattens = _FLATTENS[cls] = (
+            cls is not torch.Tensor and cls is not nn.Parameter and is_traceable_wrapper_subclass(t)
+            and not _is_dtensor_class(cls))
+    if not flattens:
+        return None
+    names, _ = t.__tensor_flatten__()
+    return [(name, getattr(t, name)) for name in names]
+
+
+# class -> whether its tensors are looked into (Note [Wrapper subclasses])
+_FLATTENS: dict[type, bool] = {}
+
+
+def _is_dtensor_class(cls: type) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed: no DTensor to meet
+        return False
+    return issubclass(cls, DTensor)
+
+
+def tensor_leaves(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """``[(name, t)]`` for a plain tensor; a wrapper subclass's inner tensors (each under
+    ``name.<inner>``, recursively) for a wrapper (Note [Wrapper subclasses])."""
+    inner = wrapper_inner(t)
+    if inner is None:
+        return [(name, t)]
+    out = []
+    for attr, it in inner:
+        out += tensor_leaves(f"{name}.{attr}", it)
+    return out
+
+
+def wrappers_in(roots: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, torch.Tensor]]:
+    """``(qualified name, wrapper)`` of the wrapper subclasses held by each ``(prefix, module)``
+    of ``roots`` and their subtrees, each once (its first path), an inner wrapper before the one
+    that holds it (Note [Wrapper subclasses])."""
+    seen: set[int] = set()
+    out: list[tuple[str, torch.Tensor]] = []
+
+    def visit(name: str, t: torch.Tensor) -> None:
+        inner = wrapper_inner(t)
+        if inner is None or id(t) in seen:
+            return
+        seen.add(id(t))
+        for attr, it in inner:
+            visit(f"{name}.{attr}", it)
+        out.append((name, t))
+
+    for prefix, root in roots:
+        paths = _named_subtree(root, prefix) or list(root.named_modules(prefix=prefix))
+        for path, m in paths:
+            for registry in ("_parameters", "_buffers"):
+                for name, t in m.__dict__.get(registry, {}).items():
+                    if t is not None:
+                        visit(f"{path}.{name}" if path else name, t)
+    return out
 
 
 def pipeline_state(pipeline: Any, exclude: Iterable[nn.Module]) -> list[tuple[str, torch.Tensor]]:
@@ -29,7 +112,7 @@ def pipeline_state(pipeline: Any, exclude: Iterable[nn.Module]) -> list[tuple[st
         for registry in ("_parameters", "_buffers"):
             for name, t in module.__dict__.get(registry, {}).items():
                 if t is not None:
-                    out.append((f"{prefix}{name}", t))
+                    out.extend(tensor_leaves(f"{prefix}{name}", t))
         for name, child in module._modules.items():
             if child is not None:
                 walk(child, f"{prefix}{name}.")
@@ -76,9 +159,17 @@ def _tensors(*modules: nn.Module) -> list[torch.Tensor]:
         for registry in ("_parameters", "_buffers"):
             for m in subtree:
                 for t in m.__dict__.get(registry, {}).values():
-                    if t is not None and id(t) not in seen:
-                        seen.add(id(t))
-                        out.append(t)
+                    if t is None:
+                        continue
+                    if _FLATTENS.get(type(t)) is False:  # a plain tensor (the hot case)
+                        if id(t) not in seen:
+                            seen.add(id(t))
+                            out.append(t)
+                        continue
+                    for _, leaf in tensor_leaves("", t):
+                        if id(leaf) not in seen:
+                            seen.add(id(leaf))
+                            out.append(leaf)
     return out
 
 
@@ -101,14 +192,7 @@ def _subtree(module: nn.Module) -> list[nn.Module]:
 
 def _nbytes_of(*modules: nn.Module) -> int:
     """Bytes of the distinct tensors of ``modules``."""
-    seen: set[int] = set()
-    total = 0
-    for module in modules:
-        for t in list(module.parameters()) + list(module.buffers()):
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-    return total
+    return sum(t.numel() * t.element_size() for t in _tensors(*modules))
 
 
 def named_tensors(module: nn.Module, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -122,8 +206,12 @@ def named_tensors(module: nn.Module, prefix: str = "") -> list[tuple[str, torch.
     for registry in ("_parameters", "_buffers"):
         for path, m in paths:
             for name, t in m.__dict__.get(registry, {}).items():
-                if t is not None:
+                if t is None:
+                    continue
+                if _FLATTENS.get(type(t)) is False:  # a plain tensor (the hot case)
                     out.append((f"{path}.{name}" if path else name, t))
+                else:
+                    out.extend(tensor_leaves(f"{path}.{name}" if path else name, t))
     return out
 
 
