@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from offload_ref.config import OffloadConfig, OffloadStrategy
+from offload_ref.plan.tree import wrapper_inner
 from offload_ref.plan import resolve_offload_plan, selectable_components
 from offload_ref.platform import CpuPlatform
 
@@ -83,26 +84,47 @@ def move_to_device(pipeline: Any, device: torch.device) -> Any:
         return pipeline
     view = module_view(pipeline)
     moved: dict[tuple[str, int], tuple[torch.UntypedStorage, int]] = {}
+
+    def placed(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if key not in moved:
+            moved[key] = _device_storage(storage, device)
+        target, phase = moved[key]
+        if phase % tensor.element_size():  # a view reinterpreting the storage
+            target, phase = storage.to(device=device), 0
+        return torch.empty(0, dtype=tensor.dtype, device=device).set_(
+            target, tensor.storage_offset() + phase // tensor.element_size(),
+            tensor.size(), tensor.stride())
+
+    def move_wrapper(wrapper: torch.Tensor) -> None:
+        # Note [Wrapper subclasses] (offload_ref/plan/tree.py): its inner tensors move, in
+        # place, and the wrapper takes the metadata of one built around them on the device.
+        names, ctx = wrapper.__tensor_flatten__()
+        for attr, inner in wrapper_inner(wrapper) or ():
+            if inner.device == device or inner.is_meta:
+                continue
+            if wrapper_inner(inner) is not None:
+                move_wrapper(inner)
+            else:
+                inner.data = placed(inner)
+        rebuilt = type(wrapper).__tensor_unflatten__(
+            {name: getattr(wrapper, name) for name in names}, ctx, wrapper.size(),
+            wrapper.stride())
+        wrapper.data = rebuilt
+
     with torch.no_grad():
         for module in view.modules():
             for registry in (module._parameters, module._buffers):
                 for name, tensor in list(registry.items()):
                     if tensor is None or tensor.device == device or tensor.is_meta:
                         continue
-                    storage = tensor.untyped_storage()
-                    key = (str(tensor.device), storage.data_ptr())
-                    if key not in moved:
-                        moved[key] = _device_storage(storage, device)
-                    target, phase = moved[key]
-                    if phase % tensor.element_size():  # a view reinterpreting the storage
-                        target, phase = storage.to(device=device), 0
-                    placed = torch.empty(0, dtype=tensor.dtype, device=device).set_(
-                        target, tensor.storage_offset() + phase // tensor.element_size(),
-                        tensor.size(), tensor.stride())
-                    if isinstance(tensor, nn.Parameter):
-                        tensor.data = placed
+                    if wrapper_inner(tensor) is not None:
+                        move_wrapper(tensor)
+                    elif isinstance(tensor, nn.Parameter):
+                        tensor.data = placed(tensor)
                     else:
-                        registry[name] = placed
+                        registry[name] = placed(tensor)
     return pipeline
 
 
@@ -339,11 +361,13 @@ class CheckCase:
         return next((r for r in reversed(self._runs) if r.output is output), None)
 
     def _resident(self, pipeline_ref: Any, tensor: torch.Tensor) -> bool:
+        from .checks._util import resident  # a wrapper subclass: by its inner tensors
+
         pipeline = pipeline_ref() if pipeline_ref is not None else None
         backend = backend_of(pipeline) if pipeline is not None else None
         platform = getattr(backend, "platform", None)
         platforms = [platform] if platform is not None else self._platforms
-        return any(p.is_resident(tensor) for p in platforms)
+        return any(resident(p, tensor) for p in platforms)
 
     def _owners(self, pipeline: Any) -> Owners:
         """The offloaded components and streamed blocks of ``pipeline``: its backend's plan, or

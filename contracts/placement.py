@@ -38,6 +38,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from offload_ref.plan.tree import tensor_leaves
+
 from .blame import (Installed, hook_cause, named_modules, observe_enable, offloader_cause,
                     running_hook, where_code)
 
@@ -541,10 +543,11 @@ class PlacementWatch(TorchFunctionMode):
         if self.resident(t):
             block = self.owners.block(path)
             if block or self.owners.component(path) in self.owners.swapped:
-                key = _storage_key(t)  # storage the offloader reuses or frees
-                if key is not None:
-                    self.storages.setdefault(key, {}).setdefault(
-                        path, (t.storage_offset(), t.numel()))
+                for _, leaf in tensor_leaves("", t):  # a wrapper: its inner tensors' storages
+                    key = _storage_key(leaf)  # storage the offloader reuses or frees
+                    if key is not None:
+                        self.storages.setdefault(key, {}).setdefault(
+                            path, (leaf.storage_offset(), leaf.numel()))
             module = self.modules.get(block) if block else None
             if module is not None and not self.windows.active(module) and \
                     not _within(where[0], block) and t.numel():
@@ -870,6 +873,8 @@ def diagnose_device_error(case: Any) -> str:
     ``_SCENARIO`` under a :class:`PlacementWatch` until the error reproduces."""
     from offload_ref.backends.base import backend_of
 
+    from .checks._util import resident as on_platform
+
     try:
         pipeline = case.build()
         platform = case.platform()
@@ -898,8 +903,8 @@ def diagnose_device_error(case: Any) -> str:
             if not enabled():
                 return True  # the pipeline's own placement
             now = backend_of(pipeline)  # offload-ref's platform knows its own storage
-            if now is not None:
-                return getattr(now, "platform", platform).is_resident(t)
+            if now is not None:  # a wrapper subclass: by its inner tensors
+                return on_platform(getattr(now, "platform", platform), t)
             return t.device == device
 
         with ModuleWindows(pipeline) as windows:

@@ -14,7 +14,9 @@ to a foreign offloader), slow, and small enough to read.  The kit's tests use it
 Units: model level swaps each DiT and encoder whole (one loaded at a time); layerwise streams each
 block of the plan's rings (loaded before it runs, parked after) and keeps the rest on the device.
 What it moves is found with offload-ref's public resolver, as an author's offloader might use its
-own model table; how it moves it is its own.
+own model table; how it moves it is its own.  It moves storages, so it refuses a pipeline with
+wrapper-subclass weights (quantized weights without storage of their own) with
+``NotImplementedError``, which the kit reports as not applicable.
 """
 
 from __future__ import annotations
@@ -27,6 +29,27 @@ import torch
 from torch import nn
 
 __all__ = ["BROKEN", "SimpleOffloader", "simple_offloader"]
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, a one-byte float (float8, which ``torch.equal`` does not implement on
+    the CPU) by its bits."""
+    if a.is_floating_point() and a.element_size() == 1 and a.dtype == b.dtype:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def _wrapper_subclasses(pipeline: Any) -> list[str]:
+    """The parameters and buffers of ``pipeline`` that are wrapper tensor subclasses (quantized
+    weights such as torchao's ``Float8Tensor``: no storage of their own, their data in inner
+    tensors), as ``path (class)``."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    roots = ([("", pipeline)] if isinstance(pipeline, nn.Module) else
+             [(f"{k}.", v) for k, v in vars(pipeline).items() if isinstance(v, nn.Module)])
+    return [f"{prefix}{name} ({type(t).__name__})" for prefix, root in roots
+            for name, t in [*root.named_parameters(), *root.named_buffers()]
+            if type(t) not in (torch.Tensor, nn.Parameter) and is_traceable_wrapper_subclass(t)]
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -112,7 +135,7 @@ class _Unit:
                 with torch.inference_mode(host.is_inference()):
                     if not _same_tensor(now, view):
                         self.host[k] = now.to(host.device)  # assigned while loaded
-                    elif not torch.equal(now, host.to(now.device)):
+                    elif not _equal(now, host.to(now.device)):
                         host.copy_(now)  # edited in place while loaded
         for entry, host in zip(self.entries, self.host):
             self._bind(entry, host)
@@ -183,6 +206,12 @@ class SimpleOffloader:
         from offload_ref import OffloadConfig, resolve_offload_plan
         from offload_ref.plan import selectable_components
 
+        wrapped = _wrapper_subclasses(pipeline)
+        if wrapped:  # it moves storages, and such a tensor has none of its own
+            raise NotImplementedError(
+                f"SimpleOffloader does not offload wrapper tensor subclasses (quantized "
+                f"weights): {', '.join(wrapped[:2])}{' ...' if len(wrapped) > 2 else ''} "
+                "keep their data in inner tensors, and it copies each weight's own storage")
         config = OffloadConfig(strategy=self.strategy,
                                components=selectable_components(pipeline, self.strategy))
         plan = resolve_offload_plan(pipeline, config)

@@ -107,21 +107,23 @@ def note_bindings(module: Any, path: str, device: Any) -> None:
     now, each by its module path (call it as the module's forward returns: what it computed
     with).  A race on memory no tensor is bound to when it is found (a ring slot between two
     blocks, a swapped-in copy already dropped) is named by the tensor bound there most recently
-    (:func:`name_memory`)."""
-    for registry in (module._parameters, module._buffers):
-        for name, t in registry.items():
-            if t is None or t.device != device:
-                continue
-            start, size = _span(t)
-            if not size:
-                continue
-            full = f"{path}.{name}" if path else name
-            _BINDINGS[0] += 1
-            entry = _BOUND.setdefault((t.device.index or 0, start), [size, [], 0])
-            entry[0] = max(entry[0], size)
-            if not entry[1] or entry[1][-1] != full:
-                entry[1].append(full)
-            entry[2] = _BINDINGS[0]
+    (:func:`name_memory`).  A wrapper subclass is named by its inner tensors, which hold its
+    memory (``.qdata``, ``.scale``: Note [Wrapper subclasses] in offload_ref/plan/tree.py)."""
+    from .checks._util import module_tensors
+
+    for name, t in module_tensors(module, recurse=False, remove_duplicate=False):
+        if t.device != device:
+            continue
+        start, size = _span(t)
+        if not size:
+            continue
+        full = f"{path}.{name}" if path else name
+        _BINDINGS[0] += 1
+        entry = _BOUND.setdefault((t.device.index or 0, start), [size, [], 0])
+        entry[0] = max(entry[0], size)
+        if not entry[1] or entry[1][-1] != full:
+            entry[1].append(full)
+        entry[2] = _BINDINGS[0]
 
 
 def bound_name(device: int, address: int, nbytes: int) -> str | None:
@@ -160,6 +162,7 @@ def name_memory(pipelines: Iterable[Any], address: int, nbytes: int,
     slot between blocks, a dropped swap-in); else one whose storage holds it (``the storage of
     PATH``: a slot's padding, a freed slab); None when no tensor of theirs is there."""
     from .blame import named_modules
+    from .checks._util import module_tensors
 
     end = address + max(int(nbytes), 1)
     for start, size, name in reversed(_NAMED):
@@ -169,21 +172,21 @@ def name_memory(pipelines: Iterable[Any], address: int, nbytes: int,
     holder: str | None = None
     for pipeline in pipelines:
         for path, module in named_modules(pipeline):
-            for registry in ("_parameters", "_buffers"):
-                for name, t in module.__dict__.get(registry, {}).items():
-                    if t is None or t.is_meta:
-                        continue
-                    start, size = _span(t)
-                    overlap = min(end, start + size) - max(address, start)
-                    full = f"{path}.{name}" if path else name
-                    if overlap > 0:
-                        if best is None or overlap > best[0]:
-                            best = (overlap, full)
-                    elif holder is None:
-                        storage = t.untyped_storage()
-                        base = storage.data_ptr()
-                        if base <= address < base + storage.nbytes():
-                            holder = f"the storage of {full}"
+            # a wrapper subclass by its inner tensors (Note [Wrapper subclasses])
+            for name, t in module_tensors(module, recurse=False, remove_duplicate=False):
+                if t.is_meta:
+                    continue
+                start, size = _span(t)
+                overlap = min(end, start + size) - max(address, start)
+                full = f"{path}.{name}" if path else name
+                if overlap > 0:
+                    if best is None or overlap > best[0]:
+                        best = (overlap, full)
+                elif holder is None:
+                    storage = t.untyped_storage()
+                    base = storage.data_ptr()
+                    if base <= address < base + storage.nbytes():
+                        holder = f"the storage of {full}"
     if best is not None:
         return best[1]
     bound = bound_name(device, address, nbytes) if device is not None else None

@@ -22,6 +22,7 @@ from offload_ref.config import OffloadConfig
 from offload_ref.discovery import discover_components
 from offload_ref.fixtures import SPECS, get_spec
 from offload_ref.plan import OffloadPlan, ResolvedOffloadPlan, resolve_offload_plan
+from offload_ref.plan.tree import tensor_leaves, wrapper_inner
 from device_helpers import resident  # noqa: E402 (tests/ is on sys.path)
 
 SPEC_IDS = [spec.name for spec in SPECS]
@@ -41,6 +42,7 @@ EXPECTED_STRATEGIES = {
     "nextstep": ("layer_wise", "distributed_layer_wise"),
     "ovis_image": ("layer_wise", "distributed_layer_wise"),
     "qwen_image": ("model_level", "layer_wise", "distributed_layer_wise"),
+    "quantized_dit": ("model_level", "layer_wise", "distributed_layer_wise"),
     "sd3": ("layer_wise", "distributed_layer_wise"),
     "sdxl": ("model_level", "layer_wise", "distributed_layer_wise"),
     "soulx_singer": ("model_level", "layer_wise", "distributed_layer_wise"),
@@ -59,6 +61,7 @@ EXPECTED_RING_PASSES = {
     "nextstep": {"model": 3},
     "ovis_image": {"transformer": 3},
     "qwen_image": {"transformer": 3},
+    "quantized_dit": {"transformer": 3},
     "sd3": {"transformer": 3},
     "sdxl": {"unet": 6},
     "soulx_singer": {"cfm_decoder.model.diff_estimator": 3},
@@ -74,6 +77,7 @@ EXPECTED_RING_LENGTHS = {
     "nextstep": {"model": 4},
     "ovis_image": {"transformer": 3},
     "qwen_image": {"transformer": 4},
+    "quantized_dit": {"transformer": 4},
     "sd3": {"transformer": 3},
     "sdxl": {"unet": 6},
     "soulx_singer": {"cfm_decoder.model.diff_estimator": 5},
@@ -86,7 +90,10 @@ DOCUMENTED_SHAPES = {
     "non_persistent_buffer_in_block": {"nextstep", "soulx_singer"},
     "non_persistent_buffer_in_non_block_dit_state": {
         "bagel", "cosmos3", "flux2", "soulx_singer", "wan22_i2v", "wan22_t2v"},
-    "non_contiguous_parameter_in_block": {"longcat_image"},
+    "non_contiguous_parameter_in_block": {"longcat_image", "quantized_dit"},
+    "wrapper_subclass_weight_in_block": {"quantized_dit"},
+    "float8_weight_in_block": {"quantized_dit"},
+    "wrapper_subclass_weight_in_non_block_dit_state": {"quantized_dit"},
     "block_with_several_dtypes": {"soulx_singer"},
     "dit_parameter_aliasing_a_block_parameter": {"qwen_image"},
     "non_block_view_of_block_storage": {"sd3"},
@@ -155,10 +162,14 @@ def _declared_containers(pipe: nn.Module) -> list[tuple[str, Any]]:
 
 @contextmanager
 def _perturbed(tensor: torch.Tensor) -> Iterator[None]:
-    """``tensor`` += 1 in place for the block, restored bit-exactly afterwards."""
+    """``tensor`` += 1 in place for the block, restored bit-exactly afterwards (a wrapper
+    subclass: its first inner tensor; a float8 tensor, which has no arithmetic: its bits)."""
+    tensor = tensor_leaves("", tensor)[0][1]
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        tensor = tensor.view(torch.uint8)
     saved = tensor.detach().clone()
     with torch.no_grad():
-        tensor.add_(1.0)
+        tensor.add_(1)
     try:
         yield
     finally:
@@ -214,7 +225,7 @@ def _shape_inventory() -> dict[str, set[str]]:
         if len({p.dtype for p in pipe.parameters()}) > 1:
             inventory["parameters_in_several_dtypes"].add(spec.name)
         if any(t.untyped_storage().nbytes() > t.numel() * t.element_size()
-               for t in (*pipe.parameters(), *pipe.buffers())):
+               for p in (*pipe.parameters(), *pipe.buffers()) for _, t in tensor_leaves("", p)):
             inventory["tensor_smaller_than_its_storage"].add(spec.name)
         if any(c.role == "resident" for d in plan.dits for c in plan.components
                if c.path in d.nested):
@@ -236,12 +247,20 @@ def _shape_inventory() -> dict[str, set[str]]:
                     inventory["block_with_several_dtypes"].add(spec.name)
                 for p in block.parameters():
                     block_params[id(p)] = spec.name
-                    block_storages.add(p.untyped_storage().data_ptr())
+                    if wrapper_inner(p) is not None:
+                        inventory["wrapper_subclass_weight_in_block"].add(spec.name)
+                    for _, leaf in tensor_leaves("", p):
+                        block_storages.add(leaf.untyped_storage().data_ptr())
+                        if leaf.dtype == torch.float8_e4m3fn:
+                            inventory["float8_weight_in_block"].add(spec.name)
                     if not p.is_contiguous():
                         inventory["non_contiguous_parameter_in_block"].add(spec.name)
             owner = pipe.get_submodule(stack.owner_path)
             in_blocks = {id(b) for b in stack.blocks}
             for _name, tensor, non_persistent in _non_block_tensors(owner, in_blocks):
+                if wrapper_inner(tensor) is not None:
+                    inventory["wrapper_subclass_weight_in_non_block_dit_state"].add(spec.name)
+                    continue
                 if isinstance(tensor, nn.Parameter) and id(tensor) in block_params:
                     inventory["dit_parameter_aliasing_a_block_parameter"].add(spec.name)
                 elif (tensor.untyped_storage().data_ptr() in block_storages

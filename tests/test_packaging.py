@@ -2,7 +2,7 @@
 
 Under test: the public names import; the kit and the fixtures live under ``offload_ref.`` only
 (no top-level ``contracts`` / ``fixtures`` of ours); the pytest11 plugin loads without torch; the
-12 fixture specs build; the ``offload-ref`` console script runs (without torch's NumPy
+13 fixture specs build; the ``offload-ref`` console script runs (without torch's NumPy
 warning: numpy is a declared dependency); and a downstream author's test
 file using ``OFFLOAD_REF_SPECS`` + ``offload_ref_check`` runs under pytest.
 
@@ -133,7 +133,7 @@ def test_public_names_and_kit_import_outside_the_repository(tmp_path: Path) -> N
             f"a top-level module {name!r} is importable from this project ({path}); it must be "
             f"installed only as offload_ref.{name}")
     specs = report["specs"]
-    assert len(specs) == 12, sorted(specs)
+    assert len(specs) == 13, sorted(specs)
     bad = {name: v for name, v in specs.items() if not (v[0] and v[1] == "dict" and v[2] > 0)}
     assert not bad, f"fixture specs whose factory does not build a module with inputs: {bad}"
 

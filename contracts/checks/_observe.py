@@ -25,16 +25,11 @@ __all__ = [
 
 
 def tensors_of(module: Any) -> list[torch.Tensor]:
-    """The distinct non-empty tensors of a module (or of a plain-object pipeline's modules)."""
-    from ._util import module_view
+    """The distinct non-empty tensors of a module (or of a plain-object pipeline's modules), a
+    wrapper subclass by its inner tensors (:func:`._util.module_tensors`)."""
+    from ._util import module_tensors
 
-    module = module_view(module)
-    seen, out = set(), []
-    for t in list(module.parameters()) + [b for b in module.buffers() if b is not None]:
-        if id(t) not in seen and t.numel():
-            seen.add(id(t))
-            out.append(t)
-    return out
+    return [t for _, t in module_tensors(module) if t.numel()]
 
 
 def resident_fraction(platform: Any, module: nn.Module) -> float:
@@ -60,9 +55,12 @@ def tensor_bytes(tensors: list[torch.Tensor], alignment: int | None = None) -> i
     boundary takes ``round_up(phase + span, alignment)`` bytes).
 
     Computed here, not with the library's helper: the kit's expectations stay an independent
-    oracle for the bytes the backends report."""
+    oracle for the bytes the backends report.  A wrapper subclass counts its inner tensors'
+    bytes (Note [Wrapper subclasses] in offload_ref/plan/tree.py)."""
+    from ._util import leaves_of
+
     spans: dict[int, list[int]] = {}
-    for t in tensors:
+    for t in (leaf for t in tensors for leaf in leaves_of(t)):
         if not t.numel():
             continue
         lo = t.storage_offset()
@@ -141,10 +139,12 @@ class CopySpy:
         return getattr(self._platform, name)
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        d, s = self._platform.is_resident(dst), self._platform.is_resident(src)
+        from ._util import leaves_of, resident
+
+        d, s = resident(self._platform, dst), resident(self._platform, src)
         kind = {(True, False): "h2d", (False, True): "d2h", (True, True): "d2d",
                 (False, False): "h2h"}[(d, s)]
-        self.copies.append((kind, dst.numel() * dst.element_size()))
+        self.copies.append((kind, sum(t.numel() * t.element_size() for t in leaves_of(dst))))
         self._platform.copy_(dst, src)
 
     def bytes(self, kind: str) -> int:

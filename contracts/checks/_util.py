@@ -16,6 +16,7 @@ from torch import nn
 from offload_ref.config import OffloadConfig, OffloadStrategy
 from offload_ref.discovery import discover_components, get_submodule_path
 from offload_ref.hooks import HOOKS_ATTR
+from offload_ref.plan.tree import tensor_leaves, wrapper_inner
 
 from ..registry import NotApplicable, fail
 from ..traits import needs_of, unmet
@@ -27,10 +28,15 @@ __all__ = [
     "expect_error",
     "first_dit",
     "hook_residue",
+    "leaves_of",
     "module_attributes",
+    "module_tensors",
     "module_view",
     "offload_attributes",
+    "resident",
+    "scalable",
     "snapshot",
+    "tensors_equal",
 ]
 
 
@@ -100,11 +106,61 @@ def _attribute_dicts(pipeline: Any) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def _named_tensors(module: Any) -> list[tuple[str, torch.Tensor]]:
+def module_tensors(module: Any, *, recurse: bool = True, prefix: str = "",
+                   remove_duplicate: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """``(path, tensor)`` of the parameters, then the buffers, of ``module`` (or of a
+    plain-object pipeline's modules), its submodules' too unless ``recurse=False``; each tensor
+    once, under its first path, unless ``remove_duplicate=False``.  A wrapper subclass (a
+    quantized weight) is given by its inner tensors, under ``path.<inner>``, recursively (Note
+    [Wrapper subclasses] in offload_ref/plan/tree.py): they, not the wrapper, have a storage, an
+    address, bytes and device placement, so every reading of those walks this.  (The wrapper
+    answers ``data_ptr()`` with 0 and has no storage: read directly, each wrapper would sit at
+    address 0, aligned, and never on the device.)  Only identity scans of parameters (a
+    ``requires_grad`` scan, a tie) walk ``parameters()``."""
     module = module_view(module)
-    out = [(n, p) for n, p in module.named_parameters(remove_duplicate=False)]
-    out += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
+    named = list(module.named_parameters(prefix, recurse=recurse, remove_duplicate=False))
+    named += [(n, b) for n, b in module.named_buffers(prefix, recurse=recurse,
+                                                      remove_duplicate=False) if b is not None]
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for name, t in named:
+        for leaf in tensor_leaves(name, t):
+            if remove_duplicate:
+                if id(leaf[1]) in seen:
+                    continue
+                seen.add(id(leaf[1]))
+            out.append(leaf)
     return out
+
+
+def _named_tensors(module: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer by every path, a wrapper subclass by its inner tensors
+    (:func:`module_tensors`)."""
+    return module_tensors(module, remove_duplicate=False)
+
+
+def leaves_of(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``t``'s data: ``[t]``, or a wrapper subclass's inner tensors (Note
+    [Wrapper subclasses] in offload_ref/plan/tree.py)."""
+    return [leaf for _, leaf in tensor_leaves("", t)]
+
+
+def resident(platform: Any, t: torch.Tensor) -> bool:
+    """``platform.is_resident(t)`` for any tensor: a wrapper subclass is device storage when
+    every inner tensor is (its own storage is none: the platform would call it host)."""
+    return all(platform.is_resident(leaf) for leaf in leaves_of(t))
+
+
+def scalable(t: torch.Tensor) -> bool:
+    """Whether the kit's weight edits (``t * s``, ``t.mul_(s)``, directly, through ``.data`` or
+    by ``load_state_dict``) apply to ``t`` at all, offloaded or not: a non-empty floating
+    tensor of two or more bytes per element.  Not a one-byte float (torch implements no
+    arithmetic on float8 on the CPU) and not a wrapper subclass (a quantized weight: its
+    ``mul`` runs on the dequantized value and returns a plain tensor, which its ``copy_``
+    refuses, ``.data =`` would swap in, and ``mul_`` writes to a temporary).  The edit checks
+    skip these in the pipeline and in the un-offloaded reference alike: like with like."""
+    return (t.is_floating_point() and t.numel() > 0 and t.element_size() > 1
+            and wrapper_inner(t) is None)
 
 
 @dataclass
@@ -150,20 +206,36 @@ class Snapshot:
         return problems
 
 
+def tensors_equal(a: torch.Tensor, b: torch.Tensor, *, nan_equal: bool = False) -> bool:
+    """``torch.equal`` of two tensors' values wherever each lives (host or device); with
+    ``nan_equal``, NaN equals NaN.  A wrapper subclass (a quantized weight) compares by its inner
+    tensors (Note [Wrapper subclasses] in offload_ref/plan/tree.py), a one-byte float (float8,
+    which ``torch.equal`` does not implement) by its bits."""
+    pairs = list(zip(tensor_leaves("", a), tensor_leaves("", b)))
+    if len(pairs) != len(tensor_leaves("", a)) or len(pairs) != len(tensor_leaves("", b)):
+        return False
+    for (_, x), (_, y) in pairs:
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.device != y.device:
+            x, y = x.cpu(), y.cpu()
+        if x.is_floating_point() and x.element_size() == 1:
+            if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+                return False
+        elif not torch.equal(x, y) and not (
+                nan_equal and x.is_floating_point() and torch.equal(x.isnan(), y.isnan())
+                and torch.equal(x.nan_to_num(), y.nan_to_num())):
+            return False
+    return True
+
+
 def values_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``torch.equal`` of two tensors' values wherever each lives (host or device)."""
-    if a.device != b.device:
-        a, b = a.cpu(), b.cpu()
-    return bool(torch.equal(a, b))
+    return tensors_equal(a, b)
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return bool(torch.equal(a.cpu(), b.cpu())) or bool(
-        torch.equal(torch.isnan(a.cpu()), torch.isnan(b.cpu()))
-        and torch.equal(a.cpu().nan_to_num(), b.cpu().nan_to_num())
-    )
+    return tensors_equal(a, b, nan_equal=True)
 
 
 def snapshot(pipeline: nn.Module, *, values: bool = False) -> Snapshot:
@@ -177,6 +249,7 @@ def snapshot(pipeline: nn.Module, *, values: bool = False) -> Snapshot:
                          t.requires_grad, t.is_inference())
         if values:
             vals[name] = t.detach().clone()
+    _note_wrappers(pipeline, tensors)
     dict_keys = {path: tuple(sorted(d)) for path, d in _attribute_dicts(pipeline)}
     hooks = {}
     for path, module in module_view(pipeline).named_modules(remove_duplicate=False):
@@ -184,6 +257,27 @@ def snapshot(pipeline: nn.Module, *, values: bool = False) -> Snapshot:
                             for d in HOOK_DICTS)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     return Snapshot(tensors, vals, dict_keys, hooks, distributed, _global_hooks())
+
+
+def _note_wrappers(pipeline: Any, tensors: dict[str, tuple]) -> None:
+    """Add each wrapper subclass of ``pipeline`` to a snapshot's ``tensors``, by every path:
+    :func:`_named_tensors` gives its inner tensors, and the wrapper itself is the object the
+    module holds, with the device, dtype, shape and strides a forward sees (Note [Wrapper
+    subclasses] in offload_ref/plan/tree.py); it has no address (0)."""
+    def visit(name: str, t: torch.Tensor) -> None:
+        inner = wrapper_inner(t)
+        if inner is None:
+            return
+        tensors[name] = (id(t), str(t.device), 0, t.dtype, tuple(t.shape), tuple(t.stride()),
+                         t.storage_offset(), t.requires_grad, t.is_inference())
+        for attr, it in inner:
+            visit(f"{name}.{attr}", it)
+
+    view = module_view(pipeline)
+    for name, t in [*view.named_parameters(remove_duplicate=False),
+                    *view.named_buffers(remove_duplicate=False)]:
+        if t is not None:
+            visit(name, t)
 
 
 #: The hook dicts of an ``nn.Module`` the kit compares (forward pre-hooks and forward hooks

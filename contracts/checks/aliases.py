@@ -13,8 +13,11 @@ from ..case import move_to_device
 from ..registry import check, fail
 from ._observe import observe
 from ._util import (
+    _named_tensors,
     first_dit,
+    module_tensors,
     module_view,
+    resident,
     snapshot,
     storage_groups,
     storage_key,
@@ -30,7 +33,9 @@ def _add_kit_alias(case: Any, pipeline: Any) -> tuple[str, torch.Tensor, torch.T
     path, dit = first_dit(pipeline)
     stack = [s for s in _rings(case, pipeline) if s.owner_path == path][0]
     block = stack.streamed_blocks[-1]
-    target = next(p for p in block.parameters() if p.numel() > 1)
+    # a tensor with storage to view: a wrapper subclass's inner tensor, not the wrapper (its
+    # view would be a plain tensor of its dequantized value: Note [Wrapper subclasses])
+    target = next(t for _, t in module_tensors(block) if t.numel() > 1)
     dit.register_buffer("_kit_alias", target.data.view(-1)[1:], persistent=False)
     return f"{path}._kit_alias", dit._kit_alias, target
 
@@ -61,7 +66,7 @@ def check_block_alias_follows_its_block(case) -> None:
             owner = target if p == alias_path else None
             if owner is not None and not _same_storage(t, owner):
                 problems.append(f"{moment}: {p} no longer shares storage with its block tensor")
-        if platform.is_resident(alias) and not platform.is_resident(target):
+        if resident(platform, alias) and not resident(platform, target):
             problems.append(f"{moment}: {alias_path} is on the device while its block is not")
 
     check_now("after enable")
@@ -70,7 +75,7 @@ def check_block_alias_follows_its_block(case) -> None:
 
     def before(path: str, module: nn.Module) -> None:
         check_now(f"while {path} runs")
-        if not torch.equal(alias.detach().cpu(), expected):
+        if not values_equal(alias.detach(), expected):
             problems.append(f"while {path} runs: {alias_path} has wrong values")
 
     with observe(blocks, before) as calls:
@@ -127,7 +132,7 @@ def check_parameter_shared_by_two_blocks_is_never_copied_twice(case) -> None:
     unique = {}
     for s in _rings(case, pipeline):
         for b in s.streamed_blocks:
-            for t in list(b.parameters()) + list(b.buffers()):
+            for _, t in module_tensors(b):
                 unique[storage_key(t)] = t.untyped_storage().nbytes()
     platform = case.platform()
     backend = case.backend(platform=platform)
@@ -178,7 +183,7 @@ def check_views_keep_strides_and_sharing(case) -> None:
                         "is neither offloaded nor restored; attach it inside `with "
                         "backend.edit_weights(): ...`, or before enable()")
                 continue
-            if not platform.is_resident(t) and (t.stride() == (0,) * t.dim() and t.dim()):
+            if not resident(platform, t) and (t.stride() == (0,) * t.dim() and t.dim()):
                 continue  # a placeholder of a block that is not materialized
             if (tuple(t.shape), tuple(t.stride())) != meta[name]:
                 problems.append(f"{moment}: {name} shape/stride {meta[name]} -> "
@@ -202,9 +207,7 @@ def check_views_keep_strides_and_sharing(case) -> None:
 
 
 def _named(pipeline: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    out = list(module_view(pipeline).named_parameters(remove_duplicate=False))
-    return out + [(n, b) for n, b in module_view(pipeline).named_buffers(remove_duplicate=False)
-                  if b is not None]
+    return _named_tensors(pipeline)  # a wrapper subclass by its inner tensors: they are views
 
 
 def _placeholder(pipeline: nn.Module, name: str) -> bool:

@@ -28,12 +28,14 @@ import torch
 from torch import nn
 
 from offload_ref.config import OffloadStrategy
+from offload_ref.plan.tree import wrapper_inner
 
 from ..case import DEFAULT_IMPLEMENTATION, CheckCase, move_to_device
-from ..registry import check, fail
+from ..registry import check, fail, not_applicable
 from ..spec import load_object
 from ._observe import compare_outputs, observe
-from ._util import module_view, values_equal
+from ._util import (_named_tensors, module_tensors, module_view, resident, tensors_equal,
+                    values_equal)
 
 WORLD = 2
 #: The rendezvous timeout of the rank-failure scenario; a prompt failure takes milliseconds.
@@ -155,11 +157,12 @@ def _config(case: CheckCase, transfer: str, world: int, **dit: Any) -> Any:
 
 def streamed_block_bytes(plan: Any) -> int:
     """Weight bytes of every streamed block (each storage span once), from the plan of a pipeline
-    that is not offloaded (an offloaded one holds placeholders)."""
+    that is not offloaded (an offloaded one holds placeholders); a wrapper subclass's are its
+    inner tensors' (Note [Wrapper subclasses] in offload_ref/plan/tree.py)."""
     spans: dict[tuple[int, int, int], int] = {}
     for stack in plan.stacks:
         for block in stack.streamed_blocks:
-            for t in [*block.parameters(), *block.buffers()]:
+            for _, t in module_tensors(block):
                 if t.numel():
                     key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
                     spans[key] = t.numel() * t.element_size()
@@ -167,21 +170,17 @@ def streamed_block_bytes(plan: Any) -> int:
 
 
 def _state(pipeline: nn.Module) -> dict[str, torch.Tensor]:
-    named = list(module_view(pipeline).named_parameters(remove_duplicate=False))
-    named += [(n, b) for n, b in module_view(pipeline).named_buffers(remove_duplicate=False) if b is not None]
-    return {n: t.detach().clone() for n, t in named}
+    return {n: t.detach().clone() for n, t in _named_tensors(pipeline)}
 
 
 def _restored(pipeline: nn.Module, fresh: nn.Module, platform: Any) -> list[str]:
     """Tensors of ``pipeline`` that differ from a fresh build, or that are still on the device."""
     want = _state(fresh)
     problems = []
-    named = list(module_view(pipeline).named_parameters(remove_duplicate=False))
-    named += [(n, b) for n, b in module_view(pipeline).named_buffers(remove_duplicate=False) if b is not None]
-    for n, t in named:
+    for n, t in _named_tensors(pipeline):
         w = want.get(n)
-        if w is None or t.shape != w.shape or t.dtype != w.dtype or not values_equal(
-                t.detach().nan_to_num(), w.nan_to_num()):
+        if w is None or t.shape != w.shape or t.dtype != w.dtype or not tensors_equal(
+                t.detach(), w, nan_equal=True):
             problems.append(f"{n} differs from a fresh build")
         elif platform.is_resident(t):
             problems.append(f"{n} is still device storage")
@@ -249,7 +248,7 @@ def _rank_local(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, 
     heads = [(s.block_paths[0], s.blocks[0]) for s in backend.plan.stacks if s.resident_head]
     obs: dict[str, Any] = {"resident_layers": dit.get("resident_layers", 0)}
     obs["output"] = case.run(pipeline, request)
-    obs["heads_resident"] = {p: all(platform.is_resident(t) for t in b.parameters())
+    obs["heads_resident"] = {p: all(resident(platform, t) for t in b.parameters())
                              for p, b in heads}
     obs["transports"] = {r.label: r.transport.name for r in backend.rings}
     obs["stats"] = _stats(backend)
@@ -328,6 +327,16 @@ def _mmap(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
     request = _request(case, rank)
     source = case.build()
     plan = case.resolve(source, case.config())
+    wrapped = [(f"{comp.path}.{name}", type(t).__name__) for comp in plan.dits
+               for name, t in comp.module.state_dict().items() if wrapper_inner(t) is not None]
+    if wrapped:
+        # Note [Wrapper subclasses] in offload_ref/plan/tree.py
+        shown = ", ".join(f"{n} ({cls})" for n, cls in wrapped[:2])
+        return {"not_applicable": (
+            f"the DiT holds {len(wrapped)} wrapper-subclass weight(s) (quantized: {shown}"
+            f"{' ...' if len(wrapped) > 2 else ''}): a safetensors file holds plain tensors "
+            "only, and load_safetensors refuses a tensor subclass, so no DiT can be loaded as "
+            "mmap views of a file")}
     files = {}
     for comp in plan.dits:
         path = tmp / f"{comp.path}-rank{rank}.safetensors"
@@ -381,7 +390,8 @@ _PAD_PREFIX = "kit_padding."
 _DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                 torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
                 torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-                torch.complex64: "C64"}
+                torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3",
+                torch.float8_e5m2: "F8_E5M2"}
 
 
 def unaligned_phase(itemsize: int) -> int:
@@ -435,9 +445,8 @@ def write_safetensors_at_phases(state: dict[str, torch.Tensor], path: Path | str
 
 
 def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    named = list(module.named_parameters(recurse=False))
-    named += [(n, b) for n, b in module.named_buffers(recurse=False) if b is not None]
-    return [(n, t) for n, t in named if t.numel()]
+    # a wrapper subclass by its inner tensors: they have the addresses (Note [Wrapper subclasses])
+    return [(n, t) for n, t in module_tensors(module, recurse=False) if t.numel()]
 
 
 def _dit_phases(pipeline: Any, dits: list[str]) -> dict[str, int]:
@@ -734,7 +743,10 @@ def check_mmap_loaded_weights_keep_non_persistent_buffers(case) -> None:
     """DiT weights loaded as mmap views of safetensors files keep every non-persistent buffer
     exact, and rank-local streaming of the file-backed blocks matches the un-offloaded loaded
     pipeline bit for bit, keeping no host copy of them."""
-    for rank, obs in enumerate(_scenario(case, "mmap")):
+    ranks = _scenario(case, "mmap")
+    if "not_applicable" in ranks[0]:
+        not_applicable(ranks[0]["not_applicable"])
+    for rank, obs in enumerate(ranks):
         for key in ("buffers", "buffers_after_disable"):
             if obs[key]:
                 fail(f"rank {rank}: non-persistent buffers after mmap loading: {obs[key][:5]}")
@@ -752,7 +764,10 @@ def check_mmap_loaded_weights_keep_their_alignment(case) -> None:
     (MKL's GEMV on AMD EPYC), so an offloader that realigns a file's tensors, or keeps the file's
     phase where the reference realigns, matches bit for bit on some CPUs only (Note [Both
     alignment phases])."""
-    for rank, obs in enumerate(_scenario(case, "mmap")):
+    ranks = _scenario(case, "mmap")
+    if "not_applicable" in ranks[0]:
+        not_applicable(ranks[0]["not_applicable"])
+    for rank, obs in enumerate(ranks):
         file_phases = obs["file_phases"]
         unaligned = [n for n, p in file_phases.items() if p % 16]
         if not unaligned or len(unaligned) == len(file_phases):

@@ -9,10 +9,10 @@ from torch import nn
 
 from ..registry import check, fail, not_applicable
 from ._util import (
+    _named_tensors,
     collected,
     hook_changes,
     hook_residue,
-    module_view,
     offload_attributes,
     snapshot,
     storage_groups,
@@ -304,7 +304,7 @@ def check_disable_restores_parameters_and_placement(case) -> None:
     platform = case.platform()
     before = snapshot(pipeline, values=True)
     groups = storage_groups(pipeline)
-    placement = {n: platform.is_resident(t) for n, t in _tensors(pipeline)}
+    placement = {n: platform.is_resident(t) for n, t in _named_tensors(pipeline)}
     backend = case.backend(platform=platform)
     backend.enable(pipeline)
     case.run(pipeline)
@@ -321,7 +321,8 @@ def check_disable_restores_parameters_and_placement(case) -> None:
     problems += [p for p in before.diff(after) if p.startswith("values")]
     if storage_groups(pipeline) != groups:
         problems.append(f"storage sharing {groups} -> {storage_groups(pipeline)}")
-    moved = [n for n, t in _tensors(pipeline) if platform.is_resident(t) != placement.get(n)]
+    moved = [n for n, t in _named_tensors(pipeline)
+             if platform.is_resident(t) != placement.get(n)]
     if moved:
         problems.append(f"placement differs from before enable: {moved[:4]}")
     if platform.memory_allocated() or platform.pinned_bytes():
@@ -331,10 +332,6 @@ def check_disable_restores_parameters_and_placement(case) -> None:
         fail(f"disable did not restore {type(pipeline).__name__}: {problems[:6]}")
 
 
-def _tensors(pipeline: Any) -> list[tuple[str, Any]]:
-    out = list(module_view(pipeline).named_parameters(remove_duplicate=False))
-    return out + [(n, b) for n, b in module_view(pipeline).named_buffers(remove_duplicate=False)
-                  if b is not None]
 
 
 @check("C", strategies=BACKENDS)

@@ -15,22 +15,25 @@ from offload_ref.discovery import get_submodule_path
 
 from ..registry import check, fail, not_applicable
 from ._observe import observe
-from ._util import Identities, _same_values, first_dit, module_view, values_equal
+from ._util import (Identities, _same_values, first_dit, leaves_of, module_view, scalable,
+                    tensors_equal, values_equal)
 from .lifecycle import BACKENDS
 
 _EDIT_SCALE = 1.25  # a power-of-two-free factor: every edited weight changes
 
 
 def _floating(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in state.items() if v.is_floating_point() and v.numel()}
+    return {k: v for k, v in state.items() if scalable(v)}
 
 
 def _edit(pipeline: nn.Module) -> None:
     """The edit under test: load a scaled copy of every floating weight (as a LoRA merge or a
-    checkpoint reload does), then scale the first parameter in place once more."""
+    checkpoint reload does), then scale the first parameter in place once more.  Weights no
+    multiply applies to, offloaded or not (float8, wrapper subclasses: :func:`._util.scalable`),
+    are left out, here and in the reference alike."""
     scaled = {k: v * _EDIT_SCALE for k, v in _floating(pipeline.state_dict()).items()}
     pipeline.load_state_dict(scaled, strict=False)
-    first = next((p for p in pipeline.parameters() if p.is_floating_point() and p.numel()), None)
+    first = next((p for p in pipeline.parameters() if scalable(p)), None)
     if first is not None:
         with torch.no_grad():
             first.mul_(2.0)
@@ -53,12 +56,17 @@ def _edited_after_a_generation(case: Any, edit: Any) -> Any:
     return reference
 
 
+def _has_nan(t: torch.Tensor) -> bool:
+    """Whether ``t`` (a wrapper subclass: any of its inner tensors) holds a NaN."""
+    return any(x.is_floating_point() and bool(x.detach().isnan().any()) for x in leaves_of(t))
+
+
 def _same_state(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     if set(got) != set(want):
         fail(f"{what}: state_dict keys differ: {sorted(set(got) ^ set(want))[:4]}")
-    bad = [k for k in want if got[k].is_meta or got[k].shape != want[k].shape or not torch.equal(
-        got[k].detach().cpu().nan_to_num(), want[k].detach().cpu().nan_to_num())
-           or bool(got[k].detach().cpu().isnan().any())]
+    bad = [k for k in want if got[k].is_meta or got[k].shape != want[k].shape
+           or not tensors_equal(got[k].detach(), want[k].detach(), nan_equal=True)
+           or _has_nan(got[k])]
     if bad:
         fail(f"{what}: {len(bad)} state_dict entries differ from the true weights "
              f"(e.g. {bad[:3]}); an offloaded pipeline's state_dict must return the weights, not "
@@ -97,11 +105,13 @@ def _edit_through_data(pipeline: nn.Module, how: str,
     given): in place (``w.data.mul_``, what peft's LoRA merge and diffusers' ``fuse_lora`` do)
     or by assigning a new tensor (``w.data = ...``, what ``module.to(dtype)`` and layerwise
     casting do); neither bumps ``w._version``.  Each tensor is tried on its own; returns
-    (edited, refused by the offloader -- an exception of ``refusals`` --, refused by torch)."""
+    (edited, refused by the offloader -- an exception of ``refusals`` --, refused by torch).
+    Parameters no multiply applies to even un-offloaded (float8, wrapper subclasses:
+    :func:`._util.scalable`) are not tried, in the pipeline and the reference alike."""
     counts = [0, 0, 0]
     with torch.no_grad():
         for p in pipeline.parameters():
-            if not (p.is_floating_point() and p.numel()) or (only is not None and not only(p)):
+            if not scalable(p) or (only is not None and not only(p)):
                 continue
             try:
                 if how == "in place":
@@ -205,9 +215,8 @@ def check_reads_through_data_are_true_or_refused(case) -> None:
             except refusals:
                 refused += 1
                 continue
-            if value.is_meta or value.shape != want[name].shape or not torch.equal(
-                    value.cpu().nan_to_num(), want[name].detach().cpu().nan_to_num()) or (
-                    value.is_floating_point() and bool(value.isnan().any())):
+            if value.is_meta or value.shape != want[name].shape or not tensors_equal(
+                    value, want[name].detach(), nan_equal=True) or _has_nan(value):
                 bad.append(name)
         if bad:
             fail(f"{len(bad)} weight(s) read through .data between generations gave other values "
@@ -460,13 +469,15 @@ class _GraphWatch:
             self.recording.append(path)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = (str(t.device), t.data_ptr() if t.numel() else id(t), t.numel(), t.dtype)
+        held = leaves_of(t)  # a wrapper subclass: its inner tensors (Note [Wrapper subclasses])
+        key = (str(t.device), tuple(x.data_ptr() if x.numel() else id(x) for x in held),
+               t.numel(), t.dtype)
         if key in self._seen:  # saved again (a weight at every step): held once
             return t
         self._seen.add(key)
         where = self.running[-1] if self.running else "the pipeline's own code"
         entry = self.saved.setdefault(where, [0, 0, 0])
-        nbytes = t.numel() * t.element_size()
+        nbytes = sum(x.numel() * x.element_size() for x in held)
         entry[0] += 1
         entry[1] += nbytes
         entry[2] += nbytes if t.device == self.device else 0
@@ -958,9 +969,9 @@ def _edited_in_place(case: Any, path: str, *, edit: bool
 
 
 def _dit_weights(pipeline: Any, path: str) -> list[tuple[str, torch.Tensor]]:
-    """The DiT's floating, non-empty parameters, in ``parameters()`` order."""
+    """The DiT's floating, non-empty parameters that a multiply applies to (not float8 or a
+    wrapper subclass: :func:`._util.scalable`), in ``parameters()`` order."""
     from offload_ref.discovery import get_submodule_path
 
     dit = get_submodule_path(pipeline, path)
-    return [(f"{path}.{n}", p) for n, p in dit.named_parameters()
-            if p.is_floating_point() and p.numel()]
+    return [(f"{path}.{n}", p) for n, p in dit.named_parameters() if scalable(p)]

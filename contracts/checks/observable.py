@@ -23,7 +23,14 @@ from offload_ref.plan import owned_tensors, resolve_offload_plan
 
 from ..registry import CheckNotApplicable, check, fail, not_applicable
 from ._observe import module_bytes, observe, tensor_bytes
-from ._util import _named_tensors, module_view, snapshot, storage_groups, storage_key
+from ._util import (
+    _named_tensors,
+    module_tensors,
+    module_view,
+    snapshot,
+    storage_groups,
+    storage_key,
+)
 from .lifecycle import BACKENDS, _interrupt_targets, _interrupted
 from .misuse import _edit, _same_state
 
@@ -506,17 +513,17 @@ def _swapped(case: Any, pipeline: Any) -> list[tuple[str, str, nn.Module, list[n
 
 
 def _on_device(modules: list[nn.Module], device: torch.device) -> tuple[int, int]:
-    """How many of ``modules``' own tensors are on ``device``'s type now, and their bytes."""
+    """How many of ``modules``' own tensors are on ``device``'s type now, and their bytes (a
+    wrapper subclass: its inner tensors, which hold its bytes)."""
     seen: set[int] = set()
     count = nbytes = 0
     for module in modules:
-        for registry in (module._parameters, module._buffers):
-            for t in registry.values():
-                if t is None or id(t) in seen or t.device.type != device.type:
-                    continue
-                seen.add(id(t))
-                count += 1
-                nbytes += t.numel() * t.element_size()
+        for _, t in module_tensors(module, recurse=False):
+            if id(t) in seen or t.device.type != device.type:
+                continue
+            seen.add(id(t))
+            count += 1
+            nbytes += t.numel() * t.element_size()
     return count, nbytes
 
 

@@ -20,6 +20,7 @@ from ._util import (
     dit_containers,
     expect_error,
     first_dit,
+    module_tensors,
     snapshot,
     storage_key,
 )
@@ -366,10 +367,12 @@ def check_tensors_aliasing_a_block_belong_to_its_ring(case) -> None:
     blocks = dit_blocks(pipeline, path, dit)
     containers = dit_containers(pipeline, path, dit)
     declared = [f"{path}.{c}" for c in containers]
+    # a tensor with storage to view: a wrapper subclass's inner tensor, not the wrapper (its
+    # view would be a plain tensor of its dequantized value: Note [Wrapper subclasses])
     target_name, target = next(
-        ((n, p) for n, p in blocks[-1].named_parameters() if p.numel() > 1), (None, None))
+        ((n, t) for n, t in module_tensors(blocks[-1]) if t.numel() > 1), (None, None))
     if target is None:
-        fail(f"precondition: the last block of {declared} has no parameter of two or more "
+        fail(f"precondition: the last block of {declared} has no tensor of two or more "
              "elements for the check to alias")
     dit.register_buffer("_kit_alias", target.data.view(-1)[1:], persistent=False)
     plan = case.resolve(pipeline)
@@ -384,13 +387,11 @@ def check_tensors_aliasing_a_block_belong_to_its_ring(case) -> None:
         fail(f"a buffer the check adds to DiT {path!r} viewing {block_tensor} is attributed "
              f"to {aliases[want].block_path}, not to that block")
     # Every pre-existing alias of the fixture is found too.
-    for name, t in list(dit.named_parameters(remove_duplicate=False)) + list(
-            dit.named_buffers(remove_duplicate=False)):
-        if t is None or not t.numel() or any(name.startswith(f"{c}.") for c in containers):
+    block_storages = {storage_key(b) for blk in blocks for _, b in module_tensors(blk)}
+    for name, t in module_tensors(dit, remove_duplicate=False):
+        if not t.numel() or any(name.startswith(f"{c}.") for c in containers):
             continue
-        key = storage_key(t)
-        if any(key == storage_key(b) for blk in blocks
-               for b in list(blk.parameters()) + list(blk.buffers())):
+        if storage_key(t) in block_storages:
             if f"{path}.{name}" not in aliases:
                 fail(f"{path}.{name} shares storage with a block tensor but is not a ring alias")
 
@@ -423,8 +424,9 @@ def check_tensor_in_two_model_level_groups_is_rejected(case) -> None:
     path, dit = first_dit(pipeline)
     subs = {id(m) for m in dit.modules()}
     inner = {id(t) for c in case.resolve(pipeline).components
-             if c.module is not dit and id(c.module) in subs for t in c.module.parameters()}
-    tensor = next(p for p in dit.parameters() if p.numel() > 1 and id(p) not in inner)
+             if c.module is not dit and id(c.module) in subs for _, t in module_tensors(c.module)}
+    # a tensor with storage to tie: a wrapper subclass's inner tensor (Note [Wrapper subclasses])
+    tensor = next(t for _, t in module_tensors(dit) if t.numel() > 1 and id(t) not in inner)
     holder = pipeline
     if not isinstance(pipeline, nn.Module):  # a plain object: its module attributes are its state
         holder = pipeline.kit_state = nn.Module()
@@ -650,7 +652,7 @@ def _leading_unhooked(pipeline: Any, block_paths: tuple[str, ...], platform: Any
     k = 0
     for path in block_paths:
         block = get_submodule_path(pipeline, path)
-        tensors = [t for t in [*block.parameters(), *block.buffers()] if t.numel()]
+        tensors = [t for _, t in module_tensors(block) if t.numel()]
         if block._forward_pre_hooks or block._forward_hooks or \
                 not all(platform.is_resident(t) for t in tensors):
             break

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from offload_ref.discovery import get_submodule_path
+from offload_ref.plan.tree import tensor_leaves, wrapper_inner
 
 from ..case import move_to_device
 from ..registry import check, fail
@@ -22,7 +23,7 @@ from ._observe import (
     observe,
     tensors_of,
 )
-from ._util import dit_blocks, first_dit, module_view
+from ._util import dit_blocks, first_dit, module_tensors, module_view, resident
 from .lifecycle import BACKENDS
 
 LAYER_BACKENDS = ("layer_wise",)
@@ -67,9 +68,8 @@ def _named_modules(pipeline: Any) -> list[tuple[str, nn.Module]]:
 
 
 def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    out = [(n, t) for n, t in module.named_parameters(recurse=False)]
-    out += [(n, t) for n, t in module.named_buffers(recurse=False) if t is not None]
-    return out
+    # a wrapper subclass by its inner tensors: they have the addresses (Note [Wrapper subclasses])
+    return module_tensors(module, recurse=False)
 
 
 @check("F.6", strategies=BACKENDS)
@@ -129,8 +129,11 @@ def check_pipeline_built_under_inference_mode_matches_reference(case) -> None:
     finally:
         backend.disable()
     case.compare("after disable", case.run(pipeline), case.host_reference())
-    normal = [n for n, t in module_view(pipeline).state_dict(keep_vars=True).items()
-              if t.numel() and not t.is_inference()]
+    state = module_view(pipeline).state_dict(keep_vars=True)  # a wrapper subclass, and the
+    # inner tensors that hold its data (Note [Wrapper subclasses])
+    named = [*state.items(), *(leaf for n, t in state.items() if wrapper_inner(t) is not None
+                               for leaf in tensor_leaves(n, t))]
+    normal = [n for n, t in named if t.numel() and not t.is_inference()]
     if normal:
         fail(f"after disable these tensors are no longer inference tensors: {normal[:5]}")
 
@@ -158,11 +161,11 @@ def _own(plan: Any, comp: Any) -> list[torch.Tensor]:
 
 
 def _all_resident(platform: Any, tensors: list[torch.Tensor]) -> bool:
-    return all(platform.is_resident(t) for t in tensors)
+    return all(resident(platform, t) for t in tensors)
 
 
 def _none_resident(platform: Any, tensors: list[torch.Tensor]) -> bool:
-    return not any(platform.is_resident(t) for t in tensors)
+    return not any(resident(platform, t) for t in tensors)
 
 
 @check("F.1", strategies=("model_level",), requires=("not delegates_model_level",))
@@ -289,9 +292,8 @@ def _ring_tensors(stack: Any) -> list[list[torch.Tensor]]:
     shared = set(stack.shared)
     out = []
     for block, path in zip(stack.streamed_blocks, stack.streamed_paths):
-        named = list(block.named_parameters(prefix=path, remove_duplicate=False))
-        named += [(n, b) for n, b in block.named_buffers(prefix=path, remove_duplicate=False)
-                  if b is not None]
+        # a wrapper subclass by its inner tensors, under the paths the plan names them by
+        named = module_tensors(block, prefix=path, remove_duplicate=False)
         seen: set[int] = set()
         ts = []
         for name, t in named:
@@ -304,7 +306,7 @@ def _ring_tensors(stack: Any) -> list[list[torch.Tensor]]:
 
 def _materialized(platform: Any, stack: Any) -> list[int]:
     return [k for k, ts in enumerate(_ring_tensors(stack))
-            if ts and any(platform.is_resident(t) for t in ts)]
+            if ts and any(resident(platform, t) for t in ts)]
 
 
 @check("F.2", strategies=LAYER_BACKENDS)
@@ -547,7 +549,7 @@ def check_layerwise_streams_every_block_of_every_ring(case) -> None:
                                                 _ring_tensors(s))}
 
     def after(path: str, module: nn.Module) -> None:
-        released[path] = not any(platform.is_resident(t) for t in own[path])
+        released[path] = not any(resident(platform, t) for t in own[path])
 
     blocks = [(p, b) for s in rings for p, b in zip(s.streamed_paths,
                                                      s.streamed_blocks)]
@@ -710,6 +712,5 @@ def check_resident_head_stays_put_unhooked_and_within_the_prediction(case) -> No
 
 
 def _head_tensors(head: list[tuple[str, nn.Module]]) -> list[tuple[str, torch.Tensor]]:
-    return [(f"{p}.{n}", t) for p, b in head
-            for n, t in [*b.named_parameters(remove_duplicate=False),
-                         *b.named_buffers(remove_duplicate=False)] if t is not None and t.numel()]
+    return [(n, t) for p, b in head
+            for n, t in module_tensors(b, prefix=p, remove_duplicate=False) if t.numel()]

@@ -21,6 +21,7 @@ import torch
 from ..registry import check, not_applicable
 from ..blame import named_modules
 from ..streams import name_range, note_bindings, note_pipeline, off_reason, watching
+from ._util import module_tensors
 from .lifecycle import BACKENDS
 
 __all__ = ["STREAM_CHECKS"]
@@ -72,22 +73,22 @@ def _note_storages(module: torch.nn.Module, paths: dict[int, str], device: torch
     """Record the device storages ``module``'s own tensors were bound to as it ran (address ->
     bytes and the module paths of the tensors bound there in turn, the latest last): a slot, a
     swapped component's copy, whatever the offloader allocated; and the memory of each tensor for
-    the names of races (:func:`~..streams.note_bindings`)."""
+    the names of races (:func:`~..streams.note_bindings`).  A wrapper subclass by its inner
+    tensors, which hold its storage (Note [Wrapper subclasses] in offload_ref/plan/tree.py)."""
     path = paths.get(id(module))
     if path is None:
         return
     note_bindings(module, path, device)
-    for registry in (module._parameters, module._buffers):
-        for name, t in registry.items():
-            if t is not None and t.device == device:
-                storage = t.untyped_storage()
-                full = f"{path}.{name}" if path else name
-                nbytes, names = storages.setdefault(storage.data_ptr(), (storage.nbytes(), []))
-                if full in names:
-                    names.remove(full)
-                names.append(full)
-                if storage.nbytes() > nbytes:
-                    storages[storage.data_ptr()] = (storage.nbytes(), names)
+    for name, t in module_tensors(module, recurse=False, remove_duplicate=False):
+        if t.device == device:
+            storage = t.untyped_storage()
+            full = f"{path}.{name}" if path else name
+            nbytes, names = storages.setdefault(storage.data_ptr(), (storage.nbytes(), []))
+            if full in names:
+                names.remove(full)
+            names.append(full)
+            if storage.nbytes() > nbytes:
+                storages[storage.data_ptr()] = (storage.nbytes(), names)
 
 
 def _reuse(storages: dict[int, tuple[int, list[str]]], device: torch.device) -> None:
