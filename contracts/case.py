@@ -97,22 +97,6 @@ def move_to_device(pipeline: Any, device: torch.device) -> Any:
             target, tensor.storage_offset() + phase // tensor.element_size(),
             tensor.size(), tensor.stride())
 
-    def move_wrapper(wrapper: torch.Tensor) -> None:
-        # Note [Wrapper subclasses] (offload_ref/plan/tree.py): its inner tensors move, in
-        # place, and the wrapper takes the metadata of one built around them on the device.
-        names, ctx = wrapper.__tensor_flatten__()
-        for attr, inner in wrapper_inner(wrapper) or ():
-            if inner.device == device or inner.is_meta:
-                continue
-            if wrapper_inner(inner) is not None:
-                move_wrapper(inner)
-            else:
-                inner.data = placed(inner)
-        rebuilt = type(wrapper).__tensor_unflatten__(
-            {name: getattr(wrapper, name) for name in names}, ctx, wrapper.size(),
-            wrapper.stride())
-        wrapper.data = rebuilt
-
     with torch.no_grad():
         for module in view.modules():
             for registry in (module._parameters, module._buffers):
@@ -120,12 +104,31 @@ def move_to_device(pipeline: Any, device: torch.device) -> Any:
                     if tensor is None or tensor.device == device or tensor.is_meta:
                         continue
                     if wrapper_inner(tensor) is not None:
-                        move_wrapper(tensor)
+                        _move_wrapper(tensor, device, placed)
                     elif isinstance(tensor, nn.Parameter):
                         tensor.data = placed(tensor)
                     else:
                         registry[name] = placed(tensor)
     return pipeline
+
+
+def _move_wrapper(wrapper: torch.Tensor, device: torch.device,
+                  placed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Move a wrapper subclass's inner tensors to ``device`` in place (``placed`` gives a plain
+    tensor's device twin), and give the wrapper the metadata of one built around them there
+    (Note [Wrapper subclasses] in offload_ref/plan/tree.py).  A module-level function: a
+    recursive closure would be a reference cycle holding the moved storages until the next
+    garbage collection, and device bytes with them."""
+    names, ctx = wrapper.__tensor_flatten__()
+    for _, inner in wrapper_inner(wrapper) or ():
+        if inner.device == device or inner.is_meta:
+            continue
+        if wrapper_inner(inner) is not None:
+            _move_wrapper(inner, device, placed)
+        else:
+            inner.data = placed(inner)
+    wrapper.data = type(wrapper).__tensor_unflatten__(
+        {name: getattr(wrapper, name) for name in names}, ctx, wrapper.size(), wrapper.stride())
 
 
 def _device_storage(storage: torch.UntypedStorage,

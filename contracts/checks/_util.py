@@ -264,20 +264,18 @@ def _note_wrappers(pipeline: Any, tensors: dict[str, tuple]) -> None:
     :func:`_named_tensors` gives its inner tensors, and the wrapper itself is the object the
     module holds, with the device, dtype, shape and strides a forward sees (Note [Wrapper
     subclasses] in offload_ref/plan/tree.py); it has no address (0)."""
-    def visit(name: str, t: torch.Tensor) -> None:
+    view = module_view(pipeline)
+    pending = [(name, t) for name, t in [*view.named_parameters(remove_duplicate=False),
+                                         *view.named_buffers(remove_duplicate=False)]
+               if t is not None]
+    while pending:  # no recursive closure: a reference cycle holding tensors until a collection
+        name, t = pending.pop()
         inner = wrapper_inner(t)
         if inner is None:
-            return
+            continue
         tensors[name] = (id(t), str(t.device), 0, t.dtype, tuple(t.shape), tuple(t.stride()),
                          t.storage_offset(), t.requires_grad, t.is_inference())
-        for attr, it in inner:
-            visit(f"{name}.{attr}", it)
-
-    view = module_view(pipeline)
-    for name, t in [*view.named_parameters(remove_duplicate=False),
-                    *view.named_buffers(remove_duplicate=False)]:
-        if t is not None:
-            visit(name, t)
+        pending += [(f"{name}.{attr}", it) for attr, it in inner]
 
 
 #: The hook dicts of an ``nn.Module`` the kit compares (forward pre-hooks and forward hooks

@@ -78,24 +78,27 @@ def wrappers_in(roots: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, torch
     that holds it (Note [Wrapper subclasses])."""
     seen: set[int] = set()
     out: list[tuple[str, torch.Tensor]] = []
-
-    def visit(name: str, t: torch.Tensor) -> None:
-        inner = wrapper_inner(t)
-        if inner is None or id(t) in seen:
-            return
-        seen.add(id(t))
-        for attr, it in inner:
-            visit(f"{name}.{attr}", it)
-        out.append((name, t))
-
     for prefix, root in roots:
         paths = _named_subtree(root, prefix) or list(root.named_modules(prefix=prefix))
         for path, m in paths:
             for registry in ("_parameters", "_buffers"):
                 for name, t in m.__dict__.get(registry, {}).items():
                     if t is not None:
-                        visit(f"{path}.{name}" if path else name, t)
+                        _add_wrappers(f"{path}.{name}" if path else name, t, seen, out)
     return out
+
+
+def _add_wrappers(name: str, t: torch.Tensor, seen: set[int],
+                  out: list[tuple[str, torch.Tensor]]) -> None:
+    """:func:`wrappers_in` for one tensor, inner wrappers first (a module-level function: a
+    recursive closure is a reference cycle that would hold the tensors until a collection)."""
+    inner = wrapper_inner(t)
+    if inner is None or id(t) in seen:
+        return
+    seen.add(id(t))
+    for attr, it in inner:
+        _add_wrappers(f"{name}.{attr}", it, seen, out)
+    out.append((name, t))
 
 
 def pipeline_state(pipeline: Any, exclude: Iterable[nn.Module]) -> list[tuple[str, torch.Tensor]]:
