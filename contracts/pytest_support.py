@@ -123,7 +123,7 @@ def check_params(
                               include_global=include_global, impl=impl):
         info, spec, strategy = planned.info, planned.spec, planned.strategy
         bound = BoundCheck(info, spec, strategy, impl, sources.get(spec) if spec else None)
-        marks = [pytest.mark.contract, *_process_marks(info, spec)]
+        marks = [pytest.mark.contract, *_process_marks(info, spec, strategy)]
         reason = expected.get(str(bound.id), expected.get(info.id))
         if planned.planning_error is not None:
             bound = _PlanningError(bound, planned.planning_error)
@@ -174,10 +174,16 @@ def implementation_of(offloader: str | Callable[..., Any] | None) -> Implementat
     return offloader_implementation(offloader)
 
 
-def _process_marks(info: CheckInfo, spec: PipelineSpec | None) -> list[Any]:
+def _process_marks(info: CheckInfo, spec: PipelineSpec | None,
+                   strategy: str | None = None) -> list[Any]:
     """Checks that spawn ranks (CONTRACTS.md §H) are marked ``distributed``; the checks of one
     pipeline share one spawn (Note [One spawn per batch] in checks/distributed.py), so under
-    pytest-xdist's ``--dist loadgroup`` they are grouped onto one worker."""
+    pytest-xdist's ``--dist loadgroup`` they are grouped onto one worker.  Checks that share
+    work (``CheckInfo.shares``) are grouped by pipeline and strategy the same way."""
+    xdist = spec is not None and importlib.util.find_spec("xdist") is not None
+    if info.shares and xdist and not info.section.startswith("H"):
+        return [pytest.mark.xdist_group(
+            name=f"offload_ref-shared-{info.shares}-{spec.name}-{strategy}")]
     if not info.section.startswith("H"):
         return []
     marks = [pytest.mark.distributed]

@@ -164,6 +164,9 @@ class CheckInfo:
     #: the level of a failure whose site says none (None: :data:`.severity.DEFAULTS`, else
     #: ``wrong output``)
     severity: Any = None
+    #: the name of work it shares with other checks of one pipeline and strategy, in one
+    #: process (the pytest route runs them on one pytest-xdist worker); "" for none
+    shares: str = ""
 
     @property
     def area(self) -> str:
@@ -185,6 +188,7 @@ def check(
     applies: Callable[[Any, str], bool] | None = None,
     needs: str = "",
     severity: Any = None,
+    shares: str = "",
 ) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
     """Register a check function; its name is its public id (``check_<subject>_<behaviour>``).
 
@@ -194,7 +198,9 @@ def check(
     defaults to the required traits' texts.  ``applies(spec, strategy)``, a predicate, is kept
     for checks registered outside the kit; a check with ``applies`` must state ``needs``.
     ``severity`` is the level of its failures where the failure site gives none
-    (:mod:`.severity`; default: the kit's table, else ``"wrong output"``).
+    (:mod:`.severity`; default: the kit's table, else ``"wrong output"``).  ``shares`` names
+    work the check shares with the other checks of that name on one pipeline and strategy when
+    they run in one process (Note [One fault sweep for two checks] in checks/lifecycle.py).
     """
     if isinstance(requires, (str, bytes)):
         raise ValueError(f"requires: expected a tuple of requirements, got the string "
@@ -220,7 +226,8 @@ def check(
                              f"and {known.func.__module__}.{known.func.__qualname__}")
         CATALOGUE[name] = CheckInfo(name, func, section, scope, tuple(strategies), applies,
                                     first_sentence(func.__doc__ or ""),
-                                    needs or _traits.needs_of(requires), requires, severity)
+                                    needs or _traits.needs_of(requires), requires, severity,
+                                    shares)
         _severity.declare(name, severity)
         return func
 

@@ -143,59 +143,115 @@ class _Built:
         return problems
 
 
-def _faults_on_one_pipeline(case: Any, steps: list[str], natural: BaseException | None,
-                            judge: Any, *, judged_restored: bool) -> None:
-    """``judge(k, what, built)`` (a :class:`_Built`) for every fault of :func:`_faults`, on
-    one pipeline reused while it stays as built (Note [One pipeline through every fault]): a
-    pipeline that a judgement leaves changed (tensors, devices, storage sharing, hooks, offload
-    attributes; values too where ``judged_restored``, whose judgement compares them itself) is
-    replaced by a fresh build, and a failing judgement is repeated on a fresh build, whose
-    outcome stands."""
-    from ..registry import CheckFailure
-
-    def fresh() -> _Built:
-        return _Built(case, values=judged_restored)
-
-    built = fresh()
-    for k, what in _faults(steps, natural):
-        try:
-            judge(k, what, built)
-        except CheckFailure:
-            judge(k, what, fresh())  # the verdict of a fresh pipeline
-            built = fresh()  # it passed there: go on from a fresh one
-            continue
-        if not judged_restored and built.problems():
-            built = fresh()  # left changed (the other check's to report): start anew
-
-
-@check("B", strategies=BACKENDS)
+@check("B", strategies=BACKENDS, shares="failed-enable-sweep")
 def check_failed_enable_restores_the_pipeline(case) -> None:
     """A fault at any mutation step of enable leaves every tensor, hook and attribute as before."""
-    steps, natural = _dry_run_steps(case)
-
-    def judge(k: int | None, what: str, built: _Built) -> None:
-        _fail_at(case, k, built.pipeline)
-        problems = built.problems()
-        if problems:
-            fail(f"after {what} the pipeline is not restored: {problems[:6]}")
-
-    _faults_on_one_pipeline(case, steps, natural, judge, judged_restored=True)
+    _one_sweep_for_two_checks(case, "restore")
 
 
-@check("B", strategies=BACKENDS)
+@check("B", strategies=BACKENDS, shares="failed-enable-sweep")
 def check_failed_enable_releases_memory_and_chains_the_cause(case) -> None:
     """After a failed enable: no device or pinned bytes of ours, backend disabled, the injected
     fault (or the pipeline's own error) in the exception chain."""
-    steps, natural = _dry_run_steps(case)
-    _faults_on_one_pipeline(case, steps, natural,
-                            lambda k, what, built: _judge_release(case, k, what, natural,
-                                                                  built.pipeline),
-                            judged_restored=False)
+    _one_sweep_for_two_checks(case, "release")
 
 
-def _judge_release(case: Any, k: int | None, what: str, natural: BaseException | None,
-                   pipeline: Any) -> None:
-    pipeline, backend, platform, error = _fail_at(case, k, pipeline)
+# Note [One fault sweep for two checks]
+#     The two checks above inject a fault at every mutation step of enable and judge what the
+#     failed enable left: the pipeline (restore) and the memory, the backend's state and the
+#     exception chain (release).  The sweep was most of their time (a third of a fixture's
+#     cases), and each ran its own.  Now whichever runs first sweeps once and judges both at
+#     every step, each exactly as it would alone (Note [One pipeline through every fault]: a
+#     judgement that fails on the reused pipeline is repeated on a fresh build, whose verdict
+#     stands; release is judged first, so nothing the restore judgement does is measured), and
+#     leaves the other's verdict in this process for it: its message and severity, or a pass.
+#     The other finds it only for the same pipeline spec, strategy, implementation (a mutant is
+#     one), config and device, and takes it once; where it runs in another process (pytest-xdist:
+#     the plugin puts both in one load group) it sweeps again.
+
+_SWEEPS: dict[tuple, dict[str, tuple[str, str, Any] | None]] = {}
+
+
+def _sweep_key(case: Any) -> tuple:
+    # an Implementation's repr names its functions with their addresses: a mutant is another
+    return (case.spec, case.strategy, repr(case.impl), str(case.device), repr(case.config()))
+
+
+def _one_sweep_for_two_checks(case: Any, which: str) -> None:
+    key = _sweep_key(case)
+    held = _SWEEPS.pop(key, None)
+    if held is not None and which in held:
+        outcome = held[which]
+    else:
+        outcomes = _sweep_both(case)
+        outcome = outcomes.pop(which)
+        _SWEEPS[key] = outcomes
+    if outcome is None:
+        return
+    kind, message, severity = outcome
+    if kind == "not_applicable":
+        not_applicable(message)
+    fail(message, severity)
+
+
+def _sweep_both(case: Any) -> dict[str, tuple[str, str, Any] | None]:
+    """The verdicts of both checks (Note [One fault sweep for two checks]): None (passed) or
+    ``(kind, message, severity)``."""
+    from ..registry import CheckFailure, CheckNotApplicable
+
+    try:
+        steps, natural = _dry_run_steps(case)
+    except CheckFailure as exc:
+        return dict.fromkeys(("restore", "release"), ("fail", str(exc), exc.severity))
+    except CheckNotApplicable as exc:
+        return dict.fromkeys(("restore", "release"), ("not_applicable", str(exc), None))
+    verdicts: dict[str, tuple[str, str, Any] | None] = {"restore": None, "release": None}
+
+    def judge(name: str, k: int | None, what: str, built: _Built, failed: Any) -> None:
+        if name == "release":
+            _judge_release(k, what, natural, *failed[1:])
+        else:
+            _judge_restore(what, built)
+
+    def fresh() -> _Built:
+        return _Built(case, values=True)
+
+    built = fresh()
+    for k, what in _faults(steps, natural):
+        open_ = [name for name in ("release", "restore") if verdicts[name] is None]
+        if not open_:
+            break
+        failed = _fail_at(case, k, built.pipeline)
+        unmet = []
+        for name in open_:  # release first: it measures what the failed enable left
+            try:
+                judge(name, k, what, built, failed)
+            except CheckFailure:
+                unmet.append(name)
+        if not unmet:
+            if "restore" not in open_ and built.problems():
+                built = fresh()  # left changed (restore's failure, reported): start anew
+            continue
+        for name in unmet:  # the verdict of a fresh pipeline stands
+            again = fresh()
+            try:
+                judge(name, k, what, again, _fail_at(case, k, again.pipeline))
+            except CheckFailure as exc:
+                verdicts[name] = ("fail", str(exc), exc.severity)
+        built = fresh()  # it passed there, or is reported: go on from a fresh one
+    return verdicts
+
+
+def _judge_restore(what: str, built: _Built) -> None:
+    problems = built.problems()
+    if problems:
+        fail(f"after {what} the pipeline is not restored: {problems[:6]}")
+
+
+def _judge_release(k: int | None, what: str, natural: BaseException | None, backend: Any,
+                   platform: Any, error: BaseException) -> None:
+    """What a failed enable (:func:`_fail_at`'s backend, platform and error) left: the cause in
+    the chain, the backend disabled, no bytes held."""
     chain = _chain(error)
     if k is not None and not any(isinstance(e, InjectedFault) for e in chain):
         fail(f"{what}: the raised {type(error).__name__} does not chain the cause: {error}",
