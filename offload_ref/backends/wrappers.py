@@ -33,6 +33,8 @@ class WrapperSet:
             names, ctx = w.__tensor_flatten__()
             self.entries.append((w, list(names), ctx, w.size(), w.stride()))
         self.inference = [w.is_inference() for _, w in self.named]
+        # each wrapper's leaves, found once: ``holding`` runs once per streamed block
+        self._leaf_ids = [[id(leaf) for _, leaf in tensor_leaves("", w)] for _, w in self.named]
         # id(wrapper) -> device stand-ins of its inner tensors, to build it around while
         # enabled, whatever they are bound to (:meth:`keep_on_device`)
         self._kept: dict[int, dict[str, torch.Tensor]] = {}
@@ -45,12 +47,8 @@ class WrapperSet:
     def holding(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """The wrappers whose inner tensors (all of them) are among ``tensors``."""
         ids = {id(t) for t in tensors}
-        out = []
-        for w, names, *_ in self.entries:
-            leaves = [leaf for _, leaf in tensor_leaves("", w)]
-            if leaves and all(id(leaf) in ids for leaf in leaves):
-                out.append(w)
-        return out
+        return [w for (w, *_), leaves in zip(self.entries, self._leaf_ids)
+                if leaves and all(i in ids for i in leaves)]
 
     def __bool__(self) -> bool:
         return bool(self.entries)
