@@ -150,11 +150,13 @@ def is_file_backed(t: torch.Tensor) -> bool:
 #     layerwise, and the staging look-ahead) ``verify_mapped_files`` fstats each file involved and
 #     refuses with :class:`MappedFileChangedError` if its size or mtime changed, naming the file
 #     and, for a truncation, the first tensor no longer covered.  ``disable()`` that leaves
-#     tensors bound to a changed file warns.  Not detected: a change inside the window between
-#     the check and the copy that reads the pages (a fill is checked when it is issued; on a
-#     platform whose copies run later, the window is that delay), and a change that restores the
-#     size and the mtime (a writer that sets the mtime back on purpose).  One fstat per file per
-#     check, so a fill costs about a microsecond more.
+#     tensors bound to a changed file warns.  A read that runs later than the step that issued
+#     it (a copy stream's worker on the CPU platform, the staging thread) checks again where it
+#     runs and hands a refusal to the host (Note [Deferred reads of file pages] in
+#     backends/transports.py).  Not detected: a change between one fstat and the copy right
+#     after it on the same thread, and a change that restores the size and the mtime (a writer
+#     that sets the mtime back on purpose).  One fstat per file per check, so a fill costs
+#     about a microsecond more.
 
 
 def any_file_backed() -> bool:
@@ -211,11 +213,21 @@ def _extent_bytes(t: torch.Tensor) -> int:
 def verify_mapped_files(uses: Sequence[MappedUse], doing: str) -> None:
     """Raise :class:`MappedFileChangedError` if a file of ``uses`` changed size or mtime since it
     was loaded (Note [Changed files]); ``doing`` names the step refused, for the message."""
+    error = mapped_file_change(uses, doing)
+    if error is not None:
+        raise error
+
+
+def mapped_file_change(uses: Sequence[MappedUse], doing: str) -> MappedFileChangedError | None:
+    """The error :func:`verify_mapped_files` would raise, without raising it (None: no file of
+    ``uses`` changed): for a check that runs where nothing can catch (a copy stream's worker)
+    and hands its verdict to the host."""
     for use in uses:
         problem = _changed(use)
         if problem is not None:
-            raise MappedFileChangedError(f"{problem}; {doing} was refused before reading it. "
-                                         f"{_FIX}", use.file.path)
+            return MappedFileChangedError(f"{problem}; {doing} was refused before reading it. "
+                                          f"{_FIX}", use.file.path)
+    return None
 
 
 def changed_mapped_files(uses: Sequence[MappedUse]) -> list[str]:

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 
 import torch
 
 from offload_ref import OffloadConfig, get_offload_backend, load_safetensors
+from offload_ref.backends import staging
 from offload_ref.contracts.checks.distributed import MMAP_PREFIX, _unique_contiguous
 from offload_ref.fixtures import get_spec
 from offload_ref.loading import MappedFileChangedError
+from offload_ref.platform import get_platform
 from safetensors.torch import save_file
 
 
@@ -32,9 +35,43 @@ def _generate(spec, pipeline):
     return getattr(out, "images", out)
 
 
+def _truncate_under_a_queued_fill(backend, pipeline, path: str) -> None:
+    """From the next generation on, work submitted on a stream (the fills of file-backed blocks
+    on the CPU platform) waits until block 0 has run; block 0's forward truncates the file, so
+    the copy of block 1, checked when it was issued in block 0's pre-hook, runs after the
+    truncation (Note [Deferred reads of file pages] in offload_ref/backends/transports.py)."""
+    platform = backend.platform
+    submit = platform.submit
+    gate = threading.Event()
+
+    def gated_submit(fn, **kwargs):
+        def gated():
+            gate.wait(60)
+            fn()
+
+        return submit(gated, **kwargs)
+
+    def truncate(module, args, output):
+        if not gate.is_set():
+            os.truncate(path, 4096)  # every block is past the new end
+            gate.set()
+
+    platform.submit = gated_submit
+    if not getattr(platform, "stream_ordered_host_copies", False):
+        # an accelerator: the staging thread reads the pages itself, so it is the one held
+        staging._worker().put(lambda: gate.wait(60))
+    pipeline.transformer.transformer_blocks[0].register_forward_hook(truncate)
+
+
 def main(scenario: str, folder: str, strategy: str) -> None:
     spec, pipeline, path = _loaded(folder)
-    backend = get_offload_backend(OffloadConfig(strategy=strategy))
+    # "+staging": file pages read through pinned staging slots; "@hpu": on the accelerator
+    # platform over the simulated device (it pins, so it stages by default)
+    strategy, _, device = strategy.partition("@")
+    staged = strategy.endswith("+staging")
+    config = OffloadConfig(strategy=strategy.removesuffix("+staging"),
+                           staging_slots=2 if staged else None)
+    backend = get_offload_backend(config, platform=get_platform(device) if device else None)
     if scenario == "truncate-before-enable":
         os.truncate(path, os.path.getsize(path) // 2)
         try:
@@ -45,7 +82,10 @@ def main(scenario: str, folder: str, strategy: str) -> None:
         return
     backend.enable(pipeline)
     _generate(spec, pipeline)
-    os.truncate(path, os.path.getsize(path) // 2)
+    if scenario == "truncate-while-a-fill-is-queued":
+        _truncate_under_a_queued_fill(backend, pipeline, path)
+    else:
+        os.truncate(path, os.path.getsize(path) // 2)
     try:
         _generate(spec, pipeline)
         print("GENERATED")
@@ -60,4 +100,8 @@ def main(scenario: str, folder: str, strategy: str) -> None:
 
 
 if __name__ == "__main__":
+    if "@" in sys.argv[3]:
+        from offload_ref.platform import simulated
+
+        simulated.load()  # before anything asks torch for its accelerator
     main(*sys.argv[1:])

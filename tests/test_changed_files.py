@@ -48,6 +48,19 @@ def test_a_file_truncated_while_layerwise_streams_it_refuses_the_next_fill(tmp_p
     assert "WARNED" in out  # disable() put the tensors back on the truncated file: it says so
 
 
+@pytest.mark.parametrize("variant", ["layer_wise", "layer_wise+staging", "layer_wise@hpu"])
+def test_a_file_truncated_under_a_queued_fill_is_refused_where_the_copy_runs(tmp_path, variant):
+    # Note [Deferred reads of file pages]: the copy of block 1 (or a staging) passed its check
+    # when it was issued and is held until block 0's forward has truncated the file; without a
+    # check where it runs, it reads a page past the end (SIGBUS).  Plain fills on the CPU
+    # platform's copy stream, fills through pinned staging there, and the accelerator
+    # platform's staging thread.
+    out = _run("truncate-while-a-fill-is-queued", tmp_path, variant)
+    assert "REFUSED True" in out and "was refused before reading it" in out, out
+    assert "-> 4096 bytes)" in out  # refused for the truncation block 0's forward made
+    assert "WARNED" in out
+
+
 def test_model_level_keeps_its_copies_when_the_file_is_truncated_after_enable(tmp_path):
     out = _run("truncate-while-enabled", tmp_path, "model_level")
     assert "GENERATED" in out and "SILENT" in out, out  # host copies: the file is not read again

@@ -476,10 +476,12 @@ class BlockRing:
         slot = self.slots[s]
         if not _profiler._is_profiler_enabled:  # Note [Spans] (_spans.py): no range to open
             self.platform.current_stream().wait_event(slot.ready)
-            return
-        span = _spans.enter("wait", "ring=%s block=%s slot=%d", self.label, slot.occupant, s)
-        self.platform.current_stream().wait_event(slot.ready)
-        _spans.exit(span)
+        else:
+            span = _spans.enter("wait", "ring=%s block=%s slot=%d", self.label, slot.occupant, s)
+            self.platform.current_stream().wait_event(slot.ready)
+            _spans.exit(span)
+        if self._checks_files:  # Note [Deferred reads of file pages] in transports.py
+            self.transport.raise_if_refused(slot.occupant)
 
     def after(self, k: int) -> None:
         if self._dirty:  # our hook work was interrupted (or raised): reset, k included

@@ -38,7 +38,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,9 @@ __all__ = ["StagingPool"]
 
 #: (byte offset in the slot image, dtype, element count, source span) per segment of a block.
 Segments = Sequence[tuple[int, torch.dtype, int, torch.Tensor]]
+#: Given a staging's (staging view, file span) copies, the work that checks the block's files
+#: and makes them (Note [Deferred reads of file pages] in transports.py).
+Reader = Callable[[Sequence[tuple[torch.Tensor, torch.Tensor]]], Callable[[], None]]
 
 
 class _Worker:
@@ -140,15 +143,17 @@ class StagingPool:
 
     # -- fills ------------------------------------------------------------------------------
 
-    def acquire(self, key: Any, segments: Segments) -> int:
+    def acquire(self, key: Any, segments: Segments, read: Reader | None = None) -> int:
         """The slot holding block ``key``, staged (in advance: a hit; now: a miss), once its
-        staging is issued; the caller's copy waits for ``filled[p]`` and records ``read[p]``."""
+        staging is issued; the caller's copy waits for ``filled[p]`` and records ``read[p]``.
+        ``read`` makes the staging's copies one piece of work that checks the block's files
+        first (Note [Deferred reads of file pages] in transports.py)."""
         with self._lock:
             p = self._slot_of(key)
             hit = p is not None
             if p is None:
                 p = self._victim(exclude=None)
-                ticket = self._enqueue(p, key, segments)
+                ticket = self._enqueue(p, key, segments, read)
             else:
                 ticket = self._tickets[p]
             self._touch(p)
@@ -163,13 +168,21 @@ class StagingPool:
             stats.staging_misses += 1
         return p
 
-    def prefetch(self, key: Any, segments: Segments, *, keep: int) -> None:
+    def prefetch(self, key: Any, segments: Segments, *, keep: int,
+                 read: Reader | None = None) -> None:
         """Stage block ``key`` in the background, unless it is staged already; slot ``keep``
-        (the one a copy was just issued from) is not taken."""
+        (the one a copy was just issued from) is not taken.  ``read``: as for ``acquire``."""
         with self._lock:
             if self._slot_of(key) is not None:
                 return
-            self._enqueue(self._victim(exclude=keep), key, segments)
+            self._enqueue(self._victim(exclude=keep), key, segments, read)
+
+    def forget(self, key: Any) -> None:
+        """Block ``key`` is staged again by its next fill (its staging was refused)."""
+        with self._lock:
+            p = self._slot_of(key)
+            if p is not None:
+                self.holds[p] = None
 
     def copies(self, p: int, key: Any, segments: Segments, dsts: Sequence[torch.Tensor]
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -201,14 +214,15 @@ class StagingPool:
                 for offset, dtype, numel, span in segments]
         return views
 
-    def _enqueue(self, p: int, key: Any, segments: Segments) -> int:
+    def _enqueue(self, p: int, key: Any, segments: Segments, read: Reader | None) -> int:
         """Issue a staging of ``key`` into slot ``p`` (caller holds the lock)."""
         self.holds[p] = key
         self._tickets[p] += 1
         ticket = self._tickets[p]
         views = self._staging_views(p, key, segments)
         self._pending += 1
-        _worker().put(functools.partial(self._stage, p, ticket, views))
+        work = read(views) if read is not None else None
+        _worker().put(functools.partial(self._stage, p, ticket, views, work))
         return ticket
 
     def _wait_issued(self, p: int, ticket: int) -> None:
@@ -222,16 +236,23 @@ class StagingPool:
                 self._issued[p].clear()
             self._issued[p].wait()
 
-    def _stage(self, p: int, ticket: int, views: list[tuple[torch.Tensor, torch.Tensor]]
-               ) -> None:
+    def _stage(self, p: int, ticket: int, views: list[tuple[torch.Tensor, torch.Tensor]],
+               work: Callable[[], None] | None) -> None:
         """On the staging worker: wait for the copy that last read slot ``p``, copy the block's
-        spans from the file pages into it, record ``filled[p]``."""
+        spans from the file pages into it (through ``work`` when given: it checks the files
+        first), record ``filled[p]``."""
         platform = self.platform
         try:
             with platform.stream(self._stream):
                 self._after_reader(p)
-                for dst, src in views:
-                    platform.copy_(dst, src)
+                if work is None:
+                    for dst, src in views:
+                        platform.copy_(dst, src)
+                elif self._host_ordered:  # runs on the stream, in its order
+                    platform.submit(work, reads=[src for _, src in views],
+                                    writes=[dst for dst, _ in views])
+                else:  # an accelerator: a host copy runs now, on this thread
+                    work()
                 self.filled[p].record(self._stream)
             self.stats.staging_bytes += sum(v.numel() * v.element_size() for v, _ in views)
         except BaseException as exc:  # noqa: BLE001 - raised in the thread that waits

@@ -19,6 +19,7 @@ Note [Transports]
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +102,11 @@ class Transport:
         built (a mapped file truncated or overwritten: Note [Changed files] in loading.py)."""
         return None
 
+    def raise_if_refused(self, k: int) -> None:
+        """Raise, once compute has waited for block ``k``'s fill, the error of a fill whose
+        copies were refused where they ran (Note [Deferred reads of file pages])."""
+        return None
+
     def count_fill(self, k: int, group: TensorGroup) -> None:
         """Count one fill of block ``k`` in ``stats``."""
         self.stats.add_h2d(group.weight_bytes, group.padding_bytes)
@@ -149,6 +155,12 @@ class RankLocalTransport(Transport):
         self._after_uses: dict[int, Any] = {}  # block -> its files, for the staging look-ahead
         self._copies: dict[int, list[torch.Tensor]] = {}  # id(group) -> private host copies
         self._counts: dict[int, tuple[int, int]] = {}  # block -> h2d (weight, padding) per fill
+        # Note [Deferred reads of file pages]: whether this platform's copies read their source
+        # after the call that issues them returns, and each block whose last fill or staging was
+        # refused where it ran (the error the host raises after waiting for the fill).
+        self._deferred = False
+        self._refused: dict[int, BaseException] = {}
+        self._stage_reads: dict[int, Callable[[Pairs], Callable[[], None]]] = {}
 
     def build_master(self, txn, group, sections, image_bytes) -> None:
         # detach(): the tensors themselves are rebound at commit; these keep their storage.
@@ -162,6 +174,7 @@ class RankLocalTransport(Transport):
         # Note [Mapped masters]: file views are the host side of their spans; any other span
         # (a non-persistent buffer, a post-load cast) gets a private host copy of its own.
         txn.step(f"map {group.label} from its files")
+        self._deferred = bool(getattr(self.platform, "stream_ordered_host_copies", False))
         mapped: list[torch.Tensor] = []
         self._mapped[id(group)] = mapped
         txn.on_rollback(lambda key=id(group): self._release_mapped(key))
@@ -211,6 +224,11 @@ class RankLocalTransport(Transport):
             if mapped is None:
                 continue
             self._after_uses[k] = self._uses.get(id(group))
+            # what the pool reads this block's pages through, later, on its own thread or
+            # stream (Note [Deferred reads of file pages])
+            self._stage_reads[k] = functools.partial(
+                self._checked, k, self._after_uses[k],
+                f"the staging of block {group.label!r} for its copy to the device")
             self._segments[k] = [
                 (sections[k][seg.dtype][0] + seg.offset * seg.dtype.itemsize, seg.dtype,
                  seg.numel, span)
@@ -227,7 +245,47 @@ class RankLocalTransport(Transport):
     def fill_pairs(self, slot: Slot, k: int, group: TensorGroup) -> Pairs | None:
         if self.staging is not None and k in self._segments:
             return None  # through the staging pool: more than plain copies
+        if self._deferred and id(group) in self._mapped:
+            return None  # file pages read later: checked there (Note [Deferred reads ...])
         return self._pairs(slot, k, group)
+
+    # Note [Deferred reads of file pages]
+    #     A fill checks its files when it is issued (Note [Changed files] in loading.py), but the
+    #     pages are read when the copy runs.  On a GPU a copy from pageable memory reads it
+    #     before the call returns; on the CPU platform a copy stream's worker thread runs it
+    #     later, and the staging look-ahead (Note [Pinned staging]) reads on the staging thread
+    #     whenever it gets there, on every platform.  A file truncated in between (after a
+    #     generation returned, with the next pass's first block already issued) would kill the
+    #     process with SIGBUS on that thread.  So a read of file pages that runs later checks
+    #     its files again right where it runs, as one piece of work with the copies it guards:
+    #     when a file changed it copies nothing and keeps the error, which the host raises once
+    #     compute has waited for the block (``raise_if_refused``, from the ring's
+    #     ``wait_ready``), as a fill refused at issue would.  What is left is the window between
+    #     one fstat and the copy after it on the same thread, as on a GPU.
+
+    def _checked(self, k: int, uses: Any, doing: str, copies: Pairs) -> Callable[[], None]:
+        """The copies of one deferred read of block ``k``'s file pages (``uses``: its files),
+        behind a check of those files where they run (Note [Deferred reads of file pages])."""
+        refused = self._refused
+        refused.pop(k, None)  # a refusal of an earlier read that nothing waited for
+
+        def read() -> None:
+            error = mapped_file_change(uses, doing) if uses else None
+            if error is not None:
+                refused[k] = error
+                return
+            for dst, src in copies:
+                dst.copy_(src)
+
+        return read
+
+    def raise_if_refused(self, k: int) -> None:
+        if self._refused:
+            error = self._refused.pop(k, None)
+            if error is not None:
+                if self.staging is not None:
+                    self.staging.forget((id(self), k))  # staged again by the next fill
+                raise error
 
     def fill(self, slot: Slot, k: int, group: TensorGroup) -> None:
         """The general path of a fill (a profiler running, or a block staged through pinned
@@ -235,23 +293,31 @@ class RankLocalTransport(Transport):
         platform = self.platform
         copy_stream = self.streams.copy
         pool = self.staging if k in self._segments else None
+        read = None
         if pool is not None:  # Note [Pinned staging]
             key = (id(self), k)
-            p = pool.acquire(key, self._segments[k])
+            p = pool.acquire(key, self._segments[k], self._stage_reads[k])
             pairs = self._staged.get((k, slot.index, p))
             if pairs is None:  # built once per block, ring slot and staging slot
                 pairs = self._staged[(k, slot.index, p)] = pool.copies(
                     p, key, self._segments[k], [dst for dst, _ in self._pairs(slot, k, group)])
         else:
             pairs = slot.fills[k] or self._pairs(slot, k, group)
+            if self._deferred and id(group) in self._mapped:  # Note [Deferred reads ...]
+                read = self._checked(k, self._uses.get(id(group)),
+                                     f"the copy of block {group.label!r} to the device", pairs)
         with platform.stream(copy_stream):
             copy_stream.wait_event(slot.free)
             if pool is not None:
                 copy_stream.wait_event(pool.filled[p])  # its own slot, not the pool
             copy_span = _spans.stream_enter(platform, "copy", "ring=%s block=%d slot=%d",
                                             self.label, k, slot.index)
-            for dst, src in pairs:
-                platform.copy_(dst, src)
+            if read is not None:
+                platform.submit(read, reads=[src for _, src in pairs],
+                                writes=[dst for dst, _ in pairs])
+            else:
+                for dst, src in pairs:
+                    platform.copy_(dst, src)
             _spans.stream_exit(platform, copy_span)
             if pool is not None:
                 pool.read[p].record(copy_stream)  # the slot is free after this copy
@@ -262,7 +328,8 @@ class RankLocalTransport(Transport):
                 uses = self._after_uses.get(after)
                 if uses:  # the look-ahead reads the next block's pages now
                     verify_mapped_files(uses, f"the staging of block {after} of {self.label}")
-                pool.prefetch((id(self), after), self._segments[after], keep=p)
+                pool.prefetch((id(self), after), self._segments[after], keep=p,
+                              read=self._stage_reads[after])
 
     def count_fill(self, k: int, group: TensorGroup) -> None:
         counts = self._counts.get(k)
@@ -316,6 +383,8 @@ class RankLocalTransport(Transport):
         self._counts.clear()
         self._segments.clear()
         self._after_uses.clear()
+        self._stage_reads.clear()
+        self._refused.clear()
         self._staged.clear()
         self.staging = None
         super().release(group)
@@ -331,6 +400,12 @@ def verify_mapped_files(uses: Any, doing: str) -> None:
     from ..loading import verify_mapped_files as verify
 
     verify(uses, doing)
+
+
+def mapped_file_change(uses: Any, doing: str) -> Any:
+    from ..loading import mapped_file_change as change
+
+    return change(uses, doing)
 
 
 def _is_file_backed(t: torch.Tensor) -> bool:
