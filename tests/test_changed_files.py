@@ -61,6 +61,15 @@ def test_a_file_truncated_under_a_queued_fill_is_refused_where_the_copy_runs(tmp
     assert "WARNED" in out
 
 
+@pytest.mark.parametrize("strategy", ["layer_wise", "model_level"])
+def test_state_dict_after_a_truncation_refuses_or_reads_its_own_copies(tmp_path, strategy):
+    out = _run("truncate-then-state-dict", tmp_path, strategy)
+    if strategy == "layer_wise":  # its true values are the file pages: checked, not read
+        assert "REFUSED True" in out and "for state_dict()" in out, out
+    else:  # host copies made at enable
+        assert "READ" in out and "SILENT" in out, out
+
+
 def test_model_level_keeps_its_copies_when_the_file_is_truncated_after_enable(tmp_path):
     out = _run("truncate-while-enabled", tmp_path, "model_level")
     assert "GENERATED" in out and "SILENT" in out, out  # host copies: the file is not read again

@@ -369,6 +369,10 @@ class RankLocalTransport(Transport):
     def true_value(self, k: int, group: TensorGroup, i: int) -> torch.Tensor:
         views = self._mapped_views(group)
         if views is not None:
+            uses = self._uses.get(id(group))
+            if uses:  # Note [Changed files]: a truncated page kills the process when read
+                name = group.layout.records[i].name
+                verify_mapped_files(uses, f"reading {name!r} (its true value, for state_dict())")
             return views[i].detach().clone()
         return super().true_value(k, group, i)
 
