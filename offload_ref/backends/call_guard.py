@@ -223,8 +223,11 @@ class CallGuard:
 
     def entered_here(self) -> bool:
         """Whether this thread is inside a forward it entered (a block's parts run in the
-        thread that runs the block; any other thread's call must enter and be refused)."""
-        return _get_ident() in self._inside
+        thread that runs the block; any other thread's call must enter and be refused).  A
+        component entry counts: a block inside its component's call holds no entry of its own
+        (Note [Blocks inside their component] in layerwise.py)."""
+        me = _get_ident()
+        return me in self._inside or me in self._components
 
     def holds(self, frame: FrameType | None) -> bool:
         """Whether this thread entered the forward running in ``frame``."""

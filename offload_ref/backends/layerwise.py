@@ -101,7 +101,12 @@ class LayerWiseOffloadHook(RefusesCopies, ModelHook):
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         frame = call_frame()
         guard = self.guard
-        if not guard.enter(self.path, frame):
+        component = self.component
+        # Note [Blocks inside their component]: no entry of its own inside the component's call
+        entered = not (component is not None and (outer := component.frame) is not None
+                       and frame is not None and guard._exclusive is None
+                       and not guard._closed and _on_stack(outer, frame))
+        if entered and not guard.enter(self.path, frame):
             return None  # the backend is being disabled: leave the block alone
         hooks = module._forward_hooks
         if len(hooks) > 1:  # Note [Outermost hooks]
@@ -128,15 +133,19 @@ class LayerWiseOffloadHook(RefusesCopies, ModelHook):
                 self._span = _spans.enter("block", "ring=%s block=%d slot=%s", ring.label,
                                           self.index, ring.slot_of[self.index])
         except BaseException:
-            guard.exit(frame)
+            if entered:
+                guard.exit(frame)
             raise
         return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         frame = call_frame()
         guard = self.guard
-        if not guard.holds(frame):
-            return None
+        entered = guard.holds(frame)
+        if not entered:
+            running = self.ring._running  # Note [Blocks inside their component]
+            if not (running and running[-1][1] is frame and frame is not None):
+                return None
         try:
             if self._span is not None:
                 _spans.exit(self._span)
@@ -148,8 +157,21 @@ class LayerWiseOffloadHook(RefusesCopies, ModelHook):
                 with _leave_inference_mode(False):
                     ring.after(self.index)
         finally:
-            guard.exit(frame)
+            if entered:
+                guard.exit(frame)
         return None
+
+    # Note [Blocks inside their component]
+    #     A block called from inside its ring owner's forward (the DiT's, in the thread that
+    #     holds the owner's component entry: Note [Component entries] in call_guard.py) takes no
+    #     call-guard entry of its own: the component entry already refuses every other thread,
+    #     and ``disable()`` / ``edit_weights()`` already wait for it.  The owner's hook keeps the
+    #     frame of the call it entered; a block whose own call frame has that frame on its
+    #     stack runs inside it.  Any other block call (another thread's, a direct call, a call
+    #     after an interrupted forward left the owner's frame behind, or while the guard is
+    #     held exclusively or closed) enters the guard as before.  The post-hook tells its call
+    #     apart by the ring's record of the running block (its call frame), since the guard
+    #     holds nothing for it.  It saves two locked sections of the guard per block.
 
     # Note [Outermost hooks]
     #     A block's own torch hooks must see its weights: they run inside the offloader's pair.
@@ -351,6 +373,9 @@ class _ComponentEditGuard(RefusesCopies, ModelHook):
     def __init__(self, path: str, calls: CallGuard) -> None:
         self.path = path
         self.calls = calls  # the backend's: closed once disable() has begun
+        # The call frame of the forward it entered, until its post-hook (Note [Blocks inside
+        # their component] in LayerWiseOffloadHook)
+        self.frame: FrameType | None = None
         self.tensors: list[torch.Tensor] = []  # its parameters (nested owners' excluded)
         self.params: list[torch.Tensor] = []  # ... once guarded
         self.wrappers: list[torch.Tensor] = []  # its wrapper subclasses (Note [Guarded wrappers])
@@ -371,6 +396,7 @@ class _ComponentEditGuard(RefusesCopies, ModelHook):
         except BaseException:
             calls.exit_component(frame)
             raise
+        self.frame = frame
         return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -387,6 +413,8 @@ class _ComponentEditGuard(RefusesCopies, ModelHook):
             idle_wrappers(self.wrappers)
             self.idle = bool(self.params) or bool(self.wrappers)
         finally:
+            if self.frame is frame:
+                self.frame = None
             calls.exit_component(frame)
         return None
 
@@ -759,7 +787,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         if self._staging is not None:
             self._staging.close()  # no staging is issued from here on (synchronized below)
         for guard in self._edit_guards:  # unguarded: no class swaps from now on
-            guard.params, guard.wrappers, guard.idle = [], [], False
+            guard.params, guard.wrappers, guard.idle, guard.frame = [], [], False, None
         refused = self._refusals.at_disable() if self._refusals is not None else None
         if refused is not None:
             warnings.warn(refused, RuntimeWarning, stacklevel=4)
