@@ -9,10 +9,12 @@ variant, and prints the instructions per block above the resident model:
 * ``hooks``: no-op forward pre- and post-hooks on every block and a no-op pre-hook on its
   ``nn.Linear`` (what torch's hook dispatch alone costs for the hooks layerwise installs);
 * ``layerwise``: offload-ref layerwise on the inline-stream platform (Note [Per-block overhead]
-  in ``offload_ref/bench.py``).
+  in ``offload_ref/bench.py``), or with ``--device hpu:0`` on the accelerator platform over the
+  simulated accelerator (the code a GPU runs; the resident model there too, stream checking
+  off as in ``offload-ref bench --peers``).
 
-Usage: ``python ci/per_block_instructions.py [--forwards N]`` (needs ``valgrind`` on PATH; about
-a minute per variant).  Not part of the test suite.
+Usage: ``python ci/per_block_instructions.py [--forwards N] [--device hpu:0]`` (needs
+``valgrind`` on PATH; about a minute per variant).  Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -29,17 +31,31 @@ BLOCKS = 64
 VARIANTS = ("resident", "hooks", "layerwise")
 
 
-def _child(variant: str, forwards: int) -> None:
+def _child(variant: str, forwards: int, device: str | None) -> None:
+    import contextlib
+
     import torch
 
+    checking = contextlib.nullcontext()
+    if device is not None:
+        from offload_ref.platform import simulated
+
+        simulated.load()  # before torch is asked for its accelerator
+        checking = simulated.stream_checking(False)
     torch.set_num_threads(1)
     from offload_ref.backends.layerwise import LayerWiseOffloadBackend
     from offload_ref.config import OffloadConfig, OffloadStrategy
+    from offload_ref.contracts.case import move_to_device
     from offload_ref.fixtures.many_blocks import build_pipeline, make_input
+    from offload_ref.platform import get_platform
     from offload_ref.platform.inline import InlinePlatform
 
     pipe = build_pipeline(0, BLOCKS)
     x = make_input(0)
+    if device is not None:
+        x = x.to(device)
+        if variant != "layerwise":
+            pipe = move_to_device(pipe, torch.device(device))
     backend = None
     if variant == "hooks":
         def pre(module, args, kwargs):
@@ -53,11 +69,12 @@ def _child(variant: str, forwards: int) -> None:
             block.register_forward_hook(post, with_kwargs=True, always_call=True)
             block.fc.register_forward_pre_hook(pre, with_kwargs=True)
     elif variant == "layerwise":
+        platform = InlinePlatform() if device is None else get_platform(device)
         backend = LayerWiseOffloadBackend(OffloadConfig(strategy=OffloadStrategy.LAYER_WISE),
-                                          InlinePlatform())
+                                          platform)
         backend.enable(pipe)
     control = ["callgrind_control", "-i"]
-    with torch.inference_mode():
+    with checking, torch.inference_mode():
         for _ in range(5):
             pipe.transformer(x)
         subprocess.run([*control, "on", str(os.getpid())], check=True, capture_output=True)
@@ -68,11 +85,13 @@ def _child(variant: str, forwards: int) -> None:
         backend.disable()
 
 
-def _count(variant: str, forwards: int) -> int:
+def _count(variant: str, forwards: int, device: str | None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
                f"--callgrind-out-file={os.path.join(tmp, 'out')}",
                sys.executable, __file__, "--child", variant, "--forwards", str(forwards)]
+        if device is not None:
+            cmd += ["--device", device]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             raise SystemExit(f"{variant}: valgrind failed:\n{run.stderr[-2000:]}")
@@ -85,14 +104,17 @@ def _count(variant: str, forwards: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--forwards", type=int, default=30)
+    parser.add_argument("--device", default=None,
+                        help="hpu:0: the accelerator platform over the simulated accelerator "
+                             "(default: the inline platform on the host)")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.forwards)
+        _child(args.child, args.forwards, args.device)
         return
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("valgrind (with callgrind_control) is not on PATH")
-    per_forward = {v: _count(v, args.forwards) / args.forwards for v in VARIANTS}
+    per_forward = {v: _count(v, args.forwards, args.device) / args.forwards for v in VARIANTS}
     base = per_forward["resident"]
     print(f"{'variant':<10} {'instructions / forward':>24} {'over resident / block':>22}")
     for v in VARIANTS:
