@@ -48,7 +48,9 @@ backends/rebind_guard.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -68,6 +70,7 @@ __all__ = [
     "aligned_empty",
     "layout_rule",
     "padded_span_bytes",
+    "span_facts",
     "region_bytes",
     "storage_key",
     "tensor_extent",
@@ -148,19 +151,59 @@ def layout_rule(platform: Platform) -> LayoutRule:
     return DEFAULT_LAYOUT_RULE if rule is None else rule
 
 
+# Note [Span facts]
+#     One resolution asks for the span bytes of the same tensors several times (the device and
+#     host predictions, each ring's slot size, the pipeline's other state), and a tensor's
+#     storage key and extent were computed four to five times per resolution: a third of it on
+#     the fixtures.  Inside ``span_facts()`` each tensor's (storage key, extent, element size) is
+#     computed once and kept, with the tensor itself so that its id cannot be reused, until the
+#     outermost block exits; outside one nothing is kept.  The tensors must not change storage
+#     or shape inside the block (a resolution only reads them).
+
+
+_FACTS: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.ContextVar(
+    "offload_ref_span_facts", default=None)
+
+
+@contextlib.contextmanager
+def span_facts() -> Iterator[None]:
+    """Compute each tensor's span facts once inside the block (Note [Span facts])."""
+    if _FACTS.get() is not None:
+        yield
+        return
+    token = _FACTS.set({})
+    try:
+        yield
+    finally:
+        _FACTS.reset(token)
+
+
+def _span_fact(t: torch.Tensor, facts: dict[int, tuple] | None) -> tuple:
+    """``(tensor, storage key, lo, hi, element size)`` of ``t`` (lo == hi: empty)."""
+    if facts is not None:
+        fact = facts.get(id(t))
+        if fact is not None:
+            return fact
+    lo, hi = tensor_extent(t)
+    fact = (t, storage_key(t) if hi > lo else None, lo, hi, t.element_size())
+    if facts is not None:
+        facts[id(t)] = fact
+    return fact
+
+
 def padded_span_bytes(tensors: Iterable[torch.Tensor], alignment: int,
                       rule: LayoutRule = DEFAULT_LAYOUT_RULE) -> int:
     """Bytes a :class:`Layout` of ``tensors`` allocates: per storage, the aligned region of the
     span its tensors touch (Note [Aligned layout]; ``rule`` places them)."""
     spans: dict[tuple[str, int], list[int]] = {}
+    facts = _FACTS.get()
     for t in tensors:
-        if not t.numel():
+        _, key, lo, hi, size = _span_fact(t, facts)
+        if hi == lo:
             continue
-        lo, hi = tensor_extent(t)
-        key = storage_key(t)
         span = spans.get(key)
         if span is None:
-            spans[key] = [lo, hi, t.element_size()]
+            spans[key] = [lo, hi, size]
             continue
         if lo < span[0]:
             span[0] = lo

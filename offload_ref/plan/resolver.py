@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..config import ENCODER_KINDS, OffloadConfig, OffloadStrategy, WeightTransfer
-from ..host import ALLOCATOR_ALIGNMENT
+from ..host import ALLOCATOR_ALIGNMENT, span_facts
 from ..discovery import (
     _MISSING,
     ModuleCycleError,
@@ -94,6 +94,10 @@ class Resolver:
         warnings.warn(message, OffloadDeclarationWarning, stacklevel=4)
 
     def resolve(self) -> ResolvedOffloadPlan:
+        with span_facts():  # Note [Span facts] in host.py
+            return self._resolve()
+
+    def _resolve(self) -> ResolvedOffloadPlan:
         strategy = self.config.strategy
         if strategy is OffloadStrategy.NONE:
             return ResolvedOffloadPlan(strategy, skip_reason="offloading is disabled")
