@@ -36,17 +36,19 @@ def _generate(spec, pipeline):
         return pipeline(**spec.make_inputs())
 
 
-def _enabled(spec):
+def _enabled():
+    """flux2's resident output, and a flux2 pipeline enabled under layerwise with a counting
+    guard."""
+    spec = get_spec("flux2")
+    reference = _generate(spec, resident(spec.build()))
     pipeline = spec.build()
     backend = _Counted(OffloadConfig(strategy="layer_wise"), get_platform())
     backend.enable(pipeline)
-    return pipeline, backend
+    return spec, reference, pipeline, backend
 
 
 def test_blocks_inside_the_dit_take_no_entry_and_a_direct_call_does():
-    spec = get_spec("flux2")
-    reference = _generate(spec, resident(spec.build()))
-    pipeline, backend = _enabled(spec)
+    spec, reference, pipeline, backend = _enabled()
     try:
         guard = backend._guard
         assert torch.equal(_generate(spec, pipeline), reference)
@@ -79,9 +81,7 @@ class _Pause:
 def test_another_threads_direct_call_is_refused_while_the_dit_runs(target):
     # Thread B calls a block, or a part of the very block thread A is inside, directly while A
     # runs the DiT: A's component entry refuses it (before, B's own block entry did).
-    spec = get_spec("flux2")
-    reference = _generate(spec, resident(spec.build()))
-    pipeline, backend = _enabled(spec)
+    spec, reference, pipeline, backend = _enabled()
     pause = _Pause()
     handle = pipeline.transformer.transformer_blocks[0].register_forward_pre_hook(pause)
     result = {}
@@ -114,9 +114,7 @@ def test_another_threads_direct_call_is_refused_while_the_dit_runs(target):
 def test_an_interrupt_inside_a_block_leaves_no_shortcut_behind():
     # A Ctrl-C inside block 0 skips the DiT's post-hook: its component frame stays recorded.
     # A block called directly afterwards is not inside that frame and enters the guard.
-    spec = get_spec("flux2")
-    reference = _generate(spec, resident(spec.build()))
-    pipeline, backend = _enabled(spec)
+    spec, reference, pipeline, backend = _enabled()
     try:
         guard = backend._guard
 
