@@ -78,7 +78,7 @@ def move_to_device(pipeline: Any, device: torch.device) -> Any:
     would copy each tensor to a fresh, fully aligned allocation: another kernel path for a
     weight stored off alignment, and so other last bits.)  Parameter objects are kept; returns
     ``pipeline``."""
-    from .checks._util import module_view
+    from .facts import module_view
 
     if device.type == "cpu":
         return pipeline
@@ -336,11 +336,11 @@ class CheckCase:
         return self._host_reference
 
     def compare(self, what: str, got: Any, want: Any) -> None:
-        """:func:`~offload_ref.contracts.checks._observe.compare_outputs`, and on a mismatch a
+        """:func:`~offload_ref.contracts.observe.compare_outputs`, and on a mismatch a
         diagnosis appended to the failure: the first module whose output diverged (a rerun of
         both generations with hooks on every module) and the tensors read while off the device.
         ``got`` and ``want`` should be outputs of :meth:`run` (or :meth:`reference`)."""
-        from .checks._observe import compare_outputs
+        from .observe import compare_outputs
 
         compare_outputs(what, got, want, case=self)
 
@@ -364,7 +364,7 @@ class CheckCase:
         return next((r for r in reversed(self._runs) if r.output is output), None)
 
     def _resident(self, pipeline_ref: Any, tensor: torch.Tensor) -> bool:
-        from .checks._util import resident  # a wrapper subclass: by its inner tensors
+        from .facts import resident  # a wrapper subclass: by its inner tensors
 
         pipeline = pipeline_ref() if pipeline_ref is not None else None
         backend = backend_of(pipeline) if pipeline is not None else None

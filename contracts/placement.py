@@ -873,7 +873,7 @@ def diagnose_device_error(case: Any) -> str:
     ``_SCENARIO`` under a :class:`PlacementWatch` until the error reproduces."""
     from offload_ref.backends.base import backend_of
 
-    from .checks._util import resident as on_platform
+    from .facts import resident as on_platform
 
     try:
         pipeline = case.build()

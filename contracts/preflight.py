@@ -116,7 +116,7 @@ def _problems(spec: PipelineSpec) -> list[str]:
             return [f"{where}: the output of {type(pipeline).__qualname__} cannot be compared: "
                     f"{exc}"]
         outputs.append(output)
-    from .checks._observe import compare_outputs
+    from .observe import compare_outputs
     from .registry import CheckFailure
 
     try:

@@ -31,7 +31,7 @@ Where the level comes from, first match:
 2. an exception that is not a :class:`~.registry.CheckFailure` (the case's outcome is
    ``error``) is an error raised into the user's code: ``error``;
 3. a failure whose message lists the kit's own "not as built" problems (attributes added,
-   values changed, bytes held: ``contracts/checks/_util.py`` and ``observable.py`` word them)
+   values changed, bytes held: ``contracts/facts.py`` and ``observable.py`` word them)
    is as bad as the worst problem it lists (:func:`of_problems`);
 4. the check's default (:data:`DEFAULTS`, by what the check asserts), or the ``severity=`` a
    check registered outside the kit gives :func:`~.registry.check`; but a failure that
@@ -132,7 +132,7 @@ DEFAULTS: dict[str, Severity] = {
 del W, E, M, T
 
 #: The kit's "not as built" problem texts, each with its level (first match wins).  They are
-#: written by ``Snapshot.diff`` (contracts/checks/_util.py) and the state checks of
+#: written by ``Snapshot.diff`` (contracts/facts.py) and the state checks of
 #: contracts/checks/observable.py and lifecycle.py.
 _PROBLEMS: tuple[tuple[re.Pattern[str], Severity], ...] = tuple(
     (re.compile(pattern), level) for pattern, level in (

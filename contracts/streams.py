@@ -109,7 +109,7 @@ def note_bindings(module: Any, path: str, device: Any) -> None:
     blocks, a swapped-in copy already dropped) is named by the tensor bound there most recently
     (:func:`name_memory`).  A wrapper subclass is named by its inner tensors, which hold its
     memory (``.qdata``, ``.scale``: Note [Wrapper subclasses] in offload_ref/plan/tree.py)."""
-    from .checks._util import module_tensors
+    from .facts import module_tensors
 
     for name, t in module_tensors(module, recurse=False, remove_duplicate=False):
         if t.device != device:
@@ -162,7 +162,7 @@ def name_memory(pipelines: Iterable[Any], address: int, nbytes: int,
     slot between blocks, a dropped swap-in); else one whose storage holds it (``the storage of
     PATH``: a slot's padding, a freed slab); None when no tensor of theirs is there."""
     from .blame import named_modules
-    from .checks._util import module_tensors
+    from .facts import module_tensors
 
     end = address + max(int(nbytes), 1)
     for start, size, name in reversed(_NAMED):

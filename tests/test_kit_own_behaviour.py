@@ -156,7 +156,7 @@ def test_the_kits_identity_sets_keep_their_objects_so_no_address_is_reused() -> 
 
     from torch import nn
 
-    from offload_ref.contracts.checks._util import Identities
+    from offload_ref.contracts.facts import Identities
 
     made = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
     alive = [weakref.ref(p) for p in made]

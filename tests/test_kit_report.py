@@ -51,7 +51,7 @@ _FEW_BLOCKS = dataclasses.replace(get_spec("qwen_image"), name="few_blocks",
 
 @pytest.fixture
 def more_blocks_needed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from offload_ref.contracts.checks._util import dit_has_blocks
+    from offload_ref.contracts.facts import dit_has_blocks
     from offload_ref.contracts.runner import load_catalogue
 
     load_catalogue()

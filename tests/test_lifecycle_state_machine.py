@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from offload_ref.contracts.checks._util import (
+from offload_ref.contracts.facts import (
     hook_residue,
     offload_attributes,
     snapshot,

@@ -316,7 +316,7 @@ def _bytes_of(output) -> int:
 
 
 def pipeline_tensors(pipeline):
-    from offload_ref.contracts.checks._util import module_view
+    from offload_ref.contracts.facts import module_view
 
     view = module_view(pipeline)
     return [*view.parameters(), *(b for b in view.buffers() if b is not None)]

@@ -27,11 +27,11 @@ from offload_ref.plan import resolve_offload_plan
 from ..case import CheckCase
 from ..spec import PipelineSpec
 from ..traits import Missing, PipelineTraits, TRAITS
-from ._util import dit_block_count, storage_groups
+from ..facts import dit_block_count, storage_groups
 from .aliases import tie_candidate_in
-from .plan import _encoder_block_list
-from .residency import _skip, ring_stacks
-from .split import _groups
+from .plan import encoder_block_list_of
+from .residency import skip_block, ring_stacks
+from .split import split_groups
 
 __all__ = ["traits_of"]
 
@@ -84,7 +84,7 @@ def _compute(spec: PipelineSpec, strategy: str, names: set[str],
 
     delegates = _Once(lambda: strategy == "model_level" and callable(
         getattr(pipeline(), "enable_omni_model_cpu_offload", None)))
-    phases = _Once(lambda: [tuple(g.names) for _, g in _groups(pipeline())]
+    phases = _Once(lambda: [tuple(g.names) for _, g in split_groups(pipeline())]
                    if delegates() else [])
 
     probes: dict[str, Callable[[], Any]] = {
@@ -95,7 +95,7 @@ def _compute(spec: PipelineSpec, strategy: str, names: set[str],
         "has_vae": lambda: bool(found().vaes),
         "dit_path": lambda: dit()[0],
         "dit_blocks": lambda: dit()[1],
-        "encoder_block_list": lambda: _encoder_block_list(pipeline()),
+        "encoder_block_list": lambda: encoder_block_list_of(pipeline()),
         "shares_storage": lambda: bool(storage_groups(pipeline())),
         "tie_candidate": lambda: _tie_candidate(ring()),
         "skippable_block": lambda: _skippable_block(spec, strategy),
@@ -168,7 +168,7 @@ def _skippable_block(spec: PipelineSpec, strategy: str) -> str | Missing:
                 calls = []
                 victim = c[len(c) // 2]
                 h = victim.register_forward_pre_hook(lambda m, a: calls.append(1))
-                _skip(c, len(c) // 2)
+                skip_block(c, len(c) // 2)
                 try:
                     with torch.inference_mode():
                         pipeline(**spec.make_inputs())

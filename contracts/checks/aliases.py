@@ -11,9 +11,9 @@ from offload_ref.discovery import get_submodule_path
 
 from ..case import move_to_device
 from ..registry import check, fail
-from ._observe import observe
-from ._util import (
-    _named_tensors,
+from ..observe import observe
+from ..facts import (
+    named_module_tensors,
     first_dit,
     module_tensors,
     module_view,
@@ -24,14 +24,14 @@ from ._util import (
     values_equal,
 )
 from .lifecycle import BACKENDS
-from .residency import LAYER_BACKENDS, _rings
+from .residency import LAYER_BACKENDS, rings_of
 
 
 def _add_kit_alias(case: Any, pipeline: Any) -> tuple[str, torch.Tensor, torch.Tensor]:
     """Register on the DiT a buffer viewing a tensor of the last streamed block; return its
     path, the buffer and the block tensor."""
     path, dit = first_dit(pipeline)
-    stack = [s for s in _rings(case, pipeline) if s.owner_path == path][0]
+    stack = [s for s in rings_of(case, pipeline) if s.owner_path == path][0]
     block = stack.streamed_blocks[-1]
     # a tensor with storage to view: a wrapper subclass's inner tensor, not the wrapper (its
     # view would be a plain tensor of its dequantized value: Note [Wrapper subclasses])
@@ -70,7 +70,7 @@ def check_block_alias_follows_its_block(case) -> None:
             problems.append(f"{moment}: {alias_path} is on the device while its block is not")
 
     check_now("after enable")
-    block = [s for s in _rings(case, pipeline) if s.owner_path == alias_path.rsplit(".", 1)[0]]
+    block = [s for s in rings_of(case, pipeline) if s.owner_path == alias_path.rsplit(".", 1)[0]]
     blocks = [(s.block_paths[-1], s.streamed_blocks[-1]) for s in block]
 
     def before(path: str, module: nn.Module) -> None:
@@ -91,7 +91,7 @@ def check_block_alias_follows_its_block(case) -> None:
 
 
 def _tie_candidates(case: Any, pipeline: Any) -> tuple[Any, str, str] | None:
-    return tie_candidate_in(_rings(case, pipeline))
+    return tie_candidate_in(rings_of(case, pipeline))
 
 
 def tie_candidate_in(rings: list[Any]) -> tuple[Any, str, str] | None:
@@ -130,7 +130,7 @@ def check_parameter_shared_by_two_blocks_is_never_copied_twice(case) -> None:
     reference = case.run(move_to_device(reference_pipeline, case.device))
     before = snapshot(pipeline, values=True)
     unique = {}
-    for s in _rings(case, pipeline):
+    for s in rings_of(case, pipeline):
         for b in s.streamed_blocks:
             for _, t in module_tensors(b):
                 unique[storage_key(t)] = t.untyped_storage().nbytes()
@@ -207,7 +207,7 @@ def check_views_keep_strides_and_sharing(case) -> None:
 
 
 def _named(pipeline: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return _named_tensors(pipeline)  # a wrapper subclass by its inner tensors: they are views
+    return named_module_tensors(pipeline)  # a wrapper subclass by its inner tensors: they are views
 
 
 def _placeholder(pipeline: nn.Module, name: str) -> bool:

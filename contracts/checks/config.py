@@ -21,7 +21,7 @@ from typing import Any
 from offload_ref.config import OffloadStrategy
 
 from ..registry import check, fail
-from ._util import expect_error
+from ..facts import expect_error
 
 NONE = OffloadStrategy.NONE
 MODEL_LEVEL = OffloadStrategy.MODEL_LEVEL

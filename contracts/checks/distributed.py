@@ -33,8 +33,8 @@ from offload_ref.plan.tree import wrapper_inner
 from ..case import DEFAULT_IMPLEMENTATION, CheckCase, move_to_device
 from ..registry import check, fail, not_applicable
 from ..spec import load_object
-from ._observe import compare_outputs, observe
-from ._util import (_named_tensors, module_tensors, module_view, resident, tensors_equal,
+from ..observe import compare_outputs, observe
+from ..facts import (named_module_tensors, module_tensors, module_view, resident, tensors_equal,
                     values_equal)
 
 WORLD = 2
@@ -170,14 +170,14 @@ def streamed_block_bytes(plan: Any) -> int:
 
 
 def _state(pipeline: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone() for n, t in _named_tensors(pipeline)}
+    return {n: t.detach().clone() for n, t in named_module_tensors(pipeline)}
 
 
 def _restored(pipeline: nn.Module, fresh: nn.Module, platform: Any) -> list[str]:
     """Tensors of ``pipeline`` that differ from a fresh build, or that are still on the device."""
     want = _state(fresh)
     problems = []
-    for n, t in _named_tensors(pipeline):
+    for n, t in named_module_tensors(pipeline):
         w = want.get(n)
         if w is None or t.shape != w.shape or t.dtype != w.dtype or not tensors_equal(
                 t.detach(), w, nan_equal=True):
@@ -506,7 +506,7 @@ def _non_persistent_differences(pipeline: nn.Module, fresh: nn.Module) -> list[s
 def _interrupted_allgather(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, Any]:
     """Ctrl-C inside a streamed block of an AllGather ring, at the same block on every rank
     (its middle block, then its last), each followed by two generations."""
-    from .lifecycle import _interrupt_targets, _interrupted
+    from .lifecycle import interrupt_targets, run_interrupted
 
     request = _request(case, rank)
     reference = case.run(case.build_resident(), request)
@@ -516,8 +516,8 @@ def _interrupted_allgather(case: CheckCase, rank: int, world: int, tmp: Path) ->
     backend.enable(pipeline)
     obs: dict[str, Any] = {"after": []}
     try:
-        for path, module in _interrupt_targets(case, pipeline):
-            interrupted = _interrupted(case, pipeline, module, request)
+        for path, module in interrupt_targets(case, pipeline):
+            interrupted = run_interrupted(case, pipeline, module, request)
             outputs = []
             for _ in range(2):
                 try:

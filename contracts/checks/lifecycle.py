@@ -8,8 +8,8 @@ from typing import Any
 from torch import nn
 
 from ..registry import check, fail, not_applicable
-from ._util import (
-    _named_tensors,
+from ..facts import (
+    named_module_tensors,
     collected,
     hook_changes,
     hook_residue,
@@ -360,7 +360,7 @@ def check_disable_restores_parameters_and_placement(case) -> None:
     platform = case.platform()
     before = snapshot(pipeline, values=True)
     groups = storage_groups(pipeline)
-    placement = {n: platform.is_resident(t) for n, t in _named_tensors(pipeline)}
+    placement = {n: platform.is_resident(t) for n, t in named_module_tensors(pipeline)}
     backend = case.backend(platform=platform)
     backend.enable(pipeline)
     case.run(pipeline)
@@ -377,7 +377,7 @@ def check_disable_restores_parameters_and_placement(case) -> None:
     problems += [p for p in before.diff(after) if p.startswith("values")]
     if storage_groups(pipeline) != groups:
         problems.append(f"storage sharing {groups} -> {storage_groups(pipeline)}")
-    moved = [n for n, t in _named_tensors(pipeline)
+    moved = [n for n, t in named_module_tensors(pipeline)
              if platform.is_resident(t) != placement.get(n)]
     if moved:
         problems.append(f"placement differs from before enable: {moved[:4]}")
@@ -497,7 +497,7 @@ class _KitInterrupt(KeyboardInterrupt):
     """The Ctrl-C the kit raises inside a block's (or a component's) forward."""
 
 
-def _interrupt_targets(case: Any, pipeline: Any) -> list[tuple[str, Any]]:
+def interrupt_targets(case: Any, pipeline: Any) -> list[tuple[str, Any]]:
     """Where to interrupt: two blocks of every ring (layerwise: a second interrupt in another
     block of the same ring), or every swapped component (model level)."""
     plan = case.resolve(pipeline)
@@ -531,7 +531,7 @@ def _arm(module: Any) -> Any:
     return handle
 
 
-def _interrupted(case: Any, pipeline: Any, module: Any, inputs: Any = None) -> bool:
+def run_interrupted(case: Any, pipeline: Any, module: Any, inputs: Any = None) -> bool:
     """One generation with a Ctrl-C raised inside ``module``'s call (:func:`_arm`); whether it
     came out of the generation (it does not when the module never runs)."""
     handle = _arm(module)
@@ -563,8 +563,8 @@ def check_interrupt_inside_a_block_leaves_a_recoverable_ring(case) -> None:
     generation("warm-up generation")
     clean = generation("clean generation")
     interrupted = 0
-    for path, module in _interrupt_targets(case, pipeline):
-        interrupted += _interrupted(case, pipeline, module)
+    for path, module in interrupt_targets(case, pipeline):
+        interrupted += run_interrupted(case, pipeline, module)
         generation(f"the generation after an interrupt inside {path}")
         again = generation(f"the second generation after an interrupt inside {path}")
         if again > clean:

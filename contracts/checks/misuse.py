@@ -14,8 +14,8 @@ from torch import nn
 from offload_ref.discovery import get_submodule_path
 
 from ..registry import check, fail, not_applicable
-from ._observe import observe
-from ._util import (Identities, _same_values, first_dit, leaves_of, module_view, scalable,
+from ..observe import observe
+from ..facts import (Identities, same_values, first_dit, leaves_of, module_view, scalable,
                     tensors_equal, values_equal)
 from .lifecycle import BACKENDS
 
@@ -26,10 +26,10 @@ def _floating(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if scalable(v)}
 
 
-def _edit(pipeline: nn.Module) -> None:
+def edit_every_weight(pipeline: nn.Module) -> None:
     """The edit under test: load a scaled copy of every floating weight (as a LoRA merge or a
     checkpoint reload does), then scale the first parameter in place once more.  Weights no
-    multiply applies to, offloaded or not (float8, wrapper subclasses: :func:`._util.scalable`),
+    multiply applies to, offloaded or not (float8, wrapper subclasses: :func:`..facts.scalable`),
     are left out, here and in the reference alike."""
     scaled = {k: v * _EDIT_SCALE for k, v in _floating(pipeline.state_dict()).items()}
     pipeline.load_state_dict(scaled, strict=False)
@@ -61,7 +61,7 @@ def _has_nan(t: torch.Tensor) -> bool:
     return any(x.is_floating_point() and bool(x.detach().isnan().any()) for x in leaves_of(t))
 
 
-def _same_state(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+def same_state(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     if set(got) != set(want):
         fail(f"{what}: state_dict keys differ: {sorted(set(got) ^ set(want))[:4]}")
     bad = [k for k in want if got[k].is_meta or got[k].shape != want[k].shape
@@ -79,7 +79,7 @@ def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
     an in-place ``mul_``) take effect exactly: the next generation equals an un-offloaded
     pipeline taken through the same steps (a generation, the edit, a generation), bit for bit,
     and ``disable()`` leaves the edited weights."""
-    edited_reference = _edited_after_a_generation(case, _edit)
+    edited_reference = _edited_after_a_generation(case, edit_every_weight)
     want = case.run(edited_reference, grad_mode=_EDITING)
     want_state = module_view(edited_reference).state_dict()
     pipeline = case.build()
@@ -90,12 +90,12 @@ def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
     with backend.edit_weights() as pipe:
         if pipe is not pipeline:
             fail("edit_weights() must yield the pipeline it edits")
-        _edit(module_view(pipe))
+        edit_every_weight(module_view(pipe))
     if not backend.is_enabled():
         fail("the backend is not enabled again after edit_weights()")
     case.compare("after edit_weights", case.run(pipeline, grad_mode=_EDITING), want)
     backend.disable()
-    _same_state("after disable", module_view(pipeline).state_dict(), want_state)
+    same_state("after disable", module_view(pipeline).state_dict(), want_state)
 
 
 def _edit_through_data(pipeline: nn.Module, how: str,
@@ -107,7 +107,7 @@ def _edit_through_data(pipeline: nn.Module, how: str,
     casting do); neither bumps ``w._version``.  Each tensor is tried on its own; returns
     (edited, refused by the offloader -- an exception of ``refusals`` --, refused by torch).
     Parameters no multiply applies to even un-offloaded (float8, wrapper subclasses:
-    :func:`._util.scalable`) are not tried, in the pipeline and the reference alike."""
+    :func:`..facts.scalable`) are not tried, in the pipeline and the reference alike."""
     counts = [0, 0, 0]
     with torch.no_grad():
         for p in pipeline.parameters():
@@ -244,13 +244,13 @@ def check_state_dict_while_enabled_returns_true_weights(case) -> None:
     pipeline = case.build()
     backend = case.backend()
     backend.enable(pipeline)
-    _same_state("after enable", module_view(pipeline).state_dict(), want)
+    same_state("after enable", module_view(pipeline).state_dict(), want)
     case.run(pipeline)
-    _same_state("after a generation", module_view(pipeline).state_dict(), want_after)
+    same_state("after a generation", module_view(pipeline).state_dict(), want_after)
     want = want_after
     for name, child in module_view(pipeline).named_children():
         prefix = f"{name}."
-        _same_state(f"{name}.state_dict()", child.state_dict(),
+        same_state(f"{name}.state_dict()", child.state_dict(),
                     {k[len(prefix):]: v for k, v in want.items() if k.startswith(prefix)})
     case.compare("after state_dict", case.run(pipeline), case.reference())
     backend.disable()
@@ -838,7 +838,7 @@ def check_copies_of_an_enabled_pipeline_are_refused_or_exact(case) -> None:
                              "to disable() first (or to copy inside edit_weights())",
                              severity="error")
                     continue
-                _same_state(f"{how} of {what} while enabled", copied.state_dict(), expected)
+                same_state(f"{how} of {what} while enabled", copied.state_dict(), expected)
         case.compare("after copies of the enabled pipeline", case.run(pipeline),
                      case.reference())
     finally:
@@ -920,13 +920,13 @@ def check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_chang
     expected = unedited if stopped else edited_state
     after = dict(_dit_weights(pipeline, path))
     names = [n for n in expected if n in after]
-    wrong = [n for n in names if not _same_values(after[n].detach().cpu(), expected[n])]
+    wrong = [n for n in names if not same_values(after[n].detach().cpu(), expected[n])]
     if not wrong:
         return
     # Each weight against the un-offloaded pipeline's, edited and not: only a weight that holds
     # the edit there and not here (or the other way round) is named.
-    holds = [n for n in wrong if _same_values(after[n].detach().cpu(), edited_state[n])]
-    kept = [n for n in wrong if _same_values(after[n].detach().cpu(), unedited[n])]
+    holds = [n for n in wrong if same_values(after[n].detach().cpu(), edited_state[n])]
+    kept = [n for n in wrong if same_values(after[n].detach().cpu(), unedited[n])]
     if stopped is not None:
         fail(f"the in-place edit of DiT {path!r} was refused, and after disable() {len(holds)} "
              f"of its weights hold it (e.g. {holds[:2]}) where the un-offloaded pipeline holds "
@@ -970,7 +970,7 @@ def _edited_in_place(case: Any, path: str, *, edit: bool
 
 def _dit_weights(pipeline: Any, path: str) -> list[tuple[str, torch.Tensor]]:
     """The DiT's floating, non-empty parameters that a multiply applies to (not float8 or a
-    wrapper subclass: :func:`._util.scalable`), in ``parameters()`` order."""
+    wrapper subclass: :func:`..facts.scalable`), in ``parameters()`` order."""
     from offload_ref.discovery import get_submodule_path
 
     dit = get_submodule_path(pipeline, path)

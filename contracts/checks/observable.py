@@ -22,17 +22,17 @@ from torch import nn
 from offload_ref.plan import owned_tensors, resolve_offload_plan
 
 from ..registry import CheckNotApplicable, check, fail, not_applicable
-from ._observe import module_bytes, observe, tensor_bytes
-from ._util import (
-    _named_tensors,
+from ..observe import module_bytes, observe, tensor_bytes
+from ..facts import (
+    named_module_tensors,
     module_tensors,
     module_view,
     snapshot,
     storage_groups,
     storage_key,
 )
-from .lifecycle import BACKENDS, _interrupt_targets, _interrupted
-from .misuse import _edit, _same_state
+from .lifecycle import BACKENDS, interrupt_targets, run_interrupted
+from .misuse import edit_every_weight, same_state
 
 __all__ = ["DEVICE_MEMORY_CHECKS", "InjectedRegistrationError", "OBSERVABLE_CHECKS"]
 
@@ -376,7 +376,7 @@ def _restored(what: str, pipeline: Any, backend: Any, before: Any,
 
 def _split_groups(pipeline: Any, groups: list[tuple[str, ...]]) -> list[str]:
     """The groups of names (sharing one storage as built) whose tensors no longer share one."""
-    tensors = dict(_named_tensors(pipeline))
+    tensors = dict(named_module_tensors(pipeline))
     split = []
     for names in groups:
         places = {storage_key(t) for n in names
@@ -631,7 +631,7 @@ def check_offloader_keeps_to_the_device_index_it_was_given(case) -> None:
         backend.enable(pipeline)
         error = None
         try:
-            look("after enable", _named_tensors(pipeline))
+            look("after enable", named_module_tensors(pipeline))
             modules = list(module_view(pipeline).named_modules())
             with observe(modules,
                          lambda p, m: look(f"before {p or '<root>'}.forward", own(p, m)),
@@ -640,7 +640,7 @@ def check_offloader_keeps_to_the_device_index_it_was_given(case) -> None:
                     got = case.run(pipeline)
                 except Exception as exc:  # noqa: BLE001 - reported after the placement
                     error = exc
-            look("after a generation", _named_tensors(pipeline))
+            look("after a generation", named_module_tensors(pipeline))
         finally:
             backend.disable()
     if wrong:
@@ -671,7 +671,7 @@ def check_generation_after_an_interrupt_is_exact(case) -> None:
     device = _device_memory(case)
     reference = case.reference()
     pipeline = case.build()
-    targets = _interrupt_targets(case, pipeline)[:2]  # offload-ref's J.1 tries every ring
+    targets = interrupt_targets(case, pipeline)[:2]  # offload-ref's J.1 tries every ring
     if not targets:
         not_applicable("the kit's plan names no block or component to interrupt")
     left = _left_by_a_generation(case, device)
@@ -680,7 +680,7 @@ def check_generation_after_an_interrupt_is_exact(case) -> None:
     backend.enable(pipeline)
     interrupted = 0
     for path, module in targets:
-        interrupted += _interrupted(case, pipeline, module)
+        interrupted += run_interrupted(case, pipeline, module)
         case.compare(f"the generation after an interrupt inside {path}", case.run(pipeline),
                      reference)
     if not interrupted:
@@ -707,10 +707,10 @@ def check_edit_between_cycles_takes_effect_and_survives_disable(case) -> None:
     backend.enable(pipeline)
     case.compare("before the edit", case.run(pipeline, grad_mode="no_grad"), case.reference())
     backend.disable()
-    _edit(module_view(pipeline))
+    edit_every_weight(module_view(pipeline))
     edited = case.build_resident()
     case.run(edited, grad_mode="no_grad")
-    _edit(module_view(edited))
+    edit_every_weight(module_view(edited))
     want = case.run(edited, grad_mode="no_grad")
     backend.enable(pipeline)
     case.compare("the first generation after an edit made while disabled",
@@ -718,9 +718,9 @@ def check_edit_between_cycles_takes_effect_and_survives_disable(case) -> None:
     backend.disable()
     host_edited = case.build()
     case.run(host_edited, grad_mode="no_grad")
-    _edit(module_view(host_edited))
+    edit_every_weight(module_view(host_edited))
     case.run(host_edited, grad_mode="no_grad")
-    _same_state("after the next disable()", module_view(pipeline).state_dict(),
+    same_state("after the next disable()", module_view(pipeline).state_dict(),
                 module_view(host_edited).state_dict())
 
 

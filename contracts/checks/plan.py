@@ -14,7 +14,7 @@ from offload_ref.discovery import FALLBACK_NAMES, discover_components, get_submo
 from offload_ref.plan import OffloadPlan, resolve_offload_plan
 
 from ..registry import CheckNotApplicable, check, fail
-from ._util import (
+from ..facts import (
     count_forward_calls,
     dit_blocks,
     dit_containers,
@@ -28,7 +28,7 @@ from ._util import (
 LAYER = ("layer_wise", "distributed_layer_wise")
 
 
-def _with_plan(pipeline: Any, **changes: Any) -> None:
+def with_plan(pipeline: Any, **changes: Any) -> None:
     """Give this pipeline instance its own OffloadPlan (the class keeps its declaration)."""
     base = getattr(pipeline, "_offload_plan", None) or OffloadPlan()
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(OffloadPlan)}
@@ -97,7 +97,7 @@ def check_plan_block_attrs_beat_class_attributes(case) -> None:
     blocks = dit_blocks(pipeline, path, dit)
     # A second container with the same blocks in reverse order, declared only by the plan.
     dit._kit_plan_blocks = nn.ModuleList(list(reversed(blocks)))
-    _with_plan(pipeline, block_attrs={path: ("_kit_plan_blocks",)})
+    with_plan(pipeline, block_attrs={path: ("_kit_plan_blocks",)})
     what = (f"DiT {path!r} with OffloadPlan.block_attrs pointed at a container the check adds, "
             f"holding the blocks of {declared} in reverse order")
     try:
@@ -241,7 +241,7 @@ def check_single_block_dit_is_rejected(case) -> None:
     pipeline = case.build()
     path, dit = first_dit(pipeline)
     dit._kit_one_block = nn.ModuleList(dit_blocks(pipeline, path, dit)[:1])
-    _with_plan(pipeline, block_attrs={path: ("_kit_one_block",)})
+    with_plan(pipeline, block_attrs={path: ("_kit_one_block",)})
     _resolve_and_expect_rejection(case, pipeline, case.config(), "a one-block DiT",
                                   (path, "at least two"))
 
@@ -251,7 +251,7 @@ def check_missing_block_container_is_rejected(case) -> None:
     """A declared block container that does not exist fails, naming the container path."""
     pipeline = case.build()
     path, _ = first_dit(pipeline)
-    _with_plan(pipeline, block_attrs={path: ("kit_missing_blocks",)})
+    with_plan(pipeline, block_attrs={path: ("kit_missing_blocks",)})
     _resolve_and_expect_rejection(case, pipeline, case.config(), "a missing container",
                                   (f"{path}.kit_missing_blocks",))
 
@@ -265,7 +265,7 @@ def check_block_claimed_by_two_components_is_rejected(case) -> None:
     twin.blocks = nn.ModuleList(dit_blocks(pipeline, path, dit)[:2])
     pipeline.kit_twin = twin
     pipeline.__dict__["_dit_modules"] = list(getattr(pipeline, "_dit_modules", [])) + ["kit_twin"]
-    _with_plan(pipeline, block_attrs={"kit_twin": ("blocks",)})
+    with_plan(pipeline, block_attrs={"kit_twin": ("blocks",)})
     _resolve_and_expect_rejection(
         case, pipeline, case.config(),
         f"the first two blocks of DiT {path!r} also declared as the blocks of a second DiT "
@@ -280,12 +280,12 @@ def check_on_demand_component_without_lifecycle_is_rejected(case) -> None:
     path, module = found.vaes[0]
     if callable(getattr(module, "load_to_device", None)):
         fail(f"precondition: {path!r} already implements load_to_device")
-    _with_plan(pipeline, on_demand_component_paths=(path,))
+    with_plan(pipeline, on_demand_component_paths=(path,))
     _resolve_and_expect_rejection(case, pipeline, case.config(), "an on-demand VAE without "
                                   "a lifecycle", (path, "load_to_device", "offload_to_cpu"))
 
 
-def _encoder_block_list(pipeline: Any) -> tuple[str, str] | None:
+def encoder_block_list_of(pipeline: Any) -> tuple[str, str] | None:
     for path, module in discover_components(pipeline).encoders:
         for name, sub in module.named_modules():
             if name and isinstance(sub, nn.ModuleList) and len(sub) >= 2:
@@ -297,8 +297,8 @@ def _encoder_block_list(pipeline: Any) -> tuple[str, str] | None:
 def check_encoder_allgather_requires_declared_replication(case) -> None:
     """Encoder AllGather (world > 1) needs OffloadPlan.encoder_dlo_weight_replication."""
     pipeline = case.build()
-    path, container = _encoder_block_list(pipeline)
-    _with_plan(pipeline, encoder_block_attrs={path: (container,)})
+    path, container = encoder_block_list_of(pipeline)
+    with_plan(pipeline, encoder_block_attrs={path: (container,)})
     config = OffloadConfig(
         strategy=OffloadStrategy.DISTRIBUTED_LAYER_WISE, components=("dit", "text_encoder"),
         layer_options={"text_encoder": LayerOptions(WeightTransfer.ALLGATHER)}, world_size=2)
@@ -317,7 +317,7 @@ def check_resident_layers_need_a_resident_dit_path(case) -> None:
     """resident_layers without the DiT in OffloadPlan.resident_dit_paths is rejected."""
     pipeline = case.build()
     path, _ = first_dit(pipeline)
-    _with_plan(pipeline, resident_dit_paths=())
+    with_plan(pipeline, resident_dit_paths=())
     _resolve_and_expect_rejection(case, pipeline, _dlo_resident_config(1),
                                   "resident layers without a resident DiT path",
                                   (path, "resident_dit_paths"))
@@ -329,7 +329,7 @@ def check_resident_layers_leaving_one_streaming_block_are_rejected(case) -> None
     pipeline = case.build()
     path, dit = first_dit(pipeline)
     n = len(dit_blocks(pipeline, path, dit))
-    _with_plan(pipeline, resident_dit_paths=(path,))
+    with_plan(pipeline, resident_dit_paths=(path,))
     _resolve_and_expect_rejection(case, pipeline, _dlo_resident_config(n - 1),
                                   f"resident_layers={n - 1} of the {n} blocks of DiT {path!r}",
                                   (path, "only one streaming block"))

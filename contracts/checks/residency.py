@@ -14,7 +14,7 @@ from offload_ref.plan.tree import tensor_leaves, wrapper_inner
 
 from ..case import move_to_device
 from ..registry import check, fail
-from ._observe import (
+from ..observe import (
     CopySpy,
     tensor_bytes,
     is_offloaded,
@@ -23,7 +23,7 @@ from ._observe import (
     observe,
     tensors_of,
 )
-from ._util import dit_blocks, first_dit, module_tensors, module_view, resident
+from ..facts import dit_blocks, first_dit, module_tensors, module_view, resident
 from .lifecycle import BACKENDS
 
 LAYER_BACKENDS = ("layer_wise",)
@@ -277,7 +277,7 @@ def check_model_level_swaps_move_component_bytes_host_to_device_only(case) -> No
 # -- F.2 layerwise ----------------------------------------------------------------------------
 
 
-def _rings(case: Any, pipeline: Any) -> list[Any]:
+def rings_of(case: Any, pipeline: Any) -> list[Any]:
     return ring_stacks(case.resolve(pipeline))
 
 
@@ -316,7 +316,7 @@ def check_layerwise_materializes_only_block_zero_between_passes(case) -> None:
     pipeline = case.build()
     platform = case.platform()
     backend = case.backend(platform=platform)
-    rings = _rings(case, pipeline)
+    rings = rings_of(case, pipeline)
     backend.enable(pipeline)
     for moment in ("after enable", "after one generation", "after two generations"):
         for stack in rings:
@@ -384,7 +384,7 @@ def check_layerwise_keeps_at_most_two_blocks_resident(case) -> None:
     pipeline = case.build()
     platform = case.platform()
     backend = case.backend(platform=platform)
-    rings = _rings(case, pipeline)
+    rings = rings_of(case, pipeline)
     a = platform.alignment  # bounds count each storage in its aligned region
     per_block = {id(s): [tensor_bytes(ts, a) for ts in _ring_tensors(s)] for s in rings}
     streamed = {id(b) for s in rings for b in s.streamed_blocks}
@@ -437,7 +437,7 @@ def check_layerwise_prefetches_the_next_block_before_it_runs(case) -> None:
     pipeline = case.build()
     platform = case.platform()
     backend = case.backend(platform=platform)
-    rings = _rings(case, pipeline)
+    rings = rings_of(case, pipeline)
     own = {id(b): (s, k) for s in rings for k, b in enumerate(s.streamed_blocks)}
     backend.enable(pipeline)
     case.run(pipeline)  # first pass: the ring learns the caller's order
@@ -479,7 +479,7 @@ class _SkippingList(nn.ModuleList):
 
 
 def _skippable(case: Any, pipeline: Any) -> tuple[nn.ModuleList, int] | None:
-    for stack in _rings(case, pipeline):
+    for stack in rings_of(case, pipeline):
         for path in stack.container_paths:
             container = get_submodule_path(pipeline, path)
             if isinstance(container, nn.ModuleList) and len(container) >= 3:
@@ -487,7 +487,7 @@ def _skippable(case: Any, pipeline: Any) -> tuple[nn.ModuleList, int] | None:
     return None
 
 
-def _skip(container: nn.ModuleList, index: int) -> None:
+def skip_block(container: nn.ModuleList, index: int) -> None:
     container.__class__ = _SkippingList
     container.__dict__["_kit_skip"] = index
 
@@ -499,15 +499,15 @@ def check_skipped_block_is_recovered(case) -> None:
     matches the plain reference."""
     reference_pipeline = case.build()
     container, index = _skippable(case, reference_pipeline)
-    _skip(container, index)
+    skip_block(container, index)
     skipped_reference = case.run(move_to_device(reference_pipeline, case.device))
     pipeline = case.build()
     platform = case.platform()
     backend = case.backend(platform=platform)
-    rings = _rings(case, pipeline)
+    rings = rings_of(case, pipeline)
     backend.enable(pipeline)
     container, index = _skippable(case, pipeline)
-    _skip(container, index)
+    skip_block(container, index)
     problems: list[str] = []
 
     def before(path: str, module: nn.Module) -> None:
@@ -535,7 +535,7 @@ def check_layerwise_streams_every_block_of_every_ring(case) -> None:
     pipeline = case.build()
     platform = case.platform()
     backend = case.backend(platform=platform)
-    rings = _rings(case, pipeline)
+    rings = rings_of(case, pipeline)
     if not rings:
         fail("the plan streams no ring")
     backend.enable(pipeline)
@@ -619,7 +619,7 @@ def check_stats_match_what_the_platform_saw(case) -> None:
 
 def _hooks_of(module: nn.Module) -> dict[str, tuple[str, ...]]:
     """Module path (relative to ``module``) -> the registrants of its hook dicts."""
-    from ._util import HOOK_DICTS, hook_name
+    from ..facts import HOOK_DICTS, hook_name
 
     return {name: tuple(hook_name(h) for d in HOOK_DICTS for h in getattr(sub, d).values())
             for name, sub in module.named_modules(remove_duplicate=False)}
@@ -641,7 +641,7 @@ def check_resident_head_stays_put_unhooked_and_within_the_prediction(case) -> No
     match the reference; the measured peak device bytes equal the plan's prediction, which
     stays within the bytes outside the streamed blocks plus two of the largest streamed block
     of each ring (counted here, independently)."""
-    from .plan import _with_plan
+    from .plan import with_plan
 
     want = case.reference()
     probe = case.build()
@@ -649,7 +649,7 @@ def check_resident_head_stays_put_unhooked_and_within_the_prediction(case) -> No
     n = len(dit_blocks(probe, path, dit))
     for k in _head_sizes(n):
         pipeline = case.build()
-        _with_plan(pipeline, layerwise_resident_layers={path: k})
+        with_plan(pipeline, layerwise_resident_layers={path: k})
         what = f"OffloadPlan.layerwise_resident_layers={{{path!r}: {k}}}"
         plan = case.resolve(pipeline)
         stack = next((s for c in plan.dits if c.path == path for s in c.stacks), None)

@@ -13,11 +13,11 @@ from torch import nn
 from offload_ref.split import ComponentGroups
 
 from ..registry import check, fail
-from ._observe import is_offloaded, is_resident
-from ._util import expect_error, hook_residue, module_view, offload_attributes, snapshot
+from ..observe import is_offloaded, is_resident
+from ..facts import expect_error, hook_residue, module_view, offload_attributes, snapshot
 
 
-def _groups(pipeline: nn.Module) -> list[tuple[nn.Module, ComponentGroups]]:
+def split_groups(pipeline: nn.Module) -> list[tuple[nn.Module, ComponentGroups]]:
     """(module with _offload_context, its ComponentGroups) pairs."""
     out = []
     for module in module_view(pipeline).modules():
@@ -61,7 +61,7 @@ def check_split_model_keeps_exactly_one_component_resident(case) -> None:
     backend.enable(pipeline)
     problems: list[str] = []
     vaes = [m for n, m in module_view(pipeline).named_children() if "vae" in n]
-    for owner, groups in _groups(pipeline):
+    for owner, groups in split_groups(pipeline):
         members = _members(groups)
 
         def on_enter(name: str) -> None:
@@ -92,7 +92,7 @@ def check_split_model_runs_reasoner_once_and_generator_every_step(case) -> None:
     steps = inputs.get("num_inference_steps")
     backend = case.backend()
     backend.enable(pipeline)
-    for _, groups in _groups(pipeline):
+    for _, groups in split_groups(pipeline):
         with _watch_contexts(groups, lambda name: None) as counts:
             case.run(pipeline, inputs)
         if counts.get("reasoner") != 1 or counts.get("generator") != steps:
@@ -108,7 +108,7 @@ def check_split_model_rejects_unknown_component(case) -> None:
     for state in ("disabled", "enabled"):
         if state == "enabled":
             backend.enable(pipeline)
-        for owner, _ in _groups(pipeline):
+        for owner, _ in split_groups(pipeline):
             def enter(owner=owner) -> None:
                 with owner._offload_context("kit-unknown-component"):
                     pass
@@ -123,7 +123,7 @@ def check_split_model_context_is_a_noop_when_offload_is_off(case) -> None:
     """With offload disabled, entering a component context moves nothing."""
     pipeline = case.build()
     before = snapshot(pipeline, values=True)
-    for owner, groups in _groups(pipeline):
+    for owner, groups in split_groups(pipeline):
         for name in groups.names:
             with owner._offload_context(name):
                 pass

@@ -21,7 +21,7 @@ import torch
 from ..registry import check, not_applicable
 from ..blame import named_modules
 from ..streams import name_range, note_bindings, note_pipeline, off_reason, watching
-from ._util import module_tensors
+from ..facts import module_tensors
 from .lifecycle import BACKENDS
 
 __all__ = ["STREAM_CHECKS"]

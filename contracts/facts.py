@@ -18,8 +18,8 @@ from offload_ref.discovery import discover_components, get_submodule_path
 from offload_ref.hooks import HOOKS_ATTR
 from offload_ref.plan.tree import tensor_leaves, wrapper_inner
 
-from ..registry import NotApplicable, fail
-from ..traits import needs_of, unmet
+from .registry import NotApplicable, fail
+from .traits import needs_of, unmet
 
 __all__ = [
     "Identities",
@@ -133,7 +133,7 @@ def module_tensors(module: Any, *, recurse: bool = True, prefix: str = "",
     return out
 
 
-def _named_tensors(module: Any) -> list[tuple[str, torch.Tensor]]:
+def named_module_tensors(module: Any) -> list[tuple[str, torch.Tensor]]:
     """Every parameter and buffer by every path, a wrapper subclass by its inner tensors
     (:func:`module_tensors`)."""
     return module_tensors(module, remove_duplicate=False)
@@ -187,7 +187,7 @@ class Snapshot:
                 problems.append(f"tensor {name}: {a} -> {b}")
         for name, value in self.values.items():
             now = other.values.get(name)
-            if now is None or not _same_values(value, now):
+            if now is None or not same_values(value, now):
                 problems.append(f"values of {name} changed")
         for path in sorted(set(self.dict_keys) | set(other.dict_keys)):
             a, b = set(self.dict_keys.get(path, ())), set(other.dict_keys.get(path, ()))
@@ -234,13 +234,13 @@ def values_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return tensors_equal(a, b)
 
 
-def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return tensors_equal(a, b, nan_equal=True)
 
 
 def snapshot(pipeline: nn.Module, *, values: bool = False) -> Snapshot:
     tensors, vals = {}, {}
-    for name, t in _named_tensors(pipeline):
+    for name, t in named_module_tensors(pipeline):
         if isinstance(t, nn.parameter.UninitializedTensorMixin):  # a lazy module before its run
             tensors[name] = (id(t), "uninitialized")
             continue
@@ -261,7 +261,7 @@ def snapshot(pipeline: nn.Module, *, values: bool = False) -> Snapshot:
 
 def _note_wrappers(pipeline: Any, tensors: dict[str, tuple]) -> None:
     """Add each wrapper subclass of ``pipeline`` to a snapshot's ``tensors``, by every path:
-    :func:`_named_tensors` gives its inner tensors, and the wrapper itself is the object the
+    :func:`named_module_tensors` gives its inner tensors, and the wrapper itself is the object the
     module holds, with the device, dtype, shape and strides a forward sees (Note [Wrapper
     subclasses] in offload_ref/plan/tree.py); it has no address (0)."""
     view = module_view(pipeline)
@@ -328,7 +328,7 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
 def storage_groups(pipeline: nn.Module) -> list[tuple[str, ...]]:
     """Names of tensors grouped by shared storage (groups of two or more)."""
     groups: dict[tuple, list[str]] = {}
-    for name, t in _named_tensors(pipeline):
+    for name, t in named_module_tensors(pipeline):
         if not isinstance(t, nn.parameter.UninitializedTensorMixin) and t.numel():
             groups.setdefault(storage_key(t), []).append(name)
     return sorted(tuple(sorted(g)) for g in groups.values() if len(g) > 1)

@@ -11,9 +11,9 @@ from torch import nn
 
 from offload_ref.hooks import after_offload
 
-from ..diagnosis import leaf_difference
-from ..outputs import leaves
-from ..registry import fail
+from .diagnosis import leaf_difference
+from .outputs import leaves
+from .registry import fail
 
 __all__ = [
     "CopySpy",
@@ -26,8 +26,8 @@ __all__ = [
 
 def tensors_of(module: Any) -> list[torch.Tensor]:
     """The distinct non-empty tensors of a module (or of a plain-object pipeline's modules), a
-    wrapper subclass by its inner tensors (:func:`._util.module_tensors`)."""
-    from ._util import module_tensors
+    wrapper subclass by its inner tensors (:func:`.facts.module_tensors`)."""
+    from .facts import module_tensors
 
     return [t for _, t in module_tensors(module) if t.numel()]
 
@@ -57,7 +57,7 @@ def tensor_bytes(tensors: list[torch.Tensor], alignment: int | None = None) -> i
     Computed here, not with the library's helper: the kit's expectations stay an independent
     oracle for the bytes the backends report.  A wrapper subclass counts its inner tensors'
     bytes (Note [Wrapper subclasses] in offload_ref/plan/tree.py)."""
-    from ._util import leaves_of
+    from .facts import leaves_of
 
     spans: dict[int, list[int]] = {}
     for t in (leaf for t in tensors for leaf in leaves_of(t)):
@@ -139,7 +139,7 @@ class CopySpy:
         return getattr(self._platform, name)
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        from ._util import leaves_of, resident
+        from .facts import leaves_of, resident
 
         d, s = resident(self._platform, dst), resident(self._platform, src)
         kind = {(True, False): "h2d", (False, True): "d2h", (True, True): "d2d",
