@@ -35,11 +35,12 @@ def _generate(spec, pipeline):
     return getattr(out, "images", out)
 
 
-def _truncate_under_a_queued_fill(backend, pipeline, path: str) -> None:
+def _change_under_a_queued_fill(backend, pipeline, path: str, overwrite: bool) -> None:
     """From the next generation on, work submitted on a stream (the fills of file-backed blocks
-    on the CPU platform) waits until block 0 has run; block 0's forward truncates the file, so
-    the copy of block 1, checked when it was issued in block 0's pre-hook, runs after the
-    truncation (Note [Deferred reads of file pages] in offload_ref/backends/transports.py)."""
+    on the CPU platform) waits until block 0 has run; block 0's forward truncates the file (or
+    overwrites its second half in place), so the copy of block 1, checked when it was issued in
+    block 0's pre-hook, runs after the change (Note [Deferred reads of file pages] in
+    offload_ref/backends/transports.py)."""
     platform = backend.platform
     submit = platform.submit
     gate = threading.Event()
@@ -51,16 +52,22 @@ def _truncate_under_a_queued_fill(backend, pipeline, path: str) -> None:
 
         return submit(gated, **kwargs)
 
-    def truncate(module, args, output):
+    def change(module, args, output):
         if not gate.is_set():
-            os.truncate(path, 4096)  # every block is past the new end
+            if overwrite:  # the same inode and size, other bytes
+                size = os.path.getsize(path)
+                with open(path, "r+b") as f:
+                    f.seek(size // 2)
+                    f.write(b"\xff" * (size - size // 2))
+            else:
+                os.truncate(path, 4096)  # every block is past the new end
             gate.set()
 
     platform.submit = gated_submit
     if not getattr(platform, "stream_ordered_host_copies", False):
         # an accelerator: the staging thread reads the pages itself, so it is the one held
         staging._worker().put(lambda: gate.wait(60))
-    pipeline.transformer.transformer_blocks[0].register_forward_hook(truncate)
+    pipeline.transformer.transformer_blocks[0].register_forward_hook(change)
 
 
 def main(scenario: str, folder: str, strategy: str) -> None:
@@ -82,8 +89,8 @@ def main(scenario: str, folder: str, strategy: str) -> None:
         return
     backend.enable(pipeline)
     _generate(spec, pipeline)
-    if scenario == "truncate-while-a-fill-is-queued":
-        _truncate_under_a_queued_fill(backend, pipeline, path)
+    if scenario.endswith("-while-a-fill-is-queued"):
+        _change_under_a_queued_fill(backend, pipeline, path, scenario.startswith("overwrite"))
     else:
         os.truncate(path, os.path.getsize(path) // 2)
     try:

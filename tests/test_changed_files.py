@@ -70,6 +70,16 @@ def test_state_dict_after_a_truncation_refuses_or_reads_its_own_copies(tmp_path,
         assert "READ" in out and "SILENT" in out, out
 
 
+def test_a_file_overwritten_under_a_queued_fill_is_refused_for_that_block(tmp_path):
+    # The queued copy of block 1 would read the new bytes: its check where it runs refuses it
+    # and names block 1.  Without that check block 1 computes with the other bytes and the
+    # refusal comes one fill later, naming single_transformer_blocks.0 (seen).
+    out = _run("overwrite-while-a-fill-is-queued", tmp_path, "layer_wise")
+    assert "REFUSED True" in out and "modified in place" in out, out
+    assert "transformer.transformer_blocks.1" in out, out
+    assert "WARNED" in out
+
+
 def test_model_level_keeps_its_copies_when_the_file_is_truncated_after_enable(tmp_path):
     out = _run("truncate-while-enabled", tmp_path, "model_level")
     assert "GENERATED" in out and "SILENT" in out, out  # host copies: the file is not read again
