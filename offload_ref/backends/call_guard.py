@@ -109,6 +109,7 @@ class CallGuard:
     Seams (a subclass named by ``call_guard_class`` may override): :meth:`enter`, :meth:`holds`
     and :meth:`exit` (the hooks' side), :meth:`enter_component`, :meth:`holds_component` and
     :meth:`exit_component` (a streamed component's whole forward: Note [Component entries]),
+    :meth:`covers` (a block inside such a forward),
     :meth:`exclusive` (``disable()`` and ``edit_weights()``).
     """
 
@@ -220,6 +221,14 @@ class CallGuard:
     def closed(self) -> bool:
         """Whether ``exclusive(close=True)`` has begun (the backend is being disabled)."""
         return self._closed or self._exclusive is not None
+
+    def covers(self, outer: FrameType | None, frame: FrameType | None) -> bool:
+        """Whether a block call in ``frame`` runs inside the component call ``outer`` that this
+        guard admitted (``enter_component``), and so needs no entry of its own: the guard is
+        neither held exclusively nor closed, and ``outer`` is on ``frame``'s stack (Note
+        [Blocks inside their component] in layerwise.py)."""
+        return (outer is not None and frame is not None and self._exclusive is None
+                and not self._closed and _on_stack(outer, frame))
 
     def entered_here(self) -> bool:
         """Whether this thread is inside a forward it entered (a block's parts run in the

@@ -103,9 +103,7 @@ class LayerWiseOffloadHook(RefusesCopies, ModelHook):
         guard = self.guard
         component = self.component
         # Note [Blocks inside their component]: no entry of its own inside the component's call
-        entered = not (component is not None and (outer := component.frame) is not None
-                       and frame is not None and guard._exclusive is None
-                       and not guard._closed and _on_stack(outer, frame))
+        entered = component is None or not guard.covers(component.frame, frame)
         if entered and not guard.enter(self.path, frame):
             return None  # the backend is being disabled: leave the block alone
         hooks = module._forward_hooks

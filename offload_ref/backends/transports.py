@@ -201,7 +201,7 @@ class RankLocalTransport(Transport):
     def verify_sources(self, k: int, group: TensorGroup) -> None:
         uses = self._uses.get(id(group))
         if uses:
-            verify_mapped_files(uses, f"the copy of block {group.label!r} to the device")
+            verify_mapped_files(uses, _copy_of(group))
 
     @property
     def maps_files(self) -> bool:
@@ -304,8 +304,7 @@ class RankLocalTransport(Transport):
         else:
             pairs = slot.fills[k] or self._pairs(slot, k, group)
             if self._deferred and id(group) in self._mapped:  # Note [Deferred reads ...]
-                read = self._checked(k, self._uses.get(id(group)),
-                                     f"the copy of block {group.label!r} to the device", pairs)
+                read = self._checked(k, self._uses.get(id(group)), _copy_of(group), pairs)
         with platform.stream(copy_stream):
             copy_stream.wait_event(slot.free)
             if pool is not None:
@@ -404,6 +403,11 @@ def verify_mapped_files(uses: Any, doing: str) -> None:
     from ..loading import verify_mapped_files as verify
 
     verify(uses, doing)
+
+
+def _copy_of(group: TensorGroup) -> str:
+    """The step a changed file refuses for a fill of ``group`` (Note [Changed files])."""
+    return f"the copy of block {group.label!r} to the device"
 
 
 def mapped_file_change(uses: Any, doing: str) -> Any:
