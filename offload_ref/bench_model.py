@@ -169,8 +169,10 @@ def run_model_bench(model: DeviceModel, *, hidden: int = 128, blocks: int = 8,
                    "offload_ref/timeline.py): the same numbers on every run; the simulated "
                    "accelerator's own streams do not overlap, so these are not timings of it. "
                    "bound = max(compute, streamed bytes / h2d bandwidth); serial = compute + "
-                   "copies with nothing overlapped; launch = ops x launch cost, the host's floor "
-                   "(a row whose launch exceeds its bound is launch-bound)")
+                   "copies with nothing overlapped; idle = time no engine was busy, the device "
+                   "waiting for the host's launches (a row that overlaps nothing takes serial + "
+                   "idle: blocking copies expose a launch each); launch = ops x launch cost, the "
+                   "host's floor (a row whose launch exceeds its bound is launch-bound)")
     return out
 
 
@@ -235,12 +237,12 @@ def format_model_bench(r: dict[str, Any]) -> str:
         f"of {c['block_bytes'] / 2**20:.2f} MiB, {c['tokens']} tokens; compute / copy per block "
         f"{r['compute_over_copy_per_block']}",
         f"{'row':<38} {'step us':>9} {'bound us':>9} {'x bound':>8} {'serial us':>10} "
-        f"{'launch us':>9} {'stall us/blk':>12} {'h2d MiB':>8} {'bitwise':>8}",
+        f"{'idle us':>8} {'launch us':>9} {'stall us/blk':>12} {'h2d MiB':>8} {'bitwise':>8}",
     ]
     for name, row in r["rows"].items():
         lines.append(
             f"{name:<38} {row['total_s'] * 1e6:>9.1f} {row['bound_s'] * 1e6:>9.1f} "
-            f"{row['ratio']:>8.3f} {row['serial_s'] * 1e6:>10.1f} "
+            f"{row['ratio']:>8.3f} {row['serial_s'] * 1e6:>10.1f} {row['idle_s'] * 1e6:>8.1f} "
             f"{row['launch_s'] * 1e6:>9.1f} "
             f"{row['stall_per_block_us']:>12.2f} {row['h2d_bytes'] / 2**20:>8.2f} "
             f"{'yes' if row['bitwise_equal_to_resident'] else 'NO':>8}")

@@ -24,7 +24,10 @@ Note [Modeled timeline]
 
     The result is deterministic: the same program gives the same modeled times on every run and
     every machine.  ``bound`` is ``max(compute, streamed bytes / h2d bandwidth)``: no offloader
-    can finish a step sooner than its compute, nor sooner than its copies.  What the model
+    can finish a step sooner than its compute, nor sooner than its copies.  ``idle`` is the time
+    no engine was busy, the device waiting for its host: a step whose work never overlaps takes
+    exactly compute + copies (the serial sum) + idle, and an offloader that synchronizes the
+    host on every copy (a blocking ``.to()``) exposes one launch after each of them there.  What the model
     leaves out (kernels of two streams running side by side, PCIe contention with other
     traffic, the host's own Python time beyond ``launch_us`` per op) is the same for every
     offloader it compares.
@@ -206,6 +209,10 @@ class Timeline:
     #: ops x launch cost: the host's own floor (a step of many small ops is launch-bound when
     #: this exceeds the bound)
     launch_s: float = 0.0
+    #: time within ``total_s`` when no engine of the device was busy: the device waiting for the
+    #: host to launch (after each host wait, the next op's launch is exposed).  A timeline whose
+    #: work never overlaps takes exactly compute + copies + this.
+    idle_s: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -243,6 +250,7 @@ def replay(ops: list[Op], model: DeviceModel) -> Timeline:
     stall = host_wait = 0.0
     n_ops = n_waits = 0
     last = 0.0
+    spans: list[tuple[float, float]] = []
 
     def done(clock: dict[int, int]) -> float:
         return max((ends.get((key, seq), 0.0) for key, seq in clock.items()), default=0.0)
@@ -257,6 +265,7 @@ def replay(ops: list[Op], model: DeviceModel) -> Timeline:
             if engine == "compute" and not op.copy:
                 stall += max(0.0, waited[op.stream] - max(own, engines[engine]))
             end = start + seconds
+            spans.append((start, end))
             ends[(op.stream, op.seq)] = end
             ready[op.stream] = engines[engine] = end
             busy[engine if op.copy != "d2d" else "d2d"] += seconds
@@ -276,4 +285,16 @@ def replay(ops: list[Op], model: DeviceModel) -> Timeline:
     streamed = moved["h2d"] / (model.h2d_gbps * 1e9)
     return Timeline(model.name, total, compute, busy["h2d"], busy["d2h"], moved["h2d"],
                     moved["d2h"], max(compute, streamed), stall, host_wait, n_ops, n_waits,
-                    n_ops * launch)
+                    n_ops * launch, total - _covered(spans))
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``spans``: the time at least one engine was busy."""
+    covered = 0.0
+    reach = float("-inf")
+    for start, end in sorted(spans):
+        if end <= reach:
+            continue
+        covered += end - max(start, reach)
+        reach = end
+    return covered

@@ -124,6 +124,24 @@ def test_bench_model_is_the_same_every_run_and_prefetch_reaches_the_bound_when_c
         if peer in r:  # blocking copies: nothing overlaps, the serial sum is a floor
             assert r[peer]["total_s"] >= r[peer]["serial_s"], r[peer]
             assert r[peer]["h2d_bytes"] >= r["offload_ref_layerwise"]["h2d_bytes"]
+            # ... and the rest is the device idle while the host launches after each wait
+            assert r[peer]["total_s"] == pytest.approx(r[peer]["serial_s"] + r[peer]["idle_s"])
+            assert r[peer]["idle_s"] >= (r[peer]["host_waits"] - 1) * 4e-6, r[peer]
+    # overlap: prefetch hides copies, so the step is well under serial + idle
+    ours = r["offload_ref_layerwise"]
+    assert ours["total_s"] < 0.95 * (ours["serial_s"] + ours["idle_s"]), ours
+
+
+def test_idle_is_the_time_no_engine_is_busy() -> None:
+    model = DeviceModel("launch", h2d_gbps=1.0, d2h_gbps=1.0, memory_gbps=1e6, tflops_fp32=1.0,
+                        tflops_16=2.0, launch_us=1.0, kernel_min_us=0.0)
+    # launch 1 us, copy 1-2 us; the host waits, launches the mm at 3 us, mm 3-5 us
+    t = replay([_copy(1), Op("host_wait", 0, clock={COPY: 1}), _mm(1)], model)
+    assert t.idle_s == pytest.approx(2e-6)  # 0-1 us and 2-3 us: the two launches
+    assert t.total_s == pytest.approx(t.compute_s + t.h2d_s + t.idle_s)  # nothing overlaps
+    # overlapped work: the union counts once, so total < serial + idle
+    t = replay([_copy(1), _mm(1)], UNIT)
+    assert t.idle_s == 0 and t.total_s < t.compute_s + t.h2d_s
 
 
 @needs_sim
