@@ -108,7 +108,7 @@ def test_a_mutant_cannot_patch_anything_in_place() -> None:
     run (a patch of a module global or a class attribute would be one)."""
     fields = set(Mutant.__dataclass_fields__)
     assert fields == {"name", "defect", "impl", "pipelines", "sections", "strategies", "kills",
-                      "factory", "placement_kills"}, fields
+                      "factory", "placement_kills", "only"}, fields
 
 
 def _names_defined_here(trees: list[ast.AST]) -> set[str]:

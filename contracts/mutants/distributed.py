@@ -14,7 +14,7 @@ from offload_ref.distributed import WaveRunner
 from offload_ref.host import LayoutRule
 
 from ..case import DEFAULT_IMPLEMENTATION
-from ._declare import DISTRIBUTED, backend_with, declare
+from ._declare import ALIGNMENT_H, DISTRIBUTED, backend_with, declare
 
 
 def _allgather(transport: type[AllGatherTransport]) -> Any:
@@ -236,7 +236,7 @@ declare(
     "mmap_views_realigned_on_the_device",
     "device copies and slots of mmap-loaded weights start on a 64-byte boundary instead of at the "
     "file's phase (bit-exact on Intel, an ulp off on AMD EPYC)",
-    DISTRIBUTED,
+    ALIGNMENT_H,
     make_platform=_storages_realigned,
     kills={"check_mmap_loaded_weights_keep_their_alignment"},
 )
