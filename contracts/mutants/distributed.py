@@ -10,11 +10,13 @@ import torch
 
 from offload_ref.backends.distributed import AllGatherTransport, DistributedLayerWiseOffloadBackend
 from offload_ref.backends.layerwise import LayerWiseOffloadBackend
+from offload_ref.backends.ring import BlockRing
+from offload_ref.backends.slots import Slot
 from offload_ref.distributed import WaveRunner
 from offload_ref.host import LayoutRule
 
 from ..case import DEFAULT_IMPLEMENTATION
-from ._declare import ALIGNMENT_H, DISTRIBUTED, backend_with, declare
+from ._declare import ALIGNMENT_H, DISTRIBUTED, backend_with, declare, with_ring
 
 
 def _allgather(transport: type[AllGatherTransport]) -> Any:
@@ -113,13 +115,11 @@ declare(
 
 
 class _ReadyBeforeGather(AllGatherTransport):
-    """Records the slot's ready event after the shard copy, not after the gather."""
+    """Names the copy stream as a fill's last writer, so the ring records the slot's ready
+    event after the shard copy, not after the gather."""
 
-    def fill(self, slot, k, group):
-        self.copy_shard(slot, k)
-        with self.platform.stream(self.streams.copy):
-            slot.ready.record(self.streams.copy)
-        self.gather(slot, k)
+    def writers(self):
+        return (self.comm_stream, self.streams.copy)
 
 
 declare(
@@ -160,12 +160,14 @@ declare(
 )
 
 
-class _CopyStreamOnlyWrites(AllGatherTransport):
-    """Declares the copy stream as a slot's only writer: recovery then orders compute after
-    the shard copies but not after the gathers."""
+class _CopyStreamOnlyWrites(BlockRing):
+    """Builds each slot with the copy stream as its only writer (the transport still names the
+    communication stream last, so every fill's ready event is right): recovery then orders
+    compute after the shard copies but not after the gathers."""
 
-    def writers(self):
-        return (self.streams.copy,)
+    def new_slot(self, txn):
+        slot = super().new_slot(txn)
+        return Slot(slot.index, slot.storage, slot.ready, slot.free, slot.writers[:1])
 
 
 declare(
@@ -173,7 +175,8 @@ declare(
     "recovery after a Ctrl-C orders compute after the copy stream only, while AllGather's last "
     "writer is the communication stream",
     DISTRIBUTED,
-    make_backend=_allgather(_CopyStreamOnlyWrites),
+    make_backend=backend_with(DistributedLayerWiseOffloadBackend=with_ring(
+        _CopyStreamOnlyWrites, base=DistributedLayerWiseOffloadBackend)),
     kills={"check_allgather_generation_after_an_interrupt_is_exact"},
 )
 

@@ -318,8 +318,7 @@ class _NoFreeWaitTransport(RankLocalTransport):
         copy_stream = self.streams.copy
         with self.platform.stream(copy_stream):
             for dtype, flat in slot.flats[k].items():
-                self.platform.copy_(flat, group.master.flats[dtype])
-            slot.ready.record(copy_stream)
+                self.platform.copy_(flat, group.master.flats[dtype])  # the ring records ready
 
 
 class _NoFreeWait(BlockRing):

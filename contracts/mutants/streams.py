@@ -66,8 +66,7 @@ class NoFreeWaitTransport(RankLocalTransport):
         platform, copy = self.platform, self.streams.copy
         with platform.stream(copy):
             for dst, src in self.plain_pairs(slot, k, group):
-                platform.copy_(dst, src)
-            slot.ready.record(copy)
+                platform.copy_(dst, src)  # the ring records slot.ready after (Note [Slots])
 
     @staticmethod
     def plain_pairs(slot: Any, k: int, group: Any) -> list[tuple[Any, Any]]:
@@ -94,9 +93,12 @@ declare(
 
 
 class ReadyOnComputeTransport(NoFreeWaitTransport):
-    """Fills a slot on the copy stream after its free event, then records the slot's ready event
-    on the compute stream (the stream current outside the copy), where the copy stream's work is
-    not: compute's wait on it orders nothing."""
+    """Fills a slot on the copy stream after its free event, but names the compute stream (the
+    stream current at enable) as a fill's last writer, so the ring records the slot's ready
+    event there, where the copy stream's work is not: compute's wait on it orders nothing."""
+
+    def writers(self) -> tuple[Any, ...]:
+        return (self.streams.copy, self.platform.current_stream())
 
     def fill(self, slot: Any, k: int, group: Any) -> None:
         platform, copy = self.platform, self.streams.copy
@@ -104,7 +106,6 @@ class ReadyOnComputeTransport(NoFreeWaitTransport):
             copy.wait_event(slot.free)
             for dst, src in self.plain_pairs(slot, k, group):
                 platform.copy_(dst, src)
-        slot.ready.record(platform.current_stream())
 
 
 class _ReadyOnComputeRing(BlockRing):

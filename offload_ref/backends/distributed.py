@@ -262,9 +262,16 @@ class AllGatherTransport(Transport):
 
     def fill(self, slot: Slot, k: int, group: TensorGroup) -> None:
         self.copy_shard(slot, k)
-        self.gather(slot, k)
-        with self.platform.stream(self.comm_stream):
-            slot.ready.record(self.comm_stream)  # the last writer of a fill is the gather
+        self.gather(slot, k)  # the last writer: the ring records slot.ready on comm_stream
+
+    def shard_sizes(self) -> list[int]:
+        return list(self.shard_bytes)
+
+    def block_checksums(self) -> list[int]:
+        return list(self.checksums)
+
+    def host_shards(self) -> list[torch.Tensor] | None:
+        return list(self.shards)
 
     def writers(self) -> tuple[Any, ...]:
         # A fill copies this rank's shard on the copy stream, then gathers on the
@@ -437,7 +444,7 @@ class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
         for ring in self.rings:
             t = ring.transport
             out.append({"ring": ring.label, "blocks": len(ring.blocks), "transport": t.name,
-                        "shards": list(getattr(t, "shard_bytes", [])),
+                        "shards": t.shard_sizes(),
                         "slot_bytes": ring.slot_bytes})
         return out
 
@@ -456,7 +463,7 @@ class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
             "the ring schedule (rings, blocks, shard sizes) of distributed layerwise enable; "
             "every rank must enable the same pipelines, configured alike, in the same order"))
         sums = [(ring.label, k, c) for ring in self.rings
-                for k, c in enumerate(getattr(ring.transport, "checksums", ()))]
+                for k, c in enumerate(ring.transport.block_checksums())]
         if sums:
             txn.step("agree on the streamed weights")
             self._rendezvous.agree("weights", hashlib.sha256(
@@ -476,8 +483,8 @@ class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
 
     def host_shards(self) -> dict[str, list[torch.Tensor]]:
         """Ring label -> this rank's host shard of each block (AllGather rings only)."""
-        return {ring.label: list(ring.transport.shards) for ring in self.rings
-                if isinstance(ring.transport, AllGatherTransport)}
+        return {ring.label: shards for ring in self.rings
+                if (shards := ring.transport.host_shards()) is not None}
 
 
 # The old name (``Layerwise``), kept for one release.

@@ -219,7 +219,7 @@ class BlockRing:
     @property
     def maps_files(self) -> bool:
         """Whether a block of the ring is served from file pages (Note [Mapped masters])."""
-        return bool(getattr(self.transport, "maps_files", False))
+        return self.transport.maps_files
 
     def mapped_image_bytes(self) -> int:
         """The largest slot image of a block served from file pages (0: none is)."""
@@ -267,11 +267,19 @@ class BlockRing:
         if pairs is not None and not _profiler._is_profiler_enabled:  # Note [Fast path]
             self._platform_fill(self.copy_stream, slot.free, pairs, slot.ready)
         else:
-            self.transport.fill(slot, k, self.groups[k])
+            self._transport_fill(slot, k)
         self.slot_of[k] = s
         slot.occupant = k
         self.transport.count_fill(k, self.groups[k])
         self.stats.swaps += 1
+
+    def _transport_fill(self, slot: Slot, k: int) -> None:
+        """The transport's fill of ``slot`` with block ``k``, then the slot's ready event on the
+        last stream the transport writes on (Note [Slots]: the ring records every ready event)."""
+        self.transport.fill(slot, k, self.groups[k])
+        last = self.transport.writers()[-1]
+        with self.platform.stream(last):
+            slot.ready.record(last)
 
     def evict(self, s: int) -> None:
         """Forget the (never run) block prefetched into slot s."""
@@ -600,7 +608,7 @@ class BlockRing:
         out = []
         with self.transport.disabling():
             for k, group in enumerate(self.groups):
-                self.transport.fill(slot, k, group)
+                self._transport_fill(slot, k)
                 compute.wait_event(slot.ready)
                 platform.record_use(slot.storage)
                 out.append(restore_group(group, platform, slot.flats[k]))

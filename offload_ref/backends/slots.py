@@ -7,10 +7,12 @@ Note [Slots]
     ========  ===================================================  ==============================
     event     recorded                                             waited on
     ========  ===================================================  ==============================
-    ready     by the transport, after every fill it issues, on     by compute, before it reads the
-              the fill's last stream (``writers[-1]``: the copy    slot; by an AllGather fill's
-              stream for rank-local fills, the communication       shard copy (a gather may still
-              stream for AllGather)                                be landing in the slot)
+    ready     by the ring alone, after every fill it issues (in    by compute, before it reads the
+              ``platform.fill`` on the fast path, after the        slot; by an AllGather fill's
+              transport's ``fill`` otherwise), on the fill's last  shard copy (a gather may still
+              stream (``writers()[-1]``: the copy stream for       be landing in the slot)
+              rank-local fills, the communication stream for
+              AllGather)
     free      by compute, after the slot's last read               by every fill, before it writes
     ========  ===================================================  ==============================
 
@@ -58,7 +60,7 @@ class Slot:
         self.index = index
         #: The slot's device bytes (uint8), sized for the ring's largest aligned block.
         self.storage = storage
-        #: Recorded by the transport on the last stream of each fill; compute waits on it.
+        #: Recorded by the ring on the last stream of each fill; compute waits on it.
         self.ready = ready
         #: Recorded on compute after the slot's last read; every fill waits on it.
         self.free = free

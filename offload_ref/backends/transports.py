@@ -86,8 +86,9 @@ class Transport:
         return (self.streams.copy,)
 
     def fill(self, slot: Slot, k: int, group: TensorGroup) -> None:
-        """Issue the work that fills ``slot`` with block ``k`` (``group``): ordered after
-        ``slot.free``, ending with ``slot.ready`` recorded on the last of :meth:`writers`."""
+        """Issue the work that fills ``slot`` with block ``k`` (``group``), ordered after
+        ``slot.free``, its last write on the last of :meth:`writers`; the ring records
+        ``slot.ready`` after it (Note [Slots] in slots.py: the ring is that event's one owner)."""
         raise NotImplementedError
 
     def fill_pairs(self, slot: Slot, k: int, group: TensorGroup) -> Pairs | None:
@@ -130,6 +131,39 @@ class Transport:
     def release(self, group: TensorGroup) -> None:
         if group.master is not None:
             group.master.release()
+
+    # -- what a transport that serves file pages or shards answers (the defaults: neither) -----
+
+    @property
+    def maps_files(self) -> bool:
+        """Whether a block is served from file pages (Note [Mapped masters]): the ring then
+        checks the files before each fill and may stage them (:meth:`use_staging`)."""
+        return False
+
+    def mapped_image_bytes(self, groups: list[TensorGroup],
+                           sections: list[dict[torch.dtype, tuple[int, int]]]) -> int:
+        """The largest slot image of a block served from file pages (0: none is)."""
+        return 0
+
+    def use_staging(self, pool: Any, groups: list[TensorGroup],
+                    sections: list[dict[torch.dtype, tuple[int, int]]]) -> None:
+        """Fill the blocks served from file pages through ``pool`` (Note [Pinned staging]);
+        asked only of a transport whose :attr:`maps_files` is True."""
+        raise TypeError(f"the {self.name} transport serves no block from file pages")
+
+    def shard_sizes(self) -> list[int]:
+        """Bytes of this rank's host shard of each block, in ring order; empty when every rank
+        holds whole blocks.  Every rank must agree on them (the distributed enable compares)."""
+        return []
+
+    def block_checksums(self) -> list[int]:
+        """A digest of each block's weights that every rank must agree on before fills gather
+        from several ranks; empty when no fill reads another rank's bytes."""
+        return []
+
+    def host_shards(self) -> list[torch.Tensor] | None:
+        """This rank's host shard of each block (None: the transport keeps whole blocks)."""
+        return None
 
 
 class RankLocalTransport(Transport):
@@ -320,7 +354,6 @@ class RankLocalTransport(Transport):
             _spans.stream_exit(platform, copy_span)
             if pool is not None:
                 pool.read[p].record(copy_stream)  # the slot is free after this copy
-            slot.ready.record(copy_stream)
         if pool is not None:
             after = self.predict_after(k)
             if after in self._segments:
