@@ -10,6 +10,8 @@ import difflib
 import re
 from collections.abc import Iterable
 
+from offload_ref.config import OffloadStrategy
+
 from . import severity as _severity
 from . import traits as _traits
 
@@ -75,7 +77,8 @@ AREAS = {
 }
 
 
-ALL_STRATEGIES = ("model_level", "layer_wise", "distributed_layer_wise")
+#: The strategies the kit checks: every one a backend of its own serves.
+ALL_STRATEGIES = tuple(s.value for s in OffloadStrategy.served())
 
 #: Where the repository's docs explain each section of the catalogue (``docs/`` path and heading
 #: anchor).  A full section id (``"F.6"``) wins over its letter (``"F"``).

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._cli_selection import _closest, _selection, _UsageError
+from .config import OffloadStrategy
 from ._cli_types import MAX_THREADS, count, output_path
 
 __all__ = ["main"]
@@ -446,7 +447,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--name", action="append", default=[],
                        help="keep only the selected pipelines of this name")
         p.add_argument("--strategy", action="append", default=[],
-                       choices=["model_level", "layer_wise", "distributed_layer_wise"]
+                       choices=[s.value for s in OffloadStrategy.served()]
                        + (["auto"] if auto else []))
 
     p_check = sub.add_parser("check", help="run the conformance kit")

@@ -56,6 +56,14 @@ class OffloadStrategy(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @classmethod
+    def served(cls) -> tuple[OffloadStrategy, ...]:
+        """The strategies a backend class of their own serves (``backends/strategies.py``'s
+        table; ``tests/test_config.py`` keeps the two equal), in declaration order: what the
+        kit checks and the CLI's ``--strategy`` offers.  ``none`` offloads nothing; ``auto``
+        picks one of these."""
+        return tuple(s for s in cls if s not in (cls.NONE, cls.AUTO))
+
 
 class WeightTransfer(str, enum.Enum):
     """How a streamed component's weights reach the device in distributed layerwise mode."""

@@ -367,3 +367,14 @@ def test_an_unknown_top_level_key_is_rejected(mapping, key, value) -> None:
     assert repr(key) in message
     for accepted in ("mode", "components", "layer_options", "pin_memory"):
         assert accepted in message
+
+
+def test_the_served_strategies_are_the_backend_table() -> None:
+    """Adding a strategy: its enum member, its backend in backends/strategies.py; the kit's
+    strategies and the CLI's --strategy choices follow from both (docs/architecture.md, "How to
+    add")."""
+    from offload_ref.backends.strategies import BACKENDS
+    from offload_ref.contracts.registry import ALL_STRATEGIES
+
+    assert OffloadStrategy.served() == tuple(BACKENDS)
+    assert ALL_STRATEGIES == tuple(s.value for s in BACKENDS)
