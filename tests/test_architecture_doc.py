@@ -103,3 +103,19 @@ def test_the_vocabulary_opens_the_document() -> None:
     for word in ("ring", "block", "slot", "slot image", "host side", "fill", "placeholder",
                  "swap group"):
         assert word in words, word
+
+
+def test_the_how_to_add_lists_name_existing_files_and_say_how_many() -> None:
+    """Each "How to add" subsection says how many files the change touches and lists them, one
+    bullet each, starting with the file's path from the repository root."""
+    section = _section("How to add a strategy, a transport, a platform or a check")
+    parts = re.split(r"\n### ", section)[1:]
+    assert len(parts) == 4, [p.splitlines()[0] for p in parts]
+    for part in parts:
+        title, body = part.split("\n", 1)
+        count = re.search(r"\((\d+) files", title)
+        assert count, f"{title!r} does not say how many files"
+        paths = re.findall(r"^- `([^`]+)`:", body, flags=re.M)
+        assert len(paths) == int(count.group(1)), (title, paths)
+        missing = [p for p in paths if not (ROOT / p).is_file()]
+        assert not missing, f"{title!r} names files that do not exist: {missing}"
