@@ -207,7 +207,7 @@ def _count_block_calls(plan: Any, pipeline: Any, run: Callable[[], None]) -> int
     level), counted with forward pre-hooks on ``pipeline``'s modules at the plan's paths."""
     from offload_ref.discovery import get_submodule_path
 
-    paths = [p for s in plan.stacks if len(s.streamed_blocks) >= 2
+    paths = [p for s in plan.rings if len(s.streamed_blocks) >= 2
              for p in s.streamed_paths]
     if not paths:
         paths = [c.path for c in plan.components if c.selected and c.role in ("dit", "encoder")]

@@ -102,10 +102,10 @@ class Owners:
             return cls()
         strategy = getattr(getattr(plan, "strategy", None), "value", str(plan.strategy))
         comps = tuple(c.path for c in plan.components)
-        streamed = tuple(p for c in plan.components for s in c.stacks
+        streamed = tuple(p for c in plan.components for s in c.rings
                          for p in s.streamed_paths)
         swapped = tuple(c.path for c in plan.components
-                        if c.selected and not c.stacks and c.role in ("dit", "encoder")
+                        if c.selected and not c.rings and c.role in ("dit", "encoder")
                         and not c.on_demand)
         return cls(swapped, streamed, comps, strategy)
 

@@ -90,7 +90,7 @@ DOCS: dict[str, str] = {
     "D": "docs/model-authors.md#2-declare-blocks-layerwise",
     "E": "docs/model-authors.md#3-split-models-cosmos3-shape",
     "F": "docs/strategies.md#strategies-model-level-and-layerwise",
-    "F.1": "docs/strategies.md#model-level-sequential",
+    "F.1": "docs/strategies.md#model-level",
     "F.2": "docs/strategies.md#layerwise-blockwise",
     "F.4": "docs/strategies.md#the-ring",
     "F.5": "docs/strategies.md#layerwise-blockwise",

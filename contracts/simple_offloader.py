@@ -223,7 +223,7 @@ class SimpleOffloader:
                      if c.selected and c.role in ("dit", "encoder") and not c.on_demand]
         else:
             units = [_Unit(f"{'+'.join(s.container_paths)}[{k}]", [block])
-                     for s in plan.stacks if len(s.streamed_blocks) >= 2
+                     for s in plan.rings if len(s.streamed_blocks) >= 2
                      for k, block in enumerate(s.streamed_blocks)]
         moved = {id(m) for u in units for m in u.modules}
         rest = _outside(pipeline, moved)

@@ -667,7 +667,7 @@ def _run_spec_bench(spec: Any, *, repeats: int, device: str) -> dict[str, Any]:
         if "layer_wise" in pipes:
             calls: list[int] = []
             handles = [block.register_forward_pre_hook(lambda *a: calls.append(1))
-                       for ring in backends["layer_wise"].plan.stacks
+                       for ring in backends["layer_wise"].plan.rings
                        for block in ring.streamed_blocks]
             try:
                 with _step(spec, "a generation under layer_wise"), torch.inference_mode():

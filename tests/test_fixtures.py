@@ -230,7 +230,7 @@ def _shape_inventory() -> dict[str, set[str]]:
         if any(c.role == "resident" for d in plan.dits for c in plan.components
                if c.path in d.nested):
             inventory["resident_nested_in_a_dit"].add(spec.name)
-        dit_stacks = [s for c in plan.dits for s in c.stacks]
+        dit_stacks = [s for c in plan.dits for s in c.rings]
         if len(dit_stacks) >= 2:
             inventory["two_dit_rings"].add(spec.name)
         for stack in dit_stacks:
@@ -370,7 +370,7 @@ def test_components_run_through_call_and_blocks_in_ring_order(spec: Any) -> None
     events: list[tuple[str, int]] = []
     component_calls: dict[str, int] = {}
     handles = []
-    for stack in plan.stacks:
+    for stack in plan.rings:
         for index, block in enumerate(stack.blocks):
             handles.append(block.register_forward_pre_hook(
                 lambda m, a, key=(stack.owner_path, index): events.append(key)))
@@ -389,7 +389,7 @@ def test_components_run_through_call_and_blocks_in_ring_order(spec: Any) -> None
     for path, _ in found.vaes:
         assert component_calls[path] == 1, (spec.name, path, component_calls[path])
     passes = {}
-    for stack in plan.stacks:
+    for stack in plan.rings:
         order = [i for owner, i in events if owner == stack.owner_path]
         n = len(stack.blocks)
         assert order and len(order) % n == 0, (spec.name, stack.owner_path, order)
@@ -406,7 +406,7 @@ def test_every_streamed_block_and_tricky_tensor_affects_the_output(spec: Any) ->
     plan = _layerwise_plan(pipe)
     reference = _run(pipe, spec)
     probes: list[tuple[str, torch.Tensor]] = []
-    for stack in plan.stacks:
+    for stack in plan.rings:
         for path, block in zip(stack.block_paths, stack.blocks, strict=True):
             name, first = next(iter(block.named_parameters()))
             probes.append((f"{path}.{name}", first))
@@ -429,7 +429,7 @@ def test_every_streamed_block_and_tricky_tensor_affects_the_output(spec: Any) ->
 def test_layerwise_plan_resolves_to_the_documented_rings(spec: Any) -> None:
     plan = _layerwise_plan(spec.build())
     assert plan.skip_reason is None and not plan.warnings, (spec.name, plan.warnings)
-    lengths = {s.owner_path: len(s.blocks) for s in plan.stacks}
+    lengths = {s.owner_path: len(s.blocks) for s in plan.rings}
     assert lengths == EXPECTED_RING_LENGTHS[spec.name], (spec.name, lengths)
 
 
@@ -465,8 +465,8 @@ def test_distributed_layerwise_plan_resolves(spec: Any, options: dict[str, Any])
                            layer_options={"dit": options})
     plan = resolve_offload_plan(spec.build(), config)
     assert not plan.warnings, plan.warnings
-    assert {s.owner_path: len(s.blocks) for s in plan.stacks} == EXPECTED_RING_LENGTHS[spec.name]
-    heads = {s.owner_path: s.resident_head for s in plan.stacks}
+    assert {s.owner_path: len(s.blocks) for s in plan.rings} == EXPECTED_RING_LENGTHS[spec.name]
+    heads = {s.owner_path: s.resident_head for s in plan.rings}
     for owner, head in heads.items():
         expected = options.get("resident_layers", 0) if owner in resident_dits else 0
         assert head == expected, (owner, heads)
@@ -482,7 +482,7 @@ def test_encoder_block_stacks_resolve_when_the_encoder_is_selected(
         get_spec(name).build(),
         OffloadConfig(strategy="layer_wise",
                       components=("dit", "text_encoder", "image_encoder")))
-    assert {c.path: len(c.stacks[0].blocks) for c in plan.encoders} == encoders
+    assert {c.path: len(c.rings[0].blocks) for c in plan.encoders} == encoders
     assert all(c.selected for c in plan.encoders)
 
 
@@ -497,7 +497,7 @@ def test_aliases_are_recorded_in_the_plan() -> None:
     qwen = get_spec("qwen_image").build()
     block_weight = qwen.transformer.transformer_blocks[1].norm.weight
     assert qwen.transformer._parameters["shared_scale"] is block_weight
-    (stack,) = _layerwise_plan(qwen).stacks
+    (stack,) = _layerwise_plan(qwen).rings
     assert [(a.path, a.block_path) for a in stack.aliases] == [
         ("transformer.shared_scale", "transformer.transformer_blocks.1")]
 
@@ -507,7 +507,7 @@ def test_aliases_are_recorded_in_the_plan() -> None:
     assert not isinstance(view, nn.Parameter) and view.storage_offset() == weight.shape[1]
     assert view.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr()
     assert "tied_view" not in sd3.transformer.state_dict()
-    (stack,) = _layerwise_plan(sd3).stacks
+    (stack,) = _layerwise_plan(sd3).rings
     assert [(a.path, a.block_path) for a in stack.aliases] == [
         ("transformer.tied_view", "transformer.transformer_blocks.2")]
 

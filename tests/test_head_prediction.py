@@ -108,7 +108,7 @@ def test_measured_peak_equals_the_prediction(name: str, k: int, device: str) -> 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a head on a small ring warns of what it keeps
             backend.enable(pipeline)
-        assert [s.resident_head for s in backend.plan.stacks][:1] == [k]
+        assert [s.resident_head for s in backend.plan.rings][:1] == [k]
         with torch.inference_mode():
             got = pipeline(**make_inputs())
         got = getattr(got, "images", got)

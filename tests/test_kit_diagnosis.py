@@ -65,7 +65,7 @@ def _block_path(pipeline: str = "flux2") -> str:
     strategy = OffloadStrategy("layer_wise")
     plan = resolve_offload_plan(pipe, OffloadConfig(
         strategy=strategy, components=selectable_components(pipe, strategy)))
-    [stack] = [s for c in plan.components for s in c.stacks]
+    [stack] = [s for c in plan.components for s in c.rings]
     return stack.block_paths[BROKEN]
 
 

@@ -60,5 +60,24 @@ def test_a_resolved_ring_is_a_ring_plan() -> None:
     from offload_ref.plan import BlockStack, RingPlan, resolve_offload_plan
 
     plan = resolve_offload_plan(get_spec("flux2").build(), OffloadConfig(strategy="layer_wise"))
-    assert plan.stacks and all(type(s) is RingPlan for s in plan.stacks)
-    assert all(isinstance(s, BlockStack) for s in plan.stacks)
+    assert plan.rings and all(type(s) is RingPlan for s in plan.rings)
+    assert all(isinstance(s, BlockStack) for s in plan.rings)
+    # ``stacks``, the old name of ``rings``, for one release: the plan's and each component's
+    assert plan.stacks == plan.rings
+    assert all(c.stacks is c.rings for c in plan.components)
+
+
+def test_a_block_rings_old_stack_attribute_is_its_plan() -> None:
+    from offload_ref import OffloadConfig, get_offload_backend
+    from offload_ref.fixtures import get_spec
+    from offload_ref.platform.cpu import CpuPlatform
+
+    pipe = get_spec("flux2").build()
+    backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), platform=CpuPlatform())
+    backend.enable(pipe)
+    try:
+        assert backend.rings and all(r.stack is r.plan for r in backend.rings)
+        assert [r.plan for r in backend.rings] == [p for p in backend.plan.rings
+                                                   if len(p.streamed_blocks) >= 2]
+    finally:
+        backend.disable()

@@ -105,7 +105,7 @@ _LAYERWISE = OffloadConfig(strategy="layer_wise", components=("dit",))
 
 def _ring_paths(pipe: _Pipe, config: OffloadConfig = _LAYERWISE) -> list[tuple[str, ...]]:
     plan = resolve_offload_plan(pipe, config)
-    return [stack.block_paths for c in plan.components for stack in c.stacks]
+    return [stack.block_paths for c in plan.components for stack in c.rings]
 
 
 def _paths(container: str, indices) -> tuple[str, ...]:
@@ -172,7 +172,7 @@ def test_resident_blocks_count_the_stages_own_blocks() -> None:
     """A resident count or index set counts the ring's blocks: index 0 is the stage's first."""
     pipe = _build(lambda: _StageDit(range(4, 8)))
     pipe._offload_plan = OffloadPlan(layerwise_resident_layers={"transformer": 1})
-    [stack] = [s for c in resolve_offload_plan(pipe, _LAYERWISE).components for s in c.stacks]
+    [stack] = [s for c in resolve_offload_plan(pipe, _LAYERWISE).components for s in c.rings]
     assert stack.streamed_paths == _paths("blocks", range(5, 8))
     pipe._offload_plan = OffloadPlan(layerwise_resident_layers={"transformer": (4,)})
     with pytest.raises(OffloadTopologyError, match="names block"):

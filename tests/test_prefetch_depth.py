@@ -40,7 +40,7 @@ def test_depth_keeps_the_next_blocks_in_slots_bit_exact_and_predicted(depth, dev
         backend.enable(pipeline)
         (ring,) = backend.rings
         n = len(ring.blocks)
-        assert ring.num_slots == depth + 1 == ring.stack.slots
+        assert ring.num_slots == depth + 1 == ring.plan.slots
         # What is in the slots when each block starts (a pre-hook registered after the ring's).
         handles = [b.register_forward_pre_hook(
             lambda _m, _a, k=k: seen.append((k, ring.materialized()))) for k, b in

@@ -58,7 +58,7 @@ class Pipe(nn.Module):
 
 
 def _resident_set(n: int, kept, policy: str | None) -> set[int]:
-    (stack,) = resolve_offload_plan(Pipe(n, kept, policy), LAYER).stacks
+    (stack,) = resolve_offload_plan(Pipe(n, kept, policy), LAYER).rings
     streamed = [stack.block_paths.index(p) for p in stack.streamed_paths]
     resident = set(stack.resident_indices)
     # the partition: every block once, either resident or streamed, the streamed in order
@@ -94,7 +94,7 @@ def test_strided_schedules_are_pinned(n, r, want) -> None:
 def test_an_explicit_set_is_kept_and_bad_sets_are_refused() -> None:
     assert _resident_set(8, (1, 6), None) == {1, 6}
     assert _resident_set(8, (0, 1), None) == {0, 1}  # a leading set is a head
-    (stack,) = resolve_offload_plan(Pipe(8, (0, 1)), LAYER).stacks
+    (stack,) = resolve_offload_plan(Pipe(8, (0, 1)), LAYER).rings
     assert stack.resident_head == 2 and stack.resident_blocks == ()
     with pytest.raises(OffloadTopologyError, match=r"names block\(s\) \[9\]"):
         _resident_set(8, (2, 9), None)
@@ -130,7 +130,7 @@ def test_outputs_are_byte_identical_and_the_peak_is_predicted(kept, policy) -> N
     calls: list[int] = []
     try:
         backend.enable(pipeline)
-        (stack,) = backend.plan.stacks
+        (stack,) = backend.plan.rings
         (ring,) = backend.rings
         streamed = [stack.block_paths.index(p) for p in stack.streamed_paths]
         kept_set = set(stack.resident_indices)

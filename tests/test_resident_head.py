@@ -60,7 +60,7 @@ def test_declared_head_is_placed_once_unhooked_and_predicted(k) -> None:
     try:
         for _cycle in range(2):
             backend.enable(pipeline)
-            (stack,) = backend.plan.stacks
+            (stack,) = backend.plan.rings
             assert stack.resident_head == k
             assert f"resident head {k}" in backend.plan.describe()
             head, streamed = list(blocks)[:k], list(blocks)[k:]
@@ -131,9 +131,9 @@ def test_bad_heads_are_refused_before_any_change(head, mentions) -> None:
 def test_model_level_ignores_a_valid_head_and_distributed_keeps_its_own_option() -> None:
     pipeline = _qwen({"transformer": 1})
     plan = resolve_offload_plan(pipeline, OffloadConfig(strategy="model_level"))
-    assert plan.skip_reason is None and not plan.stacks
+    assert plan.skip_reason is None and not plan.rings
     dlo = OffloadConfig(strategy="distributed_layer_wise", components=("dit",))
-    assert [s.resident_head for s in resolve_offload_plan(pipeline, dlo).stacks] == [0]
+    assert [s.resident_head for s in resolve_offload_plan(pipeline, dlo).rings] == [0]
 
 
 # -- auto ------------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ def test_auto_fills_the_budget_with_the_largest_head_that_fits() -> None:
         try:
             backend.enable(pipeline)
             assert dict(backend.chosen.heads) == {"transformer": k}
-            assert [s.resident_head for s in backend.delegate.plan.stacks] == [k]
+            assert [s.resident_head for s in backend.delegate.plan.rings] == [k]
             assert torch.equal(_generate(pipeline), want)
             stats = backend.stats()
             assert stats.peak_device_bytes <= budget

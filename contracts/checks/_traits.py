@@ -30,7 +30,7 @@ from ..traits import Missing, PipelineTraits, TRAITS
 from ..facts import dit_block_count, storage_groups
 from .aliases import tie_candidate_in
 from .plan import encoder_block_list_of
-from .residency import skip_block, ring_stacks
+from .residency import skip_block, streaming_rings
 from .split import split_groups
 
 __all__ = ["traits_of"]
@@ -121,13 +121,13 @@ def _compute(spec: PipelineSpec, strategy: str, names: set[str],
 
 def _resolved_rings(spec: PipelineSpec, strategy: str) -> tuple[list[Any], list[Any]] | Exception:
     """The plan a check case of ``spec`` resolves under ``strategy``: its rings, and its DiTs'
-    stacks; or the exception resolving raised."""
+    rings; or the exception resolving raised."""
     try:
         case = CheckCase(spec, OffloadStrategy(strategy))
         plan = case.resolve(case.build(), case.config())
     except Exception as exc:  # noqa: BLE001 - each ring trait decides what it makes of it
         return exc
-    return ring_stacks(plan), [s for c in plan.dits for s in c.stacks]
+    return streaming_rings(plan), [s for c in plan.dits for s in c.rings]
 
 
 def _tie_candidate(ring: Any) -> str | None:
@@ -161,8 +161,8 @@ def _skippable_block(spec: PipelineSpec, strategy: str) -> str | Missing:
     except ValueError:
         return Missing("needs a pipeline whose layerwise plan resolves (the plan checks report "
                        "why it does not)")
-    for stack in plan.stacks:
-        for path in stack.container_paths:
+    for ring in plan.rings:
+        for path in ring.container_paths:
             c = get_submodule_path(pipeline, path)
             if isinstance(c, nn.ModuleList) and len(c) >= 3:
                 calls = []

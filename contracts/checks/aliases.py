@@ -23,7 +23,7 @@ from ..facts import (
     storage_key,
     values_equal,
 )
-from .lifecycle import BACKENDS
+from .lifecycle import SINGLE_PROCESS
 from .residency import LAYER_BACKENDS, rings_of
 
 
@@ -52,7 +52,7 @@ def check_block_alias_follows_its_block(case) -> None:
     pipeline = case.build()
     alias_path, alias, target = _add_kit_alias(case, pipeline)
     expected = alias.detach().clone()
-    plan_aliases = [a.path for s in case.resolve(pipeline).stacks for a in s.aliases]
+    plan_aliases = [a.path for s in case.resolve(pipeline).rings for a in s.aliases]
     platform = case.platform()
     backend = case.backend(platform=platform)
     backend.enable(pipeline)
@@ -155,7 +155,7 @@ def check_parameter_shared_by_two_blocks_is_never_copied_twice(case) -> None:
              f"of the streamed blocks: the tied {name} has two masters")
 
 
-@check("D.3", strategies=BACKENDS)
+@check("D.3", strategies=SINGLE_PROCESS)
 def check_views_keep_strides_and_sharing(case) -> None:
     """Views that share storage (transposed weights, slices, offsets) keep their strides and
     their sharing while offloaded, while materialized, and after restore."""

@@ -160,8 +160,8 @@ def streamed_block_bytes(plan: Any) -> int:
     that is not offloaded (an offloaded one holds placeholders); a wrapper subclass's are its
     inner tensors' (Note [Wrapper subclasses] in offload_ref/plan/tree.py)."""
     spans: dict[tuple[int, int, int], int] = {}
-    for stack in plan.stacks:
-        for block in stack.streamed_blocks:
+    for ring in plan.rings:
+        for block in ring.streamed_blocks:
             for _, t in module_tensors(block):
                 if t.numel():
                     key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
@@ -245,7 +245,7 @@ def _rank_local(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str, 
     platform = case.platform()
     backend = case.backend(config, platform)
     backend.enable(pipeline)
-    heads = [(s.block_paths[0], s.blocks[0]) for s in backend.plan.stacks if s.resident_head]
+    heads = [(s.block_paths[0], s.blocks[0]) for s in backend.plan.rings if s.resident_head]
     obs: dict[str, Any] = {"resident_layers": dit.get("resident_layers", 0)}
     obs["output"] = case.run(pipeline, request)
     obs["heads_resident"] = {p: all(resident(platform, t) for t in b.parameters())

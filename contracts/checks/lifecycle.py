@@ -21,7 +21,7 @@ from ..facts import (
 
 #: The single-process strategies (distributed layerwise has its own checks, §H, across ranks;
 #: some single-process checks run it too, with a world of one).
-BACKENDS = ("model_level", "layer_wise")
+SINGLE_PROCESS = ("model_level", "layer_wise")
 
 
 class InjectedFault(RuntimeError):
@@ -143,13 +143,13 @@ class _Built:
         return problems
 
 
-@check("B", strategies=BACKENDS, shares="failed-enable-sweep")
+@check("B", strategies=SINGLE_PROCESS, shares="failed-enable-sweep")
 def check_failed_enable_restores_the_pipeline(case) -> None:
     """A fault at any mutation step of enable leaves every tensor, hook and attribute as before."""
     _one_sweep_for_two_checks(case, "restore")
 
 
-@check("B", strategies=BACKENDS, shares="failed-enable-sweep")
+@check("B", strategies=SINGLE_PROCESS, shares="failed-enable-sweep")
 def check_failed_enable_releases_memory_and_chains_the_cause(case) -> None:
     """After a failed enable: no device or pinned bytes of ours, backend disabled, the injected
     fault (or the pipeline's own error) in the exception chain."""
@@ -267,7 +267,7 @@ def _judge_release(k: int | None, what: str, natural: BaseException | None, back
         fail(f"{what}: (device, pinned, host) bytes {held} are still held")
 
 
-@check("B", strategies=BACKENDS)
+@check("B", strategies=SINGLE_PROCESS)
 def check_failed_enable_can_be_retried(case) -> None:
     """After a failed enable, a second enable on the same pipeline works and matches the
     reference (for a pipeline whose enable fails on its own: fails again the same way, and the
@@ -297,7 +297,7 @@ def check_failed_enable_can_be_retried(case) -> None:
         backend.disable()
 
 
-@check("C", strategies=BACKENDS)
+@check("C", strategies=SINGLE_PROCESS)
 def check_enable_disable_cycles_match_the_reference(case) -> None:
     """Every cycle: offloaded output = reference; after disable, plain output = the output of
     an un-offloaded pipeline on the host."""
@@ -312,7 +312,7 @@ def check_enable_disable_cycles_match_the_reference(case) -> None:
                      case.host_reference())
 
 
-@check("C", strategies=BACKENDS)
+@check("C", strategies=SINGLE_PROCESS)
 def check_disable_removes_every_trace(case) -> None:
     """After disable: no hook, registry or _offload_ref_* attribute; hooks are collected.
 
@@ -352,7 +352,7 @@ def check_disable_removes_every_trace(case) -> None:
         fail(f"disable left traces on {type(pipeline).__name__}: {problems[:6]}")
 
 
-@check("C", strategies=BACKENDS)
+@check("C", strategies=SINGLE_PROCESS)
 def check_disable_restores_parameters_and_placement(case) -> None:
     """After disable: same Parameter objects, same values, dtypes, strides, storage sharing and
     original placement; device and pinned bytes back to the baseline."""
@@ -390,7 +390,7 @@ def check_disable_restores_parameters_and_placement(case) -> None:
 
 
 
-@check("C", strategies=BACKENDS)
+@check("C", strategies=SINGLE_PROCESS)
 def check_second_disable_is_a_noop(case) -> None:
     """disable() twice: the second changes nothing and raises nothing."""
     pipeline = case.build()
@@ -404,7 +404,7 @@ def check_second_disable_is_a_noop(case) -> None:
         fail(f"a second disable changed the pipeline: {problems[:5]}")
 
 
-@check("C", strategies=BACKENDS)
+@check("C", strategies=SINGLE_PROCESS)
 def check_second_enable_is_idempotent_and_exclusive(case) -> None:
     """enable() twice on one pipeline is a no-op (documented); enabling a second pipeline, or a
     second backend on an owned pipeline, raises RuntimeError."""
@@ -436,7 +436,7 @@ def check_second_enable_is_idempotent_and_exclusive(case) -> None:
     backend.disable()
 
 
-@check("C", strategies=BACKENDS)
+@check("C", strategies=SINGLE_PROCESS)
 def check_cycles_do_not_grow_memory(case) -> None:
     """100 enable/disable cycles: device, pinned and host-master bytes return to the baseline
     every time."""
@@ -456,7 +456,7 @@ def check_cycles_do_not_grow_memory(case) -> None:
             fail(f"after cycle {cycle}: (device, pinned, host) bytes {held()} != baseline {base}")
 
 
-@check("C", strategies=BACKENDS)
+@check("C", strategies=SINGLE_PROCESS)
 def check_random_lifecycle_sequences_keep_invariants(case) -> None:
     """Seeded random sequences of enable / forward / disable / component activation: outputs
     always match and a disabled pipeline carries no trace."""
@@ -503,8 +503,8 @@ def interrupt_targets(case: Any, pipeline: Any) -> list[tuple[str, Any]]:
     plan = case.resolve(pipeline)
     if case.strategy.value != "model_level":
         targets = []
-        for stack in plan.stacks:
-            blocks = list(zip(stack.streamed_paths, stack.streamed_blocks))
+        for ring in plan.rings:
+            blocks = list(zip(ring.streamed_paths, ring.streamed_blocks))
             if len(blocks) >= 2:
                 targets += [blocks[len(blocks) // 2], blocks[-1]]
         return targets
@@ -544,7 +544,7 @@ def run_interrupted(case: Any, pipeline: Any, module: Any, inputs: Any = None) -
     return False
 
 
-@check("J.1", strategies=(*BACKENDS, "distributed_layer_wise"))
+@check("J.1", strategies=(*SINGLE_PROCESS, "distributed_layer_wise"))
 def check_interrupt_inside_a_block_leaves_a_recoverable_ring(case) -> None:
     """A KeyboardInterrupt inside a block's forward (model level: a component's) leaves a state
     the next generation recovers from: bitwise output, and from the pass after on the same

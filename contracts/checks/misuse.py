@@ -17,7 +17,7 @@ from ..registry import check, fail, not_applicable
 from ..observe import observe
 from ..facts import (Identities, same_values, first_dit, leaves_of, module_view, scalable,
                     tensors_equal, values_equal)
-from .lifecycle import BACKENDS
+from .lifecycle import SINGLE_PROCESS
 
 _EDIT_SCALE = 1.25  # a power-of-two-free factor: every edited weight changes
 
@@ -73,7 +73,7 @@ def same_state(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Te
              "placeholders")
 
 
-@check("J.3", strategies=BACKENDS)
+@check("J.3", strategies=SINGLE_PROCESS)
 def check_edit_weights_round_trip_takes_effect_exactly(case) -> None:
     """Weights edited inside ``backend.edit_weights()`` (``load_state_dict`` of scaled weights and
     an in-place ``mul_``) take effect exactly: the next generation equals an un-offloaded
@@ -126,7 +126,7 @@ def _edit_through_data(pipeline: nn.Module, how: str,
     return counts[0], counts[1], counts[2]
 
 
-@check("J.3", strategies=BACKENDS)
+@check("J.3", strategies=SINGLE_PROCESS)
 def check_edits_through_data_are_exact_or_refused(case) -> None:
     """Outside ``edit_weights()``, an edit through ``.data`` (in place, or assigning a new
     tensor) is refused loudly with ``OffloadWeightEditError``, at the edit or at the next
@@ -189,7 +189,7 @@ def _made_edited(case: Any, how: str) -> Any:
     return reference
 
 
-@check("J.3", strategies=BACKENDS)
+@check("J.3", strategies=SINGLE_PROCESS)
 def check_reads_through_data_are_true_or_refused(case) -> None:
     """Between generations, reading a parameter through ``.data`` (as diffusers'
     ``fuse_qkv_projections`` and peft's merge do before they build on it) gives its true value
@@ -228,7 +228,7 @@ def check_reads_through_data_are_true_or_refused(case) -> None:
         backend.disable()
 
 
-@check("J.4", strategies=BACKENDS)
+@check("J.4", strategies=SINGLE_PROCESS)
 def check_state_dict_while_enabled_returns_true_weights(case) -> None:
     """While enabled -- before and after a generation, for the pipeline and for each of its
     children -- ``state_dict()`` returns the true weights bit for bit (a checkpoint saved then
@@ -334,7 +334,7 @@ def _input_grads(module: nn.Module, args: tuple, kwargs: dict) -> list[torch.Ten
 
 
 # Split models delegate model level to their own ComponentGroups (one thread per model).
-@check("J.5", strategies=BACKENDS, requires=("not delegates_model_level",),
+@check("J.5", strategies=SINGLE_PROCESS, requires=("not delegates_model_level",),
        needs="a pipeline that does not delegate model level to its own component groups")
 def check_backward_is_exact_or_refused_at_forward(case) -> None:
     """Calling an offloaded component (each DiT and encoder, with the arguments the pipeline
@@ -511,7 +511,7 @@ class _GraphWatch:
         return "; ".join(parts)
 
 
-@check("J.5", strategies=BACKENDS)
+@check("J.5", strategies=SINGLE_PROCESS)
 def check_generation_in_the_pipelines_own_grad_mode_records_no_graph(case) -> None:
     """A generation run as a user's plain call runs it -- grad mode on, no ``torch.no_grad()`` or
     ``torch.inference_mode()`` from the caller, so that the pipeline's own ``@torch.no_grad()``
@@ -638,7 +638,7 @@ def _pause_point(case: Any, pipeline: Any) -> tuple[str, nn.Module]:
     (model level; for a split model, inside its first component context:
     :func:`_first_called_inside`)."""
     plan = case.resolve(pipeline)
-    rings = [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
+    rings = [s for s in plan.rings if len(s.streamed_blocks) >= 2]
     if rings:
         ring = rings[0]
         block, path = ring.streamed_blocks[-1], ring.block_paths[-1]
@@ -703,7 +703,7 @@ def _in_thread(fn: Any) -> Any:
     return box["out"]
 
 
-@check("J.6", strategies=BACKENDS)
+@check("J.6", strategies=SINGLE_PROCESS)
 def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
     """A second thread calling a pipeline while another thread is inside one of its offloaded
     modules gets a clear error (or an exact output), and the first thread's generation stays
@@ -773,7 +773,7 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
              "allocated: nothing may stay on the device after disable(), whatever threads did")
 
 
-@check("J.8", strategies=BACKENDS)
+@check("J.8", strategies=SINGLE_PROCESS)
 def check_copies_of_an_enabled_pipeline_are_refused_or_exact(case) -> None:
     """While enabled, ``copy.deepcopy`` and pickling of the pipeline and of each of its children
     either raise a ``TypeError`` (or, for a streamed tensor, ``OffloadWeightEditError``) that
@@ -852,7 +852,7 @@ def _torch_round_trip(module: nn.Module, io: Any) -> nn.Module:
     return torch.load(buffer, weights_only=False)
 
 
-@check("J.3", strategies=BACKENDS)
+@check("J.3", strategies=SINGLE_PROCESS)
 def check_in_place_edit_of_every_dit_weight_is_whole_or_refused_before_any_change(case) -> None:
     """Between generations, outside ``edit_weights()``, ``p.mul_(s)`` for each floating
     parameter of the DiT in turn (a hand-written LoRA fuse, a rescale) either edits every one

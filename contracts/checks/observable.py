@@ -31,7 +31,7 @@ from ..facts import (
     storage_groups,
     storage_key,
 )
-from .lifecycle import BACKENDS, interrupt_targets, run_interrupted
+from .lifecycle import SINGLE_PROCESS, interrupt_targets, run_interrupted
 from .misuse import edit_every_weight, same_state
 
 __all__ = ["DEVICE_MEMORY_CHECKS", "InjectedRegistrationError", "OBSERVABLE_CHECKS"]
@@ -129,7 +129,7 @@ def _not_as_built(before: Any, after: Any) -> list[str]:
 # -- §C: what disable leaves -------------------------------------------------------------------
 
 
-@check("C", strategies=BACKENDS)
+@check("C", strategies=SINGLE_PROCESS)
 def check_every_disable_restores_tensors_and_frees_the_device(case) -> None:
     """After each of two enable / generate / disable cycles: the same Parameter and buffer
     objects, with their values, dtypes, devices, shapes, strides and storage sharing, and the
@@ -158,7 +158,7 @@ def check_every_disable_restores_tensors_and_frees_the_device(case) -> None:
                  f"{problems[:6]}")
 
 
-@check("C", strategies=BACKENDS)
+@check("C", strategies=SINGLE_PROCESS)
 def check_second_enable_changes_nothing_observable(case) -> None:
     """A second ``enable()`` on an enabled pipeline raises or is a no-op: device bytes, hooks and
     attributes stay as the first enable left them, the next generation is exact, and one
@@ -291,7 +291,7 @@ def _simulated(device: torch.device) -> bool:
     return device.type == simulated.DEVICE_TYPE and simulated.available()
 
 
-@check("B", strategies=BACKENDS)
+@check("B", strategies=SINGLE_PROCESS)
 def check_enable_failing_part_way_leaves_the_pipeline_as_it_was(case) -> None:
     """A failure injected from outside part-way through ``enable()`` -- the first, a middle and
     the last hook registration (or ``forward`` override) raising, and a device allocation past
@@ -386,7 +386,7 @@ def _split_groups(pipeline: Any, groups: list[tuple[str, ...]]) -> list[str]:
     return split
 
 
-@check("D", strategies=BACKENDS, requires=("shares_storage",))
+@check("D", strategies=SINGLE_PROCESS, requires=("shares_storage",))
 def check_shared_storage_stays_shared_while_enabled(case) -> None:
     """Tensors that share one storage as built (a Parameter reached by two paths, views and
     aliases of one weight) share one storage while enabled -- after enable, around every
@@ -429,7 +429,7 @@ def _smallest_unit(case: Any, plan: Any) -> int:
     """The bytes of the smallest thing the plan moves off the device: a streamed block
     (layerwise), a swapped component's own tensors (model level)."""
     if case.strategy.value == "layer_wise":
-        sizes = [module_bytes(b) for s in plan.stacks if len(s.streamed_blocks) >= 2
+        sizes = [module_bytes(b) for s in plan.rings if len(s.streamed_blocks) >= 2
                  for b in s.streamed_blocks]
     else:
         sizes = [tensor_bytes([t for _, t in owned_tensors(plan, c)]) for c in plan.components
@@ -440,7 +440,7 @@ def _smallest_unit(case: Any, plan: Any) -> int:
     return min(sizes)
 
 
-@check("F", strategies=BACKENDS)
+@check("F", strategies=SINGLE_PROCESS)
 def check_peak_device_bytes_stay_within_the_plan_bound(case) -> None:
     """The device's peak allocated bytes from ``enable()`` through two generations
     (``torch.accelerator.max_memory_allocated``) stay within the strategy's bound from the
@@ -599,7 +599,7 @@ def _another_index(device: torch.device) -> torch.device:
     return torch.device(device.type, 0 if (device.index or 0) else 1)
 
 
-@check("F", strategies=BACKENDS)
+@check("F", strategies=SINGLE_PROCESS)
 def check_offloader_keeps_to_the_device_index_it_was_given(case) -> None:
     """Given device 1 (``hpu:1``, or ``cuda:1``) instead of device 0, the offloader places every
     tensor it moves on device 1 -- after enable, before and after each module's forward during a
@@ -663,7 +663,7 @@ def check_offloader_keeps_to_the_device_index_it_was_given(case) -> None:
 # -- §J: interrupts and edits ------------------------------------------------------------------
 
 
-@check("J.1", strategies=BACKENDS)
+@check("J.1", strategies=SINGLE_PROCESS)
 def check_generation_after_an_interrupt_is_exact(case) -> None:
     """A KeyboardInterrupt raised inside a block's call (model level: a component's) propagates
     out of the generation, the next generation is exact, and ``disable()`` then leaves no bytes
@@ -693,7 +693,7 @@ def check_generation_after_an_interrupt_is_exact(case) -> None:
         fail(f"after interrupts and disable(), {_held(held, left, device)}")
 
 
-@check("J.3", strategies=BACKENDS)
+@check("J.3", strategies=SINGLE_PROCESS)
 def check_edit_between_cycles_takes_effect_and_survives_disable(case) -> None:
     """A weight edit made while disabled, between two enable / disable cycles
     (``load_state_dict`` of scaled weights, then an in-place ``mul_``), takes effect at the next

@@ -52,12 +52,12 @@ def _resolve_and_expect_rejection(case, pipeline, config, what, mentions) -> Non
 def _plan_signature(plan: Any) -> Any:
     comps = []
     for c in plan.components:
-        stacks = [
+        rings = [
             (s.owner_path, s.container_paths, tuple(id(b) for b in s.blocks), s.block_paths,
              s.resident_indices, str(s.transfer), tuple(a.path for a in s.aliases))
-            for s in c.stacks
+            for s in c.rings
         ]
-        comps.append((c.path, id(c.module), c.role, c.selected, c.on_demand, tuple(stacks)))
+        comps.append((c.path, id(c.module), c.role, c.selected, c.on_demand, tuple(rings)))
     return (str(plan.strategy), plan.skip_reason, plan.delegated, tuple(comps))
 
 
@@ -104,17 +104,17 @@ def check_plan_block_attrs_beat_class_attributes(case) -> None:
         plan = case.resolve(pipeline)
     except Exception as exc:
         fail(f"{what}: resolution failed: {type(exc).__name__}: {exc}", severity="error")
-    stacks = [s for s in plan.stacks if s.owner_path == path]
-    if not stacks:
+    rings = [s for s in plan.rings if s.owner_path == path]
+    if not rings:
         fail(f"{what}: no ring resolved for the DiT")
-    got = [id(b) for b in stacks[0].blocks]
+    got = [id(b) for b in rings[0].blocks]
     want = [id(b) for b in reversed(blocks)]
     if got != want:
         fail(f"{what}: OffloadPlan.block_attrs must win, but the ring resolved from "
-             f"{list(stacks[0].container_paths)} in another order")
-    if stacks[0].container_paths != (f"{path}._kit_plan_blocks",):
+             f"{list(rings[0].container_paths)} in another order")
+    if rings[0].container_paths != (f"{path}._kit_plan_blocks",):
         fail(f"{what}: OffloadPlan.block_attrs must win, but the ring records containers "
-             f"{list(stacks[0].container_paths)}")
+             f"{list(rings[0].container_paths)}")
 
 
 @check("A.3", requires=("not delegates_model_level",))
@@ -209,9 +209,9 @@ def check_dotted_paths_resolve_nested_components(case) -> None:
     outer.inner = inner
     nested_plan = case.resolve(outer)
     want = [(f"inner.{c.path}", id(c.module), c.role, c.selected,
-             [[id(b) for b in s.blocks] for s in c.stacks]) for c in flat_plan.components]
+             [[id(b) for b in s.blocks] for s in c.rings]) for c in flat_plan.components]
     got = [(c.path, id(c.module), c.role, c.selected,
-            [[id(b) for b in s.blocks] for s in c.stacks]) for c in nested_plan.components]
+            [[id(b) for b in s.blocks] for s in c.rings]) for c in nested_plan.components]
     if want != got:
         fail(f"nested resolution differs: expected {[w[0] for w in want]}, got "
              f"{[g[0] for g in got]} (or different modules/blocks)")
@@ -376,7 +376,7 @@ def check_tensors_aliasing_a_block_belong_to_its_ring(case) -> None:
              "elements for the check to alias")
     dit.register_buffer("_kit_alias", target.data.view(-1)[1:], persistent=False)
     plan = case.resolve(pipeline)
-    aliases = {a.path: a for s in plan.stacks for a in s.aliases}
+    aliases = {a.path: a for s in plan.rings for a in s.aliases}
     want = f"{path}._kit_alias"
     block_tensor = f"{target_name} of the last block of {declared}"
     if want not in aliases:
@@ -401,10 +401,10 @@ def check_resident_inside_a_streamed_block_is_rejected(case) -> None:
     """A component declared inside a streamed block (a resident submodule of a block) is
     rejected, naming it: a block streams whole, so nothing inside it can stay resident."""
     pipeline = case.build()
-    stack = next((s for s in case.resolve(pipeline).stacks if len(s.streamed_blocks) >= 2), None)
-    if stack is None:
+    ring = next((s for s in case.resolve(pipeline).rings if len(s.streamed_blocks) >= 2), None)
+    if ring is None:
         fail("precondition: the plan streams no ring")
-    block, block_path = stack.blocks[-1], stack.block_paths[-1]
+    block, block_path = ring.blocks[-1], ring.block_paths[-1]
     name = next((n for n, m in block.named_modules() if n and any(True for _ in m.parameters())),
                 None)
     if name is None:
@@ -603,7 +603,7 @@ def check_auto_mode_fills_the_budget_with_a_resident_head(case) -> None:
             f"no budget picks layerwise with a resident head: one head block already needs "
             f"{heads[1].predicted} bytes, and {limit} bytes pick a coarser strategy")
     base = resolve_offload_plan(case.build(), layer.config, resident_heads={})
-    rings = {s.owner_path: s.block_paths for s in base.stacks
+    rings = {s.owner_path: s.block_paths for s in base.rings
              if s.owner_path in dict(heads[-1].heads)}
     want = case.reference()
     generated: set[tuple] = set()

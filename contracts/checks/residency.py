@@ -24,7 +24,7 @@ from ..observe import (
     tensors_of,
 )
 from ..facts import dit_blocks, first_dit, module_tensors, module_view, resident
-from .lifecycle import BACKENDS
+from .lifecycle import SINGLE_PROCESS
 
 LAYER_BACKENDS = ("layer_wise",)
 
@@ -32,7 +32,7 @@ LAYER_BACKENDS = ("layer_wise",)
 # -- F.3 parity -------------------------------------------------------------------------------
 
 
-@check("F.3", strategies=BACKENDS)
+@check("F.3", strategies=SINGLE_PROCESS)
 def check_offloaded_output_matches_reference_bitwise(case) -> None:
     """Outputs equal the un-offloaded reference bit for bit (race amplifier on), twice in a row
     (the second run starts from the state the first left)."""
@@ -45,7 +45,7 @@ def check_offloaded_output_matches_reference_bitwise(case) -> None:
     backend.disable()
 
 
-@check("F.3", strategies=BACKENDS)
+@check("F.3", strategies=SINGLE_PROCESS)
 def check_offloaded_output_matches_reference_without_race_amplifier(case) -> None:
     """Outputs equal the reference on a plain CPU platform too (no delays, no poisoning)."""
     from offload_ref.platform import CpuPlatform
@@ -72,7 +72,7 @@ def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return module_tensors(module, recurse=False)
 
 
-@check("F.6", strategies=BACKENDS)
+@check("F.6", strategies=SINGLE_PROCESS)
 def check_offloaded_tensors_keep_their_alignment(case) -> None:
     """Every tensor a strategy rebinds (host master view, device copy, ring slot view) and every
     tensor disable rebuilds keeps its address modulo the platform's alignment (modulo 64 at
@@ -112,7 +112,7 @@ def check_offloaded_tensors_keep_their_alignment(case) -> None:
              f"platform's alignment and keep its offset modulo {a}): {problems[:4]}")
 
 
-@check("F.3", strategies=BACKENDS)
+@check("F.3", strategies=SINGLE_PROCESS)
 def check_pipeline_built_under_inference_mode_matches_reference(case) -> None:
     """A pipeline built under torch.inference_mode() (its weights are inference tensors) matches
     the reference bit for bit with offload enabled, in and out of inference mode (no_grad), and
@@ -278,12 +278,12 @@ def check_model_level_swaps_move_component_bytes_host_to_device_only(case) -> No
 
 
 def rings_of(case: Any, pipeline: Any) -> list[Any]:
-    return ring_stacks(case.resolve(pipeline))
+    return streaming_rings(case.resolve(pipeline))
 
 
-def ring_stacks(plan: Any) -> list[Any]:
-    """The block stacks of ``plan`` that stream (a ring: two or more streamed blocks)."""
-    return [s for s in plan.stacks if len(s.streamed_blocks) >= 2]
+def streaming_rings(plan: Any) -> list[Any]:
+    """The rings of ``plan`` that stream (a ring: two or more streamed blocks)."""
+    return [s for s in plan.rings if len(s.streamed_blocks) >= 2]
 
 
 def _ring_tensors(stack: Any) -> list[list[torch.Tensor]]:
@@ -567,7 +567,7 @@ def check_layerwise_streams_every_block_of_every_ring(case) -> None:
 # -- statistics -------------------------------------------------------------------------------
 
 
-@check("F.1", strategies=BACKENDS)
+@check("F.1", strategies=SINGLE_PROCESS)
 def check_stats_match_what_the_platform_saw(case) -> None:
     """stats() reports the device bytes the platform holds for the backend, the pinned bytes,
     and exactly the host -> device bytes copied (and no device -> host bytes)."""
@@ -652,7 +652,7 @@ def check_resident_head_stays_put_unhooked_and_within_the_prediction(case) -> No
         with_plan(pipeline, layerwise_resident_layers={path: k})
         what = f"OffloadPlan.layerwise_resident_layers={{{path!r}: {k}}}"
         plan = case.resolve(pipeline)
-        stack = next((s for c in plan.dits if c.path == path for s in c.stacks), None)
+        stack = next((s for c in plan.dits if c.path == path for s in c.rings), None)
         if stack is None or stack.resident_head != k:
             fail(f"{what}: the resolved plan keeps a head of "
                  f"{getattr(stack, 'resident_head', None)} blocks, expected {k}")
@@ -661,7 +661,7 @@ def check_resident_head_stays_put_unhooked_and_within_the_prediction(case) -> No
         hooks_before = {p: _hooks_of(b) for p, b in head}
         platform = case.platform()
         a = platform.alignment
-        rings = [s for s in plan.stacks if len(s.streamed_blocks) >= 2]  # encoders' too
+        rings = [s for s in plan.rings if len(s.streamed_blocks) >= 2]  # encoders' too
         sizes = [[tensor_bytes(ts, a) for ts in _ring_tensors(s)] for s in rings]
         bound = (module_bytes(pipeline, a) - sum(map(sum, sizes))
                  + sum(2 * max(per_ring) for per_ring in sizes))

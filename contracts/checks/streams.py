@@ -22,7 +22,7 @@ from ..registry import check, not_applicable
 from ..blame import named_modules
 from ..streams import name_range, note_bindings, note_pipeline, off_reason, watching
 from ..facts import module_tensors
-from .lifecycle import BACKENDS
+from .lifecycle import SINGLE_PROCESS
 
 __all__ = ["STREAM_CHECKS"]
 
@@ -32,7 +32,7 @@ STREAM_CHECKS = frozenset({"check_device_accesses_are_ordered_across_streams"})
 _GENERATIONS = 2
 
 
-@check("S", strategies=BACKENDS)
+@check("S", strategies=SINGLE_PROCESS)
 def check_device_accesses_are_ordered_across_streams(case) -> None:
     """From ``enable()`` through two generations and ``disable()``, and allocations after it that
     reuse the device memory the offloader freed, every device access is ordered across streams:

@@ -12,8 +12,8 @@ from ._declare import LAYERWISE, backend_with, with_ring, declare
 
 
 class _NameBasedRing(BlockRing):
-    def __init__(self, stack, *args, **kwargs):
-        super().__init__(dataclasses.replace(stack, aliases=()), *args, **kwargs)
+    def __init__(self, ring_plan, *args, **kwargs):
+        super().__init__(dataclasses.replace(ring_plan, aliases=()), *args, **kwargs)
 
     def storage_keys(self):
         return set()  # non-block state is then chosen by module, not by storage
@@ -38,8 +38,8 @@ declare(
 
 
 class _TwoMastersRing(BlockRing):
-    def __init__(self, stack, *args, **kwargs):
-        super().__init__(dataclasses.replace(stack, shared=()), *args, **kwargs)
+    def __init__(self, ring_plan, *args, **kwargs):
+        super().__init__(dataclasses.replace(ring_plan, shared=()), *args, **kwargs)
 
 
 declare(

@@ -142,10 +142,10 @@ declare(
 class _GathersRankLocalRings(DistributedLayerWiseOffloadBackend):
     """Every ring AllGathers across the ranks, rank-local ones included."""
 
-    def transport_for(self, stack):
+    def transport_for(self, ring_plan):
         from offload_ref.config import WeightTransfer
 
-        return super().transport_for(dataclasses.replace(stack, transfer=WeightTransfer.ALLGATHER))
+        return super().transport_for(dataclasses.replace(ring_plan, transfer=WeightTransfer.ALLGATHER))
 
 
 declare(

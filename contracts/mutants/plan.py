@@ -189,7 +189,7 @@ declare(
 def _no_ring_aliases(pipeline: Any, config: Any) -> ResolvedOffloadPlan:
     plan = resolve_offload_plan(pipeline, config)
     components = tuple(
-        dataclasses.replace(c, stacks=tuple(dataclasses.replace(s, aliases=()) for s in c.stacks))
+        dataclasses.replace(c, rings=tuple(dataclasses.replace(s, aliases=()) for s in c.rings))
         for c in plan.components)
     return dataclasses.replace(plan, components=components)
 
@@ -203,7 +203,7 @@ declare(
 
 class _AcceptsResidentInBlock(Resolver):
     def check_unique_ownership(self, components):
-        inside = {id(sub) for c in components for s in c.stacks for b in s.blocks
+        inside = {id(sub) for c in components for s in c.rings for b in s.blocks
                   for sub in b.modules() if sub is not b}
         # A component inside a streamed block is silently streamed with it.
         super().check_unique_ownership([c for c in components if id(c.module) not in inside])

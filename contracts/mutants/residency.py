@@ -31,8 +31,8 @@ class _HeadStreamedRing(BlockRing):
     """A ring that streams the declared resident head too (it reads the containers, not the
     plan's head)."""
 
-    def __init__(self, stack, *args, **kwargs) -> None:
-        super().__init__(dataclasses.replace(stack, resident_head=0), *args, **kwargs)
+    def __init__(self, ring_plan, *args, **kwargs) -> None:
+        super().__init__(dataclasses.replace(ring_plan, resident_head=0), *args, **kwargs)
 
 
 declare(
@@ -55,8 +55,8 @@ class _HooksTheHead(LayerWiseOffloadBackend):
 
     def install(self, pipeline, plan, txn) -> None:
         super().install(pipeline, plan, txn)
-        for stack in plan.stacks:
-            for block, path in zip(stack.blocks[:stack.resident_head], stack.block_paths):
+        for ring in plan.rings:
+            for block, path in zip(ring.blocks[:ring.resident_head], ring.block_paths):
                 txn.register_hook(block, self.hook_name + ".head", _CountingHook(), path)
 
 
@@ -73,8 +73,8 @@ class _HeadUnpredicted(LayerWiseOffloadBackend):
     def resolve(self, pipeline):
         plan = super().resolve(pipeline)
         headless = dataclasses.replace(plan, components=tuple(
-            dataclasses.replace(c, stacks=tuple(dataclasses.replace(s, resident_head=0)
-                                                for s in c.stacks))
+            dataclasses.replace(c, rings=tuple(dataclasses.replace(s, resident_head=0)
+                                                for s in c.rings))
             for c in plan.components))
         return dataclasses.replace(plan, device_bytes_bound=predict_device_bytes(headless))
 

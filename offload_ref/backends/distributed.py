@@ -425,8 +425,8 @@ class DistributedLayerWiseOffloadBackend(LayerWiseOffloadBackend):
                 "or declarations, or disable distributed offload on every rank")
         return plan
 
-    def transport_for(self, stack: RingPlan) -> Transport | None:
-        if stack.transfer is not WeightTransfer.ALLGATHER or self.world == 1:
+    def transport_for(self, ring_plan: RingPlan) -> Transport | None:
+        if ring_plan.transfer is not WeightTransfer.ALLGATHER or self.world == 1:
             return RankLocalTransport()
         return self.allgather_transport_class(self.process_group, self.rank, self.world,
                                               self.platform.alignment)

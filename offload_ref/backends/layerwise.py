@@ -611,12 +611,12 @@ class LayerWiseOffloadBackend(OffloadBackend):
         # non-block residency is left to their load_to_device / offload_to_cpu.
         streamed = [c for c in plan.components if c.selected]
         for comp in streamed:
-            for stack in comp.stacks:
-                if len(stack.streamed_blocks) < 2:
+            for ring_plan in comp.rings:
+                if len(ring_plan.streamed_blocks) < 2:
                     continue
-                ring = self.ring_class(stack, self.platform, self._stats, streams, placeholders,
+                ring = self.ring_class(ring_plan, self.platform, self._stats, streams, placeholders,
                                        pin=self.config.pin_memory, prefetch=self.prefetch,
-                                       transport=self.transport_for(stack))
+                                       transport=self.transport_for(ring_plan))
                 self.rings.append(ring)
                 ring.prepare(txn, pipeline)
         self._staging = self._staging_pool(txn)  # Note [Pinned staging] (staging.py)
@@ -686,7 +686,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
         self._edit_guards = []
         claimed: set[int] = set()
         guards: dict[str, _ComponentEditGuard] = {}
-        for path in sorted({r.stack.owner_path for r in self.rings}, key=lambda p: -p.count(".")):
+        for path in sorted({r.plan.owner_path for r in self.rings}, key=lambda p: -p.count(".")):
             owner = get_submodule_path(pipeline, path)
             if not isinstance(owner, nn.Module):
                 continue
@@ -703,7 +703,7 @@ class LayerWiseOffloadBackend(OffloadBackend):
             self._edit_guards.append(guard)
             txn.register_hook(owner, self.hook_name + ".edits", guard, path)
         for hook in self._hooks:
-            hook.component = guards.get(hook.ring.stack.owner_path)
+            hook.component = guards.get(hook.ring.plan.owner_path)
 
     def after_guard(self, txn: Transaction) -> None:
         # Note [Edits between forwards] (rebind_guard.py): the rings' components refuse in-place
@@ -714,8 +714,8 @@ class LayerWiseOffloadBackend(OffloadBackend):
             guard.params = refuse_edits_between_forwards(guard.tensors, report)
             guard.idle = bool(guard.params) or bool(guard.wrappers)
 
-    def transport_for(self, stack: Any) -> Transport | None:
-        """The transport of ``stack``'s ring (None: rank-local host masters)."""
+    def transport_for(self, ring_plan: Any) -> Transport | None:
+        """The transport of the ring ``ring_plan`` plans (None: rank-local host masters)."""
         return None
 
     def ring_streams(self) -> RingStreams:

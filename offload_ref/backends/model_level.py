@@ -1,4 +1,4 @@
-"""Model-level (sequential) offload: whole components swap between host masters and the device.
+"""Model-level offload: whole components swap between host masters and the device.
 
 Residency rule (the bound the contract suite enforces): before an encoder runs, every DiT is on
 the host; before a DiT runs, the encoders and every other DiT are on the host; VAEs, declared

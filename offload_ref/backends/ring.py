@@ -85,7 +85,7 @@ class _Placeholders:
 
 
 class BlockRing:
-    """One ring of blocks, its slots, transport and predictor.  See Note [The ring].  ``stack``
+    """One ring of blocks, its slots, transport and predictor.  See Note [The ring].  ``plan``
     is the plan's description of the ring (a :class:`~offload_ref.plan.RingPlan`); ``streams``
     the streams the backend's rings share (a :class:`RingStreams`; a bare copy stream is taken
     as one).
@@ -94,14 +94,14 @@ class BlockRing:
     :meth:`commit`, :meth:`before`, :meth:`after`, :meth:`wait_ready`, :meth:`recover`,
     :meth:`storage_keys`; ``prefetch_enabled``; the transport passed in."""
 
-    def __init__(self, stack: RingPlan, platform: Platform, stats: OffloadStats,
+    def __init__(self, plan: RingPlan, platform: Platform, stats: OffloadStats,
                  streams: RingStreams | Any, placeholders: _Placeholders, *, pin: bool,
                  prefetch: bool = True, transport: Transport | None = None) -> None:
         if not isinstance(streams, RingStreams):
             streams = RingStreams(platform, streams)
         self.transport: Transport = transport if transport is not None else RankLocalTransport()
-        self.stack = stack
-        self.label = "+".join(stack.container_paths)
+        self.plan = plan
+        self.label = "+".join(plan.container_paths)
         self.platform = platform
         self.stats = stats
         self.streams = streams
@@ -109,15 +109,15 @@ class BlockRing:
         self.placeholders = placeholders
         self.pin = pin
         self.prefetch_enabled = prefetch
-        self.blocks: tuple[nn.Module, ...] = stack.streamed_blocks
-        self.block_paths = stack.streamed_paths
+        self.blocks: tuple[nn.Module, ...] = plan.streamed_blocks
+        self.block_paths = plan.streamed_paths
         self.groups: list[TensorGroup] = []
         self.sections: list[dict[torch.dtype, tuple[int, int]]] = []  # byte offset, numel
         self.slot_bytes = 0  # the largest aligned block (Note [Slot layout])
         self.slot_weight_bytes = 0  # the largest block's weight bytes
         self.slots: list[Slot] = []  # Note [Slots] (slots.py)
-        self.num_slots = stack.slots  # two, or one more per extra block of Note [Prefetch depth]
-        self._depth = stack.prefetch_depth
+        self.num_slots = plan.slots  # two, or one more per extra block of Note [Prefetch depth]
+        self._depth = plan.prefetch_depth
         n = len(self.blocks)
         self.order = CallOrderPredictor(n)
         self.slot_of: list[int | None] = [None] * n  # block -> the index of its slot
@@ -135,13 +135,18 @@ class BlockRing:
 
     # -- enable ---------------------------------------------------------------------------------
 
+    @property
+    def stack(self) -> RingPlan:
+        """The old name of :attr:`plan`, kept for one release."""
+        return self.plan
+
     def prepare(self, txn: Transaction, pipeline: Any) -> None:
         aliases: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        for alias in self.stack.aliases:
+        for alias in self.plan.aliases:
             t = get_submodule_path(pipeline, alias.path)
             if isinstance(t, torch.Tensor):
                 aliases.setdefault(alias.block_path, []).append((alias.path, t))
-        shared_names = set(self.stack.shared)
+        shared_names = set(self.plan.shared)
         per_block = [named_tensors(block, path) for block, path in zip(self.blocks,
                                                                           self.block_paths)]
         shared = {storage_key(t) for named in per_block for n, t in named if n in shared_names}

@@ -128,7 +128,7 @@ def head_candidates(pipeline: Any, candidate: AutoCandidate, *,
         resolver = Resolver(pipeline, candidate.config, alignment, {})
         base = resolver.resolve()
         # A DiT's own ring (a submodule that owns its residency keeps none: offload_submodules)
-        rings = {c.path: len(s.blocks) for c in base.dits for s in c.stacks
+        rings = {c.path: len(s.blocks) for c in base.dits for s in c.rings
                  if len(s.streamed_blocks) >= 2 and c.path not in resolver.plan.offload_submodules}
         if not rings:
             return []

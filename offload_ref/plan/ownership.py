@@ -78,10 +78,10 @@ def _shared_storages(pipeline: Any,
     owner_blocks: dict[int, set[int]] = {}  # ring owner id -> ids of its blocks
     block_ids: set[int] = set()
     for comp in components:
-        for stack in comp.stacks:
-            owner = get_submodule_path(pipeline, stack.owner_path)
+        for ring in comp.rings:
+            owner = get_submodule_path(pipeline, ring.owner_path)
             mine = owner_blocks.setdefault(id(owner), set())
-            for block, bpath in zip(stack.blocks, stack.block_paths):
+            for block, bpath in zip(ring.blocks, ring.block_paths):
                 mine.add(id(block))
                 block_ids.add(id(block))
                 for name, t in named_tensors(block, bpath):
@@ -113,7 +113,7 @@ def _shared_storages(pipeline: Any,
     # first.  Pass 2: inside an owner (outside its blocks), a tensor of exactly one of that
     # owner's blocks is a ring alias; anything else is sharing.
     owners = {id(get_submodule_path(pipeline, s.owner_path)): s.owner_path
-              for c in components for s in c.stacks}
+              for c in components for s in c.rings}
     roots = [(pipeline, "")] if isinstance(pipeline, nn.Module) else [
         (c.module, f"{c.path}.") for c in components]
     outside: set[int] = set()
@@ -139,20 +139,20 @@ def _with_shared(pipeline: Any,
         return components
     out = []
     for comp in components:
-        stacks = []
-        for stack in comp.stacks:
+        rings = []
+        for ring in comp.rings:
             mine = set()
-            for block, bpath in zip(stack.blocks, stack.block_paths):
+            for block, bpath in zip(ring.blocks, ring.block_paths):
                 for name, t in named_tensors(block, bpath):
                     if t.numel() and _storage_key(t) in shared:
                         mine.add(name)
             if not mine:
-                stacks.append(stack)
+                rings.append(ring)
                 continue
             keys = {k for k, names in shared.items() if mine & set(names)}
-            aliases = tuple(a for a in stack.aliases
+            aliases = tuple(a for a in ring.aliases
                             if not any(a.tensor_path in shared[k] for k in keys))
-            stacks.append(dataclasses.replace(stack, shared=tuple(sorted(mine)),
+            rings.append(dataclasses.replace(ring, shared=tuple(sorted(mine)),
                                               aliases=aliases))
-        out.append(dataclasses.replace(comp, stacks=tuple(stacks)))
+        out.append(dataclasses.replace(comp, rings=tuple(rings)))
     return out

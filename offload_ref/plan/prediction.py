@@ -26,7 +26,7 @@ def _ring_tensors(plan: ResolvedOffloadPlan) -> list[tuple[Any, list[list[torch.
     """Each ring that streams (two blocks or more) with its streamed blocks' tensors: one walk
     per block, shared by the device and the host predictions of one resolution."""
     return [(s, [_streamed_tensors(s, k) for k in range(len(s.streamed_blocks))])
-            for s in plan.stacks if len(s.streamed_blocks) >= 2]
+            for s in plan.rings if len(s.streamed_blocks) >= 2]
 
 
 def predict_device_bytes(plan: ResolvedOffloadPlan,

@@ -117,7 +117,7 @@ class ResolvedComponent:
     role: ComponentRole  # a plain str ("dit", ...) is accepted and becomes its member
     selected: bool  # offloaded by the strategy (otherwise kept on the device)
     on_demand: bool = False  # residency owned by the pipeline (load_to_device / offload_to_cpu)
-    stacks: tuple[RingPlan, ...] = ()  # its rings
+    rings: tuple[RingPlan, ...] = ()  # its rings, one RingPlan each
     kind: str = ""  # the config name that selects it: "dit", "text_encoder", "image_encoder", ...
     #: Paths of the other components inside this one's module tree: their tensors follow their
     #: own rule (a resident nested in a DiT stays on the device while the DiT swaps).
@@ -128,8 +128,13 @@ class ResolvedComponent:
         if not self.kind:
             object.__setattr__(self, "kind", self.role.value)
 
+    @property
+    def stacks(self) -> tuple[RingPlan, ...]:
+        """The old name of :attr:`rings`, kept for one release."""
+        return self.rings
+
     def _key(self) -> tuple:
-        return (self.path, id(self.module), self.role, self.selected, self.on_demand, self.stacks,
+        return (self.path, id(self.module), self.role, self.selected, self.on_demand, self.rings,
                 self.kind, self.nested)
 
     def __eq__(self, other: object) -> bool:
@@ -242,9 +247,14 @@ class ResolvedOffloadPlan:
         return self.by_role(ComponentRole.ENCODER)
 
     @property
-    def stacks(self) -> tuple[RingPlan, ...]:
+    def rings(self) -> tuple[RingPlan, ...]:
         """Every component's rings, in component order."""
-        return tuple(s for c in self.components for s in c.stacks)
+        return tuple(s for c in self.components for s in c.rings)
+
+    @property
+    def stacks(self) -> tuple[RingPlan, ...]:
+        """The old name of :attr:`rings`, kept for one release."""
+        return self.rings
 
     def component(self, path: str) -> ResolvedComponent:
         for c in self.components:
@@ -272,7 +282,7 @@ class ResolvedOffloadPlan:
             if c.nested:
                 flags.append(f"nested {', '.join(c.nested)} not in its group")
             lines.append(f"  {c.path} ({', '.join(flags)}): {_nbytes_of(c.module)} bytes")
-            for s in c.stacks:
+            for s in c.rings:
                 sizes = [_nbytes_of(b) for b in s.blocks]
                 lines.append(
                     f"    ring {'+'.join(s.container_paths)}: {len(s.blocks)} blocks, largest "
@@ -328,8 +338,8 @@ def owned_tensors(plan: ResolvedOffloadPlan,
     return [(name, t) for name, t in named_tensors(comp.module, comp.path) if id(t) not in inner]
 
 
-def _streamed_tensors(stack: RingPlan, k: int) -> list[torch.Tensor]:
+def _streamed_tensors(ring: RingPlan, k: int) -> list[torch.Tensor]:
     """Block k's tensors that its ring streams (its shared ones stay resident)."""
-    shared = set(stack.shared)
-    path = stack.streamed_paths[k]
-    return [t for name, t in named_tensors(stack.streamed_blocks[k], path) if name not in shared]
+    shared = set(ring.shared)
+    path = ring.streamed_paths[k]
+    return [t for name, t in named_tensors(ring.streamed_blocks[k], path) if name not in shared]

@@ -156,7 +156,7 @@ class Resolver:
 
         largest = 0
         for c in components:
-            for s in c.stacks:
+            for s in c.rings:
                 if len(s.streamed_blocks) < 2 or s.transfer is not WeightTransfer.RANK_LOCAL:
                     continue
                 for k in range(len(s.streamed_blocks)):
@@ -324,29 +324,29 @@ class Resolver:
         on_demand = set(self.plan.on_demand_component_paths)
         comps: list[ResolvedComponent] = []
         for path, module in found.dits:
-            stacks: list[RingPlan] = []
+            rings: list[RingPlan] = []
             if wants_dit:
-                stacks = self._dit_stacks(path, module)
-            comps.append(ResolvedComponent(path, module, ComponentRole.DIT, bool(stacks), False,
-                                           tuple(stacks)))
+                rings = self._dit_rings(path, module)
+            comps.append(ResolvedComponent(path, module, ComponentRole.DIT, bool(rings), False,
+                                           tuple(rings)))
         for path, module in found.encoders:
             # A pipeline-managed encoder is left to the pipeline whether or not it is selected
             # (as a VAE is): the backend never places it, but streams its declared rings.
-            stacks, staged = [], path in on_demand
+            rings, staged = [], path in on_demand
             if staged:
                 self._require_lifecycle(path, module)
             kind = self._encoder_kind(path)
             selected = self.config.selects(kind)
             if selected:
-                stacks = self._encoder_stacks(path, module, kind)
-                if staged and not stacks and self._transfer(kind) is \
+                rings = self._encoder_rings(path, module, kind)
+                if staged and not rings and self._transfer(kind) is \
                         WeightTransfer.ALLGATHER and self.config.world_size > 1:
                     raise OffloadTopologyError(
                         f"{self.cls_name}: on-demand encoder {path!r} cannot use AllGather "
                         "without a model-declared streamable block plan; declare "
                         "OffloadPlan.encoder_block_attrs or use weight_transfer='rank-local'"
                     )
-                if not stacks and not staged:
+                if not rings and not staged:
                     self.fail_or_warn(
                         f"{self.cls_name}: selected {kind.replace('_', ' ')} {path!r} requires a "
                         "model-declared streamable or on-demand plan; declare "
@@ -354,8 +354,8 @@ class Resolver:
                         "it in OffloadPlan.on_demand_component_paths"
                     )
             comps.append(ResolvedComponent(path, module, ComponentRole.ENCODER,
-                                           bool(stacks) or (staged and selected),
-                                           staged, tuple(stacks), kind))
+                                           bool(rings) or (staged and selected),
+                                           staged, tuple(rings), kind))
         comps += self.vae_components(found, on_demand)
         for path, module in found.residents:
             comps.append(ResolvedComponent(path, module, ComponentRole.RESIDENT, False))
@@ -433,7 +433,7 @@ class Resolver:
                 )
         return blocks, block_paths, container_paths
 
-    def _dit_stacks(self, path: str, module: nn.Module) -> list[RingPlan]:
+    def _dit_rings(self, path: str, module: nn.Module) -> list[RingPlan]:
         names, source = self.container_names(path, module)
         if not names:
             self.fail_or_warn(
@@ -473,10 +473,10 @@ class Resolver:
                 f"has {len(blocks)} in {list(container_paths)} ({source})"
             )
             return []
-        return [self._stack(path, module, container_paths, blocks, block_paths, head,
+        return [self._ring_plan(path, module, container_paths, blocks, block_paths, head,
                             self._transfer("dit"), kept)]
 
-    def _encoder_stacks(self, path: str, module: nn.Module, kind: str) -> list[RingPlan]:
+    def _encoder_rings(self, path: str, module: nn.Module, kind: str) -> list[RingPlan]:
         names = self.plan.encoder_block_attrs.get(path)
         if not names:
             return []
@@ -488,7 +488,7 @@ class Resolver:
                 "loaded weights declared identical on every rank: add it to "
                 "OffloadPlan.encoder_dlo_weight_replication, or use weight_transfer='rank-local'"
             )
-        stacks = []
+        rings = []
         source = f"OffloadPlan.encoder_block_attrs[{path!r}]"
         for name in names:  # each declared encoder container streams as its own ring
             blocks, block_paths, container_paths = self._blocks_of(path, module, [name], source)
@@ -498,9 +498,9 @@ class Resolver:
                     f"streamable block list (it has {len(blocks)} block)"
                 )
                 continue
-            stacks.append(self._stack(path, module, container_paths, blocks, block_paths, 0,
+            rings.append(self._ring_plan(path, module, container_paths, blocks, block_paths, 0,
                                       transfer))
-        return stacks
+        return rings
 
     def _submodule(self, path: str, container: str) -> ResolvedComponent:
         module = get_submodule_path(self.pipeline, path)
@@ -517,9 +517,9 @@ class Resolver:
         if isinstance(target, (nn.ModuleList, nn.Sequential)) and len(target) >= 2:
             blocks, block_paths, container_paths = self._blocks_of(
                 path, module, [container], f"OffloadPlan.offload_submodules[{path!r}]")
-            stack = self._stack(path, module, container_paths, blocks, block_paths, 0,
+            ring = self._ring_plan(path, module, container_paths, blocks, block_paths, 0,
                                 self._transfer("dit"))
-            return ResolvedComponent(path, module, ComponentRole.DIT, True, False, (stack,))
+            return ResolvedComponent(path, module, ComponentRole.DIT, True, False, (ring,))
         self.warnings.append(
             f"{self.cls_name}: {path}.{container} is not a streamable block list; {path!r} is "
             "treated as an on-demand component"
@@ -527,7 +527,7 @@ class Resolver:
         self._require_lifecycle(path, module)
         return ResolvedComponent(path, module, ComponentRole.DIT, True, True)
 
-    def _stack(self, owner_path, owner, container_paths, blocks, block_paths, head, transfer,
+    def _ring_plan(self, owner_path, owner, container_paths, blocks, block_paths, head, transfer,
                kept=()):
         aliases = _ring_aliases(owner_path, owner, blocks, block_paths)
         return RingPlan(owner_path, tuple(container_paths), tuple(blocks), tuple(block_paths),
@@ -647,8 +647,8 @@ class Resolver:
         module such as one GELU reused by every block is harmless.)"""
         owners: dict[int, str] = {}
         for comp in components:
-            for stack in comp.stacks:
-                for block, bpath in zip(stack.blocks, stack.block_paths):
+            for ring in comp.rings:
+                for block, bpath in zip(ring.blocks, ring.block_paths):
                     other = owners.get(id(block))
                     if other is not None and other != bpath:
                         raise OffloadTopologyError(
@@ -660,13 +660,13 @@ class Resolver:
         # a block streams whole, so nothing inside it can keep a residency of its own.
         inside: dict[int, str] = {}  # id of a module strictly inside a streamed block -> block
         for comp in components:
-            for stack in comp.stacks:
-                for block, bpath in zip(stack.streamed_blocks, stack.streamed_paths):
+            for ring in comp.rings:
+                for block, bpath in zip(ring.streamed_blocks, ring.streamed_paths):
                     for sub in block.modules():
                         if sub is not block:
                             inside.setdefault(id(sub), bpath)
         for comp in components:
-            if id(comp.module) in owners and not comp.stacks:
+            if id(comp.module) in owners and not comp.rings:
                 raise OffloadTopologyError(
                     f"{self.cls_name}: component {comp.path!r} is claimed by both its own "
                     f"declaration and the ring block {owners[id(comp.module)]!r}"
