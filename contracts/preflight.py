@@ -23,7 +23,7 @@ from .outputs import OutputStructureError, leaves
 from .refs import RefError, takes_seed
 from .spec import PipelineSpec, _seeded, load_object
 
-__all__ = ["failed_preflight", "preflight", "unresolved_strategies"]
+__all__ = ["failed_preflight", "kit_plan", "preflight", "unresolved_strategies"]
 
 #: spec -> its problems; keyed by the spec itself (held here), so an id is never reused.
 _CACHE: dict[PipelineSpec, list[str]] = {}
@@ -154,23 +154,50 @@ def unresolved_strategies(spec: PipelineSpec) -> dict[str, str]:
 
 
 def _resolve_each(spec: PipelineSpec) -> dict[str, str]:
-    from offload_ref.config import OffloadStrategy
     from offload_ref.plan import OffloadTopologyError
-
-    from .case import CheckCase
 
     out = {}
     for strategy in spec.strategies:
-        case = CheckCase(spec, OffloadStrategy(strategy))
-        try:
-            case.resolve(case.build())
-        except OffloadTopologyError as exc:
-            out[strategy] = " ".join(str(exc).split())
-        except Exception:  # noqa: BLE001 - not a topology verdict: the checks will say
-            pass
-        finally:
-            case.close()
+        plan = kit_plan(spec, strategy)
+        if isinstance(plan, OffloadTopologyError):
+            out[strategy] = " ".join(str(plan).split())
+        # any other exception is not a topology verdict: the checks will say
     return out
+
+
+# Note [One plan per run]
+#     Planning a run asks each (spec, strategy) for its plan twice: the preflight, to report a
+#     strategy whose plan the resolver rejects once instead of in every check, and the traits
+#     (contracts/checks/_traits.py), for the rings the ring checks are planned on.  Both want
+#     the same thing, the plan the kit's own selection resolves for a fresh build, so both take
+#     it from :func:`kit_plan`, which resolves it once per (spec, strategy) and process and
+#     keeps it (with the modules it names; the traits kept its rings before).  The cases
+#     themselves build and enable their own pipelines, and each enable resolves its own plan.
+
+#: (spec, strategy name) -> the kit's plan of a fresh build, or the exception raised getting it
+_PLANS: dict[tuple[PipelineSpec, str], Any] = {}
+
+
+def kit_plan(spec: PipelineSpec, strategy: Any) -> Any:
+    """The plan the kit's selection resolves for a fresh build of ``spec`` under ``strategy``
+    (a name or an ``OffloadStrategy``), or the exception building or resolving raised: one
+    resolution per (spec, strategy) in a process (Note [One plan per run])."""
+    from offload_ref.config import OffloadStrategy
+
+    from .case import CheckCase
+
+    key = (spec, str(getattr(strategy, "value", strategy)))
+    if key not in _PLANS:
+        case = None
+        try:
+            case = CheckCase(spec, OffloadStrategy(key[1]))
+            _PLANS[key] = case.resolve(case.build(), case.config())
+        except Exception as exc:  # noqa: BLE001 - kept: each asker decides what it means
+            _PLANS[key] = exc
+        finally:
+            if case is not None:
+                case.close()
+    return _PLANS[key]
 
 
 def _required(func: Callable[..., Any]) -> list[str]:

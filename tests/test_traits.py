@@ -260,3 +260,36 @@ def test_requires_is_judged_before_applies(registered) -> None:
     assert planned["wan22_i2v"] == "needs a DiT with 3 or more declared blocks; transformer has 2"
     assert planned["flux2"] is None
     assert asked == ["flux2"]
+
+
+def test_a_run_resolves_each_spec_and_strategy_once_before_its_cases(monkeypatch) -> None:
+    """Note [One plan per run] (contracts/preflight.py): the preflight and the traits share one
+    resolution of each (spec, strategy); the cases resolve their own pipelines afterwards."""
+    from collections import Counter
+
+    from offload_ref.contracts.runner import RunObserver, run_checks
+    from offload_ref.plan import resolver
+
+    resolved: Counter[str] = Counter()
+    real = resolver.Resolver.resolve
+
+    def counted(self):
+        resolved[self.config.strategy.value] += 1
+        return real(self)
+
+    monkeypatch.setattr(resolver.Resolver, "resolve", counted)
+
+    class Stop(Exception):
+        pass
+
+    class AtPlanned(RunObserver):
+        def planned(self, ids):
+            self.ids, self.counts = list(ids), dict(resolved)
+            raise Stop  # planning is what this test counts: no case runs
+
+    spec = _counted("resolved_once")
+    observer = AtPlanned()
+    with pytest.raises(Stop):
+        run_checks([spec], include_global=False, observer=observer)
+    assert len(observer.ids) > 100  # the whole catalogue was planned: every trait probed
+    assert observer.counts == {s: 1 for s in spec.strategies}, observer.counts

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload_ref.config import OffloadConfig, OffloadStrategy
+from offload_ref.config import OffloadStrategy
 from offload_ref.discovery import discover_components, get_submodule_path
-from offload_ref.plan import resolve_offload_plan
 
 from ..case import CheckCase
+from ..preflight import kit_plan
 from ..spec import PipelineSpec
 from ..traits import Missing, PipelineTraits, TRAITS
 from ..facts import dit_block_count, storage_groups
@@ -120,13 +120,12 @@ def _compute(spec: PipelineSpec, strategy: str, names: set[str],
 
 
 def _resolved_rings(spec: PipelineSpec, strategy: str) -> tuple[list[Any], list[Any]] | Exception:
-    """The plan a check case of ``spec`` resolves under ``strategy``: its rings, and its DiTs'
-    rings; or the exception resolving raised."""
-    try:
-        case = CheckCase(spec, OffloadStrategy(strategy))
-        plan = case.resolve(case.build(), case.config())
-    except Exception as exc:  # noqa: BLE001 - each ring trait decides what it makes of it
-        return exc
+    """The plan a check case of ``spec`` resolves under ``strategy`` (the preflight's: Note [One
+    plan per run] in contracts/preflight.py): its rings, and its DiTs' rings; or the exception
+    resolving raised (each ring trait decides what it makes of it)."""
+    plan = kit_plan(spec, strategy)
+    if isinstance(plan, Exception):
+        return plan
     return streaming_rings(plan), [s for c in plan.dits for s in c.rings]
 
 
@@ -155,13 +154,14 @@ def _importable(spec: PipelineSpec) -> bool | Missing:
 def _skippable_block(spec: PipelineSpec, strategy: str) -> str | Missing:
     """Skip the middle block of the first streamed nn.ModuleList of three or more (on a pipeline
     of its own) and run: the block's path when the pipeline runs without it, else why not."""
-    pipeline = spec.build()
-    try:
-        plan = resolve_offload_plan(pipeline, OffloadConfig(strategy=strategy))
-    except ValueError:
+    plan = kit_plan(spec, strategy)  # its paths, found on the kit's build (Note [One plan ...])
+    if isinstance(plan, ValueError):
         return Missing("needs a pipeline whose layerwise plan resolves (the plan checks report "
                        "why it does not)")
-    for ring in plan.rings:
+    if isinstance(plan, Exception):
+        raise plan
+    pipeline = spec.build()  # skipped on a pipeline of its own
+    for ring in [r for c in plan.dits for r in c.rings]:
         for path in ring.container_paths:
             c = get_submodule_path(pipeline, path)
             if isinstance(c, nn.ModuleList) and len(c) >= 3:
