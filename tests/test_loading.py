@@ -586,6 +586,21 @@ class Big(nn.Module):
 
 
 @pytest.mark.skipif(anonymous_rss_bytes() is None, reason="needs RssAnon (/proc/self/status)")
+def _heap_returned() -> None:
+    """Free what is garbage and hand the allocator's free pages back to the kernel (glibc's
+    ``malloc_trim``), so that an allocation measured next faults in new pages: in a worker that
+    ran other tests, glibc serves a tensor of a few MiB from heap pages an earlier test freed
+    (its mmap threshold grows after each large free), and RSS would not move."""
+    import ctypes
+    import ctypes.util
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def test_anonymous_rss_stays_flat_for_a_meta_built_model(tmp_path: Path) -> None:
     torch.manual_seed(0)
     twin = Big()
@@ -593,7 +608,7 @@ def test_anonymous_rss_stays_flat_for_a_meta_built_model(tmp_path: Path) -> None
     save_file(dict(twin.state_dict()), str(path))
     weight_bytes = sum(t.nbytes for t in twin.state_dict().values())
     assert 32 * 2**20 < weight_bytes < 64 * 2**20
-    gc.collect()
+    _heap_returned()
 
     before = anonymous_rss_bytes()
     with torch.device("meta"):
@@ -604,6 +619,7 @@ def test_anonymous_rss_stays_flat_for_a_meta_built_model(tmp_path: Path) -> None
     assert math.isfinite(touched)
     assert grown < 0.05 * weight_bytes, (grown, weight_bytes)
 
+    _heap_returned()
     before = anonymous_rss_bytes()
     control = Big()  # the same weights built the ordinary way
     grown_control = anonymous_rss_bytes() - before
