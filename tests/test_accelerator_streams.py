@@ -327,14 +327,12 @@ class _GatherWrites(AllGatherTransport):
 
 
 class _ReadyBeforeGather(_GatherWrites):
-    """The control: the slot's ready event recorded on the copy stream after the shard copy,
-    before the gather (compute's wait then orders nothing of the gather's writes)."""
+    """The control: the copy stream named as a fill's last writer, so the ring records the
+    slot's ready event there, after the shard copy and not after the gather (compute's wait then
+    orders nothing of the gather's writes)."""
 
-    def fill(self, slot: Any, k: int, group: Any) -> None:
-        self.copy_shard(slot, k)
-        with self.platform.stream(self.streams.copy):
-            slot.ready.record(self.streams.copy)
-        self.gather(slot, k)
+    def writers(self) -> tuple[Any, ...]:
+        return (self.comm_stream, self.streams.copy)
 
 
 #: The runs of a rank: transfer, the AllGather transport (None: the backend's own).
