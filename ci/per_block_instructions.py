@@ -11,9 +11,12 @@ variant, and prints the instructions per block above the resident model:
 * ``layerwise``: offload-ref layerwise on the inline-stream platform (Note [Per-block overhead]
   in ``offload_ref/bench.py``), or with ``--device hpu:0`` on the accelerator platform over the
   simulated accelerator (the code a GPU runs; the resident model there too, stream checking
-  off as in ``offload-ref bench --peers``).
+  off as in ``offload-ref bench --peers``);
+* with ``--peers`` (needs ``--device``): ``diffusers_group_offload_block`` and
+  ``accelerate_cpu_offload`` (``offload_ref.peers``, copying to the same device), the peers of
+  ``offload-ref bench --peers`` counted the same way.
 
-Usage: ``python ci/per_block_instructions.py [--forwards N] [--device hpu:0]`` (needs
+Usage: ``python ci/per_block_instructions.py [--forwards N] [--device hpu:0 [--peers]]`` (needs
 ``valgrind`` on PATH; about a minute per variant).  Not part of the test suite.
 """
 
@@ -29,6 +32,7 @@ import tempfile
 
 BLOCKS = 64
 VARIANTS = ("resident", "hooks", "layerwise")
+PEERS = ("diffusers_group_offload_block", "accelerate_cpu_offload")
 
 
 def _child(variant: str, forwards: int, device: str | None) -> None:
@@ -54,7 +58,7 @@ def _child(variant: str, forwards: int, device: str | None) -> None:
     x = make_input(0)
     if device is not None:
         x = x.to(device)
-        if variant != "layerwise":
+        if variant == "resident" or variant == "hooks":
             pipe = move_to_device(pipe, torch.device(device))
     backend = None
     if variant == "hooks":
@@ -68,6 +72,11 @@ def _child(variant: str, forwards: int, device: str | None) -> None:
             block.register_forward_pre_hook(pre, with_kwargs=True)
             block.register_forward_hook(post, with_kwargs=True, always_call=True)
             block.fc.register_forward_pre_hook(pre, with_kwargs=True)
+    elif variant in PEERS:
+        from offload_ref import peers
+
+        backend = getattr(peers, variant)(torch.device(device), "layer_wise")
+        backend.enable(pipe)
     elif variant == "layerwise":
         platform = InlinePlatform() if device is None else get_platform(device)
         backend = LayerWiseOffloadBackend(OffloadConfig(strategy=OffloadStrategy.LAYER_WISE),
@@ -107,18 +116,24 @@ def main() -> None:
     parser.add_argument("--device", default=None,
                         help="hpu:0: the accelerator platform over the simulated accelerator "
                              "(default: the inline platform on the host)")
-    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--peers", action="store_true",
+                        help="also count diffusers block-level group offloading and accelerate's "
+                             "cpu_offload (with --device)")
+    parser.add_argument("--child", choices=VARIANTS + PEERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _child(args.child, args.forwards, args.device)
         return
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("valgrind (with callgrind_control) is not on PATH")
-    per_forward = {v: _count(v, args.forwards, args.device) / args.forwards for v in VARIANTS}
+    if args.peers and args.device is None:
+        raise SystemExit("--peers needs --device (the peers copy to a device)")
+    variants = VARIANTS + (PEERS if args.peers else ())
+    per_forward = {v: _count(v, args.forwards, args.device) / args.forwards for v in variants}
     base = per_forward["resident"]
-    print(f"{'variant':<10} {'instructions / forward':>24} {'over resident / block':>22}")
-    for v in VARIANTS:
-        print(f"{v:<10} {per_forward[v]:>24,.0f} {(per_forward[v] - base) / BLOCKS:>22,.0f}")
+    print(f"{'variant':<30} {'instructions / forward':>24} {'over resident / block':>22}")
+    for v in variants:
+        print(f"{v:<30} {per_forward[v]:>24,.0f} {(per_forward[v] - base) / BLOCKS:>22,.0f}")
 
 
 if __name__ == "__main__":
