@@ -98,7 +98,7 @@ def test_a_slot_reused_before_its_copys_event_is_caught_by_the_order_checker(
     without waiting for the event of the copy that read it is a StreamOrderError."""
     class Hasty(staging_module.StagingPool):
         def _after_reader(self, p: int) -> None:
-            pass  # no wait for read[p]
+            pass  # no wait for the slot's read event
 
     from offload_ref.backends import layerwise
 
@@ -135,7 +135,7 @@ def test_the_pool_is_pinned_and_on_by_default_where_the_platform_pins(checkpoint
     try:
         pool = backend._staging
         assert pool is not None and pool.n == 2  # the default
-        assert all(buf.is_pinned() for buf in pool.buffers)
+        assert all(slot.buffer.is_pinned() for slot in pool.slots)
         for _ in range(2):
             assert torch.equal(_generate(pipeline), want)
         stats = backend.stats()

@@ -13,12 +13,12 @@ Note [Pinned staging]
       an accelerator the thread does the host copy itself; on the CPU platform the stream's
       worker does), while the current block computes.
     * **The copy waits only for its own slot.**  The host-to-device copy of block k waits for
-      the event recorded after k was staged (``filled[p]``), not for the pool.
+      the event recorded after k was staged (its slot's ``filled``), not for the pool.
     * **Reuse after the reader.**  A slot is written again only after the event recorded after
-      the copy that last read it (``read[p]``, on the copy stream): the staging stream waits for
-      it (and the worker thread waits on the host first, since a host copy on an accelerator
-      runs at once).  The CPU platform checks this order (``order_host``): a slot reused before
-      its copy's event is a StreamOrderError.
+      the copy that last read it (the slot's ``read``, on the copy stream): the staging stream
+      waits for it (and the worker thread waits on the host first, since a host copy on an
+      accelerator runs at once).  The CPU platform checks this order (``order_host``): a slot
+      reused before its copy's event is a StreamOrderError.
     * **Bounded.**  The pool holds ``OffloadConfig.staging_slots`` slots (at least two: one is
       read while the next is filled), fewer if ``staging_budget_bytes`` allows fewer; a budget
       below two slots of the largest file-backed block is refused by the resolver.
@@ -46,7 +46,7 @@ import torch
 from .stats import OffloadStats
 from .transaction import Transaction
 
-__all__ = ["StagingPool"]
+__all__ = ["StagingPool", "StagingSlot"]
 
 #: (byte offset in the slot image, dtype, element count, source span) per segment of a block.
 Segments = Sequence[tuple[int, torch.dtype, int, torch.Tensor]]
@@ -89,6 +89,27 @@ def _worker() -> _Worker:
         return _WORKER
 
 
+class StagingSlot:
+    """One pinned staging slot of a :class:`StagingPool` and its state (the pool's lock guards
+    ``holds``, ``tickets`` and ``done``)."""
+
+    __slots__ = ("buffer", "filled", "read", "holds", "tickets", "done", "issued")
+
+    def __init__(self, buffer: torch.Tensor, filled: Any, read: Any) -> None:
+        self.buffer = buffer
+        #: recorded on the staging stream after a staging into the slot
+        self.filled = filled
+        #: recorded on the copy stream after the slot's last reader
+        self.read = read
+        #: the block key staged (or being staged) in the slot, or None
+        self.holds: Any = None
+        #: stagings issued into the slot, and the last one the worker has issued on its stream
+        self.tickets = 0
+        self.done = 0
+        #: set by the worker once a staging into the slot is issued
+        self.issued = threading.Event()
+
+
 class StagingPool:
     """A fixed set of pinned staging slots shared by the rings of one backend.  See Note
     [Pinned staging]."""
@@ -102,13 +123,7 @@ class StagingPool:
         self.slot_bytes = slot_bytes
         self.n = slots
         self.pin = pin
-        self.buffers: list[torch.Tensor] = []
-        self.filled: list[Any] = []  # per slot: recorded on the staging stream after a staging
-        self.read: list[Any] = []  # per slot: recorded on the copy stream after its last reader
-        self.holds: list[Any] = [None] * slots  # the block key staged (or staging) in each slot
-        self._tickets = [0] * slots  # stagings issued into each slot
-        self._done = [0] * slots  # ... and the last one the worker has issued on its stream
-        self._issued: list[threading.Event] = [threading.Event() for _ in range(slots)]
+        self.slots: list[StagingSlot] = []  # made by prepare()
         self._lru: list[int] = list(range(slots))  # least recently acquired first
         self._views: dict[tuple[int, Any], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lock = threading.Lock()
@@ -131,9 +146,7 @@ class StagingPool:
                                  self.pin)
             if order_host is not None:
                 order_host(buf)
-            self.buffers.append(buf)
-            self.filled.append(self.platform.Event())
-            self.read.append(self.platform.Event())
+            self.slots.append(StagingSlot(buf, self.platform.Event(), self.platform.Event()))
         txn.on_rollback(self.close)  # runs before the buffers are freed (last in, first out)
         self._stream = self.platform.Stream()
         pinned = self.pin and bool(getattr(self.platform, "pin_memory_supported", False))
@@ -145,7 +158,8 @@ class StagingPool:
 
     def acquire(self, key: Any, segments: Segments, read: Reader | None = None) -> int:
         """The slot holding block ``key``, staged (in advance: a hit; now: a miss), once its
-        staging is issued; the caller's copy waits for ``filled[p]`` and records ``read[p]``.
+        staging is issued; the caller's copy waits for ``slots[p].filled`` and records
+        ``slots[p].read``.
         ``read`` makes the staging's copies one piece of work that checks the block's files
         first (Note [Deferred reads of file pages] in transports.py)."""
         with self._lock:
@@ -155,7 +169,7 @@ class StagingPool:
                 p = self._victim(exclude=None)
                 ticket = self._enqueue(p, key, segments, read)
             else:
-                ticket = self._tickets[p]
+                ticket = self.slots[p].tickets
             self._touch(p)
         start = time.perf_counter_ns()
         self._wait_issued(p, ticket)
@@ -182,7 +196,7 @@ class StagingPool:
         with self._lock:
             p = self._slot_of(key)
             if p is not None:
-                self.holds[p] = None
+                self.slots[p].holds = None
 
     def copies(self, p: int, key: Any, segments: Segments, dsts: Sequence[torch.Tensor]
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -192,8 +206,8 @@ class StagingPool:
     # -- internals (callers hold the lock where noted) --------------------------------------
 
     def _slot_of(self, key: Any) -> int | None:
-        for p, held in enumerate(self.holds):
-            if held == key:
+        for p, slot in enumerate(self.slots):
+            if slot.holds == key:
                 return p
         return None
 
@@ -208,7 +222,7 @@ class StagingPool:
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         views = self._views.get((p, key))
         if views is None:
-            buf = self.buffers[p]
+            buf = self.slots[p].buffer
             views = self._views[(p, key)] = [
                 (buf.narrow(0, offset, numel * dtype.itemsize).view(dtype), span)
                 for offset, dtype, numel, span in segments]
@@ -216,9 +230,10 @@ class StagingPool:
 
     def _enqueue(self, p: int, key: Any, segments: Segments, read: Reader | None) -> int:
         """Issue a staging of ``key`` into slot ``p`` (caller holds the lock)."""
-        self.holds[p] = key
-        self._tickets[p] += 1
-        ticket = self._tickets[p]
+        slot = self.slots[p]
+        slot.holds = key
+        slot.tickets += 1
+        ticket = slot.tickets
         views = self._staging_views(p, key, segments)
         self._pending += 1
         work = read(views) if read is not None else None
@@ -226,21 +241,22 @@ class StagingPool:
         return ticket
 
     def _wait_issued(self, p: int, ticket: int) -> None:
+        slot = self.slots[p]
         while True:
-            with self._lock:  # the worker sets the event under the lock, after ``_done``
+            with self._lock:  # the worker sets the event under the lock, after ``done``
                 if self._failure is not None:
                     raise RuntimeError(f"staging a block into pinned slot {p} failed: "
                                        f"{self._failure}") from self._failure
-                if self._done[p] >= ticket:
+                if slot.done >= ticket:
                     return
-                self._issued[p].clear()
-            self._issued[p].wait()
+                slot.issued.clear()
+            slot.issued.wait()
 
     def _stage(self, p: int, ticket: int, views: list[tuple[torch.Tensor, torch.Tensor]],
                work: Callable[[], None] | None) -> None:
         """On the staging worker: wait for the copy that last read slot ``p``, copy the block's
         spans from the file pages into it (through ``work`` when given: it checks the files
-        first), record ``filled[p]``."""
+        first), record the slot's ``filled``."""
         platform = self.platform
         try:
             with platform.stream(self._stream):
@@ -253,24 +269,26 @@ class StagingPool:
                                     writes=[dst for dst, _ in views])
                 else:  # an accelerator: a host copy runs now, on this thread
                     work()
-                self.filled[p].record(self._stream)
+                self.slots[p].filled.record(self._stream)
             self.stats.staging_bytes += sum(v.numel() * v.element_size() for v, _ in views)
         except BaseException as exc:  # noqa: BLE001 - raised in the thread that waits
             self._failure = exc
+        slot = self.slots[p]
         with self._lock:
-            self._done[p] = max(self._done[p], ticket)
+            slot.done = max(slot.done, ticket)
             self._pending -= 1
-            self._issued[p].set()
+            slot.issued.set()
             if not self._pending:
                 self._idle.set()
 
     def _after_reader(self, p: int) -> None:
         """Order the staging of slot ``p`` after the copy that last read it: the staging stream
-        waits for ``read[p]`` (the order the CPU platform checks), and where a host copy runs at
-        once (an accelerator) the worker waits on the host first."""
+        waits for the slot's ``read`` (the order the CPU platform checks), and where a host copy
+        runs at once (an accelerator) the worker waits on the host first."""
+        read = self.slots[p].read
         if not self._host_ordered:
-            self.read[p].synchronize()
-        self._stream.wait_event(self.read[p])
+            read.synchronize()
+        self._stream.wait_event(read)
 
     def close(self) -> None:
         """Wait until every staging this pool queued has been issued, and drop the views."""
@@ -285,7 +303,6 @@ class StagingPool:
     def release(self) -> None:
         """Close the pool and free the slots (disable; every copy has been synchronized)."""
         self.close()
-        for buf in self.buffers:
-            self.platform.host_free(buf)
-        self.buffers = []
-        self.holds = [None] * self.n
+        for slot in self.slots:
+            self.platform.host_free(slot.buffer)
+        self.slots = []

@@ -342,7 +342,7 @@ class RankLocalTransport(Transport):
         with platform.stream(copy_stream):
             copy_stream.wait_event(slot.free)
             if pool is not None:
-                copy_stream.wait_event(pool.filled[p])  # its own slot, not the pool
+                copy_stream.wait_event(pool.slots[p].filled)  # its own slot, not the pool
             copy_span = _spans.stream_enter(platform, "copy", "ring=%s block=%d slot=%d",
                                             self.label, k, slot.index)
             if read is not None:
@@ -353,7 +353,7 @@ class RankLocalTransport(Transport):
                     platform.copy_(dst, src)
             _spans.stream_exit(platform, copy_span)
             if pool is not None:
-                pool.read[p].record(copy_stream)  # the slot is free after this copy
+                pool.slots[p].read.record(copy_stream)  # the slot is free after this copy
         if pool is not None:
             after = self.predict_after(k)
             if after in self._segments:
