@@ -270,7 +270,7 @@ def _staged_run(checkpoint: str, slots: int | None) -> tuple[list[simulated.Race
         backend.enable(pipeline)
         try:
             pool = backend._staging
-            assert pool is not None and all(buf.is_pinned() for buf in pool.buffers)
+            assert pool is not None and all(slot.buffer.is_pinned() for slot in pool.slots)
             got = []
             for _ in range(3):
                 with torch.inference_mode():
@@ -302,7 +302,7 @@ def test_a_staging_slot_rewritten_before_its_copy_is_a_host_race(checkpoint: str
 
     class Hasty(staging.StagingPool):
         def _after_reader(self, p: int) -> None:
-            pass  # neither the host wait nor the staging stream's wait for read[p]
+            pass  # neither the host wait nor the staging stream's wait for the slot's read
 
     monkeypatch.setattr(layerwise, "StagingPool", Hasty)
     races, got, _ = _staged_run(checkpoint, None)
