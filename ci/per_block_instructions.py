@@ -58,7 +58,7 @@ def _child(variant: str, forwards: int, device: str | None) -> None:
     x = make_input(0)
     if device is not None:
         x = x.to(device)
-        if variant == "resident" or variant == "hooks":
+        if variant in ("resident", "hooks"):
             pipe = move_to_device(pipe, torch.device(device))
     backend = None
     if variant == "hooks":

@@ -20,10 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload_ref.config import OffloadStrategy
 from offload_ref.discovery import discover_components, get_submodule_path
 
-from ..case import CheckCase
 from ..preflight import kit_plan
 from ..spec import PipelineSpec
 from ..traits import Missing, PipelineTraits, TRAITS
