@@ -1,8 +1,9 @@
 """Catalogue §H: distributed layerwise offload across real processes (gloo on CPU).
 
 Note [One spawn per batch]
-    A spawn of two ranks costs about two seconds, so the checks of one pipeline share one:
-    the first §H check of a (pipeline, implementation) pair spawns two ranks
+    Each rank imports the kit, builds the pipeline and computes its references before the
+    first scenario, so the checks of one pipeline share one start of two ranks: the first §H
+    check of a (pipeline, implementation) pair starts two ranks
     (:func:`offload_ref.distributed.run_ranks`, a FileStore in a temporary folder, no ports, a
     join deadline); each rank runs every scenario below and returns what it observed, and each
     check judges its part of the observations.  A scenario that raises is recorded (type,

@@ -60,6 +60,11 @@ def trivial(rank: int, world: int) -> int:
     return rank
 
 
+def rank_cpu_seconds(rank: int, world: int) -> float:
+    """The CPU time this rank's process has used so far (ci/run_ranks_cost.py)."""
+    return time.process_time()
+
+
 def raise_or_hang(rank: int, world: int) -> None:
     """Rank 0 raises at once; the others never return."""
     if rank == 0:

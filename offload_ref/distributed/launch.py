@@ -1,14 +1,14 @@
-"""Run a function on N local ranks, each in its own spawned process (tests and the kit).
+"""Run a function on N local ranks, each in its own process (tests and the kit).
 
-:func:`run_ranks` starts ``world`` processes with the "spawn" start method; each initializes a
-process group on a :class:`torch.distributed.FileStore` in a temporary directory (no ports, so
-runs in parallel never collide), calls ``fn(rank, world, *args)`` and hands its result back
-through a pickle file.  The parent waits until a deadline, and reports every rank's failure in
-one :class:`LaunchError`: the ranks that raised (type, message, traceback), those that died
-without a result, and those still running at the deadline (killed).
+:func:`run_ranks` starts ``world`` processes; each initializes a process group on a
+:class:`torch.distributed.FileStore` in a temporary directory (no ports, so runs in parallel never
+collide), calls ``fn(rank, world, *args)`` and hands its result back through a pickle file.  The
+parent waits until a deadline, and reports every rank's failure in one :class:`LaunchError`: the
+ranks that raised (type, message, traceback), those that died without a result, and those still
+running at the deadline (killed).
 
-Each process imports only torch, this module and ``fn``'s module; ``fn`` must be a module-level
-function of an importable module (the child finds it by name).
+``fn`` must be a module-level function of an importable module (the child finds it by name).
+Note [Forked from a server]: how the ranks start.
 """
 
 from __future__ import annotations
@@ -33,6 +33,58 @@ __all__ = ["LaunchError", "RankError", "run_ranks"]
 # own error) before being killed.  The deadline still applies if it is sooner.
 _AFTER_FAILURE_S = 2.0
 _TRACEBACK_CHARS = 8000
+
+# Note [Forked from a server]
+#     A spawned rank starts a fresh interpreter and imports torch: about 1.6 s of CPU per rank
+#     on the 2-core test machine, most of a two-rank check's cost (the kit's §H batch of every
+#     pipeline, the distributed tests).  So ranks start the way Python 3.14 starts processes on
+#     Linux by default: from multiprocessing's fork server, a single-threaded process started
+#     once per parent process with torch imported and nothing run (no thread pool, no device,
+#     no process group), which forks each rank.  multiprocessing hands a forked rank what spawn
+#     hands it (the parent's sys.path and working folder at the call, its main module run
+#     again); what a fork of the long-lived server would otherwise get wrong, the rank adopts
+#     from _RankSetting: the parent's environment at the call, and its stdout and stderr at
+#     the call (duplicated file descriptors, so output lands where the parent's would, a
+#     pytest capture included).  ``fn`` and ``args`` travel pickled and are unpickled after
+#     that, so a module that reads the environment when imported sees the parent's.  The
+#     server is multiprocessing's own, one per process: run_ranks sets its preload list.
+_PRELOAD = ["torch", "torch.distributed", "offload_ref.distributed.launch"]
+
+
+_START_METHODS = ("forkserver", "spawn")
+
+
+def _context(start_method: str) -> Any:
+    """The multiprocessing context of the ranks (Note [Forked from a server])."""
+    import multiprocessing
+
+    if start_method == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts, once per process
+    return ctx
+
+
+def _adopt(stdout: Any, stderr: Any, env: dict[str, str]) -> None:
+    """In the rank, while its arguments are unpickled: the parent's setting (_RankSetting)."""
+    for fd, dup in ((1, stdout), (2, stderr)):
+        own = dup.detach()
+        if own != fd:  # spawn passes the parent's own descriptors
+            os.dup2(own, fd)
+            os.close(own)
+    os.environ.clear()
+    os.environ.update(env)
+
+
+class _RankSetting:
+    """What a rank takes from its parent at the call (Note [Forked from a server]): pickles
+    as the parent's current environment and its stdout and stderr (duplicated for the child),
+    which the child adopts as it is unpickled."""
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing import reduction
+
+        return _adopt, (reduction.DupFd(1), reduction.DupFd(2), dict(os.environ))
 
 
 @dataclass(frozen=True)
@@ -77,10 +129,10 @@ def _check_importable(fn: Callable[..., Any]) -> None:
     if "<lambda>" in qualname or "<locals>" in qualname:
         raise TypeError(
             f"run_ranks: fn {where} is a lambda or a function defined inside another function; "
-            f"spawned ranks import fn by name, so it must be a module-level function of an "
+            f"the ranks import fn by name, so it must be a module-level function of an "
             f"importable module (e.g. offload_ref.distributed._selftest)")
     if module_name == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None):
-        raise TypeError(f"run_ranks: fn {where} lives in an interactive __main__, which spawned "
+        raise TypeError(f"run_ranks: fn {where} lives in an interactive __main__, which the "
                         f"ranks cannot import; move it to a module")
     try:
         module = sys.modules.get(module_name) or importlib.import_module(module_name)
@@ -92,13 +144,14 @@ def _check_importable(fn: Callable[..., Any]) -> None:
         found = getattr(found, part, None)
     if found is not fn:
         raise TypeError(f"run_ranks: {where} does not name fn in its module (a decorated or "
-                        f"rebound function?); spawned ranks would import something else")
+                        f"rebound function?); the ranks would import something else")
 
 
-def _rank_main(rank: int, world: int, fn: Callable[..., Any], args: tuple, store_path: str,
+def _rank_main(rank: int, world: int, setting: None, payload: bytes, store_path: str,
                result_path: str, backend: str, threads: int, timeout_s: float,
                collective_timeout_s: float) -> None:
-    """A spawned rank: process group up, ``fn``, result file, process group down."""
+    """A rank: the parent's setting (adopted while ``setting`` was unpickled), process group
+    up, ``fn``, result file, process group down."""
     import datetime
 
     import torch
@@ -108,6 +161,7 @@ def _rank_main(rank: int, world: int, fn: Callable[..., Any], args: tuple, store
                        "LOCAL_WORLD_SIZE": str(world)})
     outcome: tuple = ("ok",)
     try:
+        fn, args = pickle.loads(payload)
         from offload_ref.platform import simulated
 
         # before any process group: torch looks its accelerator hooks up once per process
@@ -159,28 +213,33 @@ def _read_result(path: Path) -> tuple | None:
 def run_ranks(fn: Callable[..., Any], world: int = 2, *, args: tuple = (),
               timeout_s: float = 120.0, backend: str = "gloo", threads: int = 1,
               workdir: str | os.PathLike | None = None,
-              collective_timeout_s: float | None = None) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` spawned ranks; their results, by rank.
+              collective_timeout_s: float | None = None,
+              start_method: str = "forkserver") -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` ranks, each a process of its own; their results, by rank.
 
     Raises :class:`LaunchError` naming every rank that raised (with the first traceback), died
     without a result, or was still running ``timeout_s`` after the start (killed).  ``workdir``
     holds the store and result files (a fresh temporary directory, removed after, by default).
     ``collective_timeout_s`` is the process group's timeout (default ``timeout_s``): a collective
     that a peer never matches raises after it, instead of waiting for the deadline.
+    ``start_method``: "forkserver" (ranks forked from a server with torch imported, Note [Forked
+    from a server]; spawn where the platform has no fork server) or "spawn" (a fresh interpreter
+    per rank, about 1.6 s of CPU more a rank).
     """
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"run_ranks: world must be an int >= 1, got {world!r}")
     if not timeout_s > 0:
         raise ValueError(f"run_ranks: timeout_s must be > 0, got {timeout_s!r}")
+    if start_method not in _START_METHODS:
+        raise ValueError(f"run_ranks: start_method must be one of {', '.join(_START_METHODS)}, "
+                         f"got {start_method!r}")
     _check_importable(fn)
     args = tuple(args)
     try:
-        pickle.dumps((fn, args))
+        payload = pickle.dumps((fn, args))
     except Exception as exc:
-        raise TypeError(f"run_ranks: fn and args must be picklable to reach the spawned ranks: "
+        raise TypeError(f"run_ranks: fn and args must be picklable to reach the ranks: "
                         f"{type(exc).__name__}: {exc}") from exc
-
-    import torch.multiprocessing as mp
 
     own_dir = workdir is None
     root = Path(tempfile.mkdtemp(prefix="offload_ref_ranks_") if own_dir else workdir)
@@ -189,14 +248,15 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *, args: tuple = (),
     results = [root / f"rank{r}.pkl" for r in range(world)]
     for path in (*results, Path(store_path)):
         path.unlink(missing_ok=True)
-    ctx = mp.get_context("spawn")
+    ctx = _context(start_method)
     start = time.monotonic()
     deadline = start + timeout_s
     procs = []
     try:
         for r in range(world):
             proc = ctx.Process(target=_rank_main, name=f"offload_ref-rank{r}", daemon=True,
-                               args=(r, world, fn, args, store_path, str(results[r]), backend,
+                               args=(r, world, _RankSetting(), payload, store_path,
+                                     str(results[r]), backend,
                                      threads, timeout_s,
                                      timeout_s if collective_timeout_s is None
                                      else collective_timeout_s))
