@@ -27,6 +27,14 @@ def pytest_configure(config):
     # named, each would build the simulated accelerator anew (35-45 s a test)
     os.environ.setdefault("OFFLOAD_REF_SIM_CACHE", str(simulated._cache_dir().parent))
     simulated.available()
+    # The catalogue's modules, imported once and for the whole session: an in-process pytester
+    # run (tests/test_kit_pytest.py) drops the modules it imported first when it ends, so a
+    # check module first imported there was imported anew by a later test, and registering its
+    # checks again replaced catalogue entries that test had patched (tests/test_kit_report.py's
+    # more_blocks_needed: its cases then ran as the unpatched checks, under pytest-xdist only).
+    from offload_ref.contracts.runner import load_catalogue
+
+    load_catalogue()
 
 
 def pytest_report_header(config):
