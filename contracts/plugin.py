@@ -308,6 +308,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         del session.config.stash[_FROZEN]
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before each test of a session whose plugin froze the heap, what earlier tests left alive
+    is frozen too (Note [Frozen heap] in runner.py)."""
+    if item.config.stash.get(_FROZEN, False):
+        from .runner import refreeze_heap
+
+        refreeze_heap()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not _runs_kit_checks(session.items):
         return

@@ -13,6 +13,7 @@ project's conftest pins it to 1 for this session, so the thread tests set anothe
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -241,6 +242,74 @@ def test_the_pytest_route_runs_placement_checks_on_although_the_module_imports_d
     # run, given back to the collector when the session ends
     assert _seen(result, "FROZEN-DURING") != "0", out
     assert _seen(result, "FROZEN-AFTER") == "0", out
+
+
+_KEEPS_OBJECTS_BETWEEN_TESTS = """
+from offload_ref.fixtures import get_spec
+
+OFFLOAD_REF_SPECS = [get_spec("flux2")]
+KEPT = []
+
+def test_offload(offload_ref_check):
+    offload_ref_check()
+
+
+def test_a_holds_objects():
+    import gc
+    KEPT.extend([] for _ in range(50_000))  # lists: objects the collector tracks
+    print("FROZEN-WHILE-KEEPING", gc.get_freeze_count())
+
+
+def test_b_later():
+    import gc
+    print("FROZEN-AFTER-KEEPING", gc.get_freeze_count())
+"""
+
+
+def test_what_earlier_tests_left_alive_is_frozen_before_the_next(pytester) -> None:
+    """Note [Frozen heap]: a session whose plugin froze the heap freezes again before each test,
+    so a collection walks what the current test made, not what earlier ones (or the imports
+    they made) keep alive."""
+    pytester.makepyfile(test_author=_KEEPS_OBJECTS_BETWEEN_TESTS)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-s",
+        "-k", "check_offloaded_output_matches_reference_bitwise or holds_objects or later")
+    result.assert_outcomes(passed=4)  # the check under both strategies, then the two tests
+    while_keeping = int(_seen(result, "FROZEN-WHILE-KEEPING"))
+    assert int(_seen(result, "FROZEN-AFTER-KEEPING")) >= while_keeping + 50_000, result.outlines
+
+
+_RUN_CHECKS_FREEZES_BETWEEN_CASES = """
+import gc
+from offload_ref.contracts.runner import RunObserver, run_checks
+from offload_ref.fixtures import get_spec
+
+KEPT = []
+seen = []
+
+class Watch(RunObserver):
+    def started(self, case_id):
+        seen.append(gc.get_freeze_count())
+        KEPT.extend([] for _ in range(20_000))
+
+run_checks([get_spec("flux2")], checks=["check_dotted_paths_resolve_nested_components",
+                                        "check_offloaded_output_matches_reference_bitwise"],
+           strategies=["layer_wise"], include_global=False, observer=Watch())
+print("FREEZE-COUNTS", seen, gc.get_freeze_count())
+"""
+
+
+def test_run_checks_freezes_what_its_cases_leave_alive_and_unfreezes_at_the_end(
+        pytester) -> None:
+    """Note [Frozen heap]: run_checks, where it froze the heap, freezes again before each case
+    and unfreezes everything at the end."""
+    result = pytester.run(sys.executable, "-c", _RUN_CHECKS_FREEZES_BETWEEN_CASES)
+    assert result.ret == 0, result.outlines
+    (line,) = [line for line in result.outlines if line.startswith("FREEZE-COUNTS")]
+    counts, after = re.fullmatch(r"FREEZE-COUNTS \[(\d+), (\d+)\] (\d+)", line).group(1, 2), \
+        int(line.rsplit(" ", 1)[1])
+    first, second = map(int, counts)
+    assert first > 0 and second >= first + 20_000 and after == 0, line
 
 
 def test_a_kit_session_inside_a_frozen_process_leaves_the_freeze_alone(pytester) -> None:
