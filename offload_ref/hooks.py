@@ -77,7 +77,10 @@ class HookRegistry:
     """Installs and removes named :class:`ModelHook` s; remembers what it installed."""
 
     def __init__(self) -> None:
-        self._installed: list[tuple[weakref.ref[nn.Module], str]] = []
+        # (id(module), name) -> (module, name), in installation order; a dict, so that removing
+        # one of n hooks costs O(1), not a rebuilt list (a failed enable's rollback removes
+        # them one by one)
+        self._installed: dict[tuple[int, str], tuple[weakref.ref[nn.Module], str]] = {}
         self._token = object()
 
     def register_hook(self, module: nn.Module, name: str, hook: ModelHook) -> None:
@@ -109,7 +112,7 @@ class HookRegistry:
             entry = _Entry(hook, tuple(handles), self._token, pre_id)
             # One line: listed in the table and in this registry together, the table stored
             # on the module if it is new (nothing half-registered if an exception comes first).
-            table[name] = entry; self._installed.append((weakref.ref(module), name)); module.__dict__.setdefault(HOOKS_ATTR, table)  # noqa: E702,E501
+            table[name] = entry; self._installed.pop(key := (id(module), name), None); self._installed[key] = (weakref.ref(module), name); module.__dict__.setdefault(HOOKS_ATTR, table)  # noqa: E702,E501
         except BaseException:
             for h in handles:
                 h.remove()
@@ -134,14 +137,15 @@ class HookRegistry:
         del table[name]
         if not table:
             del module.__dict__[HOOKS_ATTR]
-        self._installed = [
-            (ref, n) for ref, n in self._installed if not (ref() is module and n == name)
-        ]
+        key = (id(module), name)
+        mine = self._installed.get(key)
+        if mine is not None and mine[0]() is module:
+            del self._installed[key]
 
     def installed(self) -> list[tuple[nn.Module, str]]:
         """The hooks this registry installed that are still in place, in installation order."""
         out = []
-        for ref, name in self._installed:
+        for ref, name in self._installed.values():
             module = ref()
             if module is not None and name in module.__dict__.get(HOOKS_ATTR, {}):
                 out.append((module, name))
