@@ -238,7 +238,10 @@ def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     return tensors_equal(a, b, nan_equal=True)
 
 
-def snapshot(pipeline: nn.Module, *, values: bool = False) -> Snapshot:
+def snapshot(pipeline: nn.Module, *, values: bool = False, live: bool = False) -> Snapshot:
+    """What "nothing changed" means for ``pipeline`` now; ``values``: with every tensor's values,
+    cloned, or (``live``) the tensors themselves, detached: for a snapshot that is compared with
+    an earlier one at once and then dropped (no copy of every weight)."""
     tensors, vals = {}, {}
     for name, t in named_module_tensors(pipeline):
         if isinstance(t, nn.parameter.UninitializedTensorMixin):  # a lazy module before its run
@@ -248,7 +251,7 @@ def snapshot(pipeline: nn.Module, *, values: bool = False) -> Snapshot:
                          t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(),
                          t.requires_grad, t.is_inference())
         if values:
-            vals[name] = t.detach().clone()
+            vals[name] = t.detach() if live else t.detach().clone()
     _note_wrappers(pipeline, tensors)
     dict_keys = {path: tuple(sorted(d)) for path, d in _attribute_dicts(pipeline)}
     hooks = {}

@@ -134,7 +134,8 @@ class _Built:
     def problems(self) -> list[str]:
         """How the pipeline now differs from when it was built."""
         pipeline = self.pipeline
-        problems = self.snapshot.diff(snapshot(pipeline, values=self.values), pointers=False)
+        problems = self.snapshot.diff(snapshot(pipeline, values=self.values, live=True),
+                                      pointers=False)
         if storage_groups(pipeline) != self.groups:
             problems.append(f"storage sharing changed: {self.groups} -> "
                             f"{storage_groups(pipeline)}")
