@@ -404,6 +404,11 @@ def add_bench_parser(sub: Any) -> None:
                         "(h100-pcie, h200, rtx-4090, or key=value pairs over base=NAME): the "
                         "simulated accelerator's recorded stream order replayed on the model "
                         "(offload_ref/timeline.py), the same numbers on every run")
+    p.add_argument("--residency", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --model: also the table of resident blocks against deeper "
+                        "prefetch at equal device bytes, at its own copy-bound size (hidden "
+                        "512, 8 blocks, 1024 tokens; most of --model's time); --no-residency "
+                        "leaves it out")
     p.add_argument("--calibrate", action="store_true",
                    help="with --model: measure copy rates, matmul rates and launch cost on "
                         "--device (a GPU: cuda:N; hpu:0 calibrates the simulated device itself), "
@@ -507,13 +512,15 @@ def _cmd_bench_model(args: argparse.Namespace) -> int:
         print(f"offload-ref bench: error: {exc}", file=sys.stderr)
         return 2
     # Residency against deeper prefetch at equal device bytes, at its own copy-bound size.
-    results["residency"] = run_residency_bench(model, device=device, **RESIDENCY_SIZES)
+    if args.residency:
+        results["residency"] = run_residency_bench(model, device=device, **RESIDENCY_SIZES)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
         print(format_model_bench(results))
-        print()
-        print(format_residency_bench(results["residency"]))
+        if args.residency:
+            print()
+            print(format_residency_bench(results["residency"]))
     return 0
 
 

@@ -360,7 +360,7 @@ def _modeled_apart(model: DeviceModel, sizes: dict[str, int]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_REF_SIM"}
     env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "offload_ref.cli", "bench", "--model", text, "--json",
-           *(f"--{k}={v}" for k, v in sizes.items())]
+           "--no-residency", *(f"--{k}={v}" for k, v in sizes.items())]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the modeled table of {model.name} failed ({' '.join(cmd)}):\n"

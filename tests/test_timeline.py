@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -145,18 +143,22 @@ def test_idle_is_the_time_no_engine_is_busy() -> None:
 
 
 @needs_sim
-def test_the_cli_refuses_an_unknown_model_and_prints_the_table() -> None:
-    cmd = [sys.executable, "-m", "offload_ref.cli", "bench"]
-    bad = subprocess.run(cmd + ["--model", "h100"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "no model of that name" in bad.stderr, bad.stderr
-    both = subprocess.run(cmd + ["--model", "h200", "--peers"], capture_output=True, text=True)
-    assert both.returncode == 2 and "separate tables" in both.stderr, both.stderr
-    ok = subprocess.run(cmd + ["--model", "rtx-4090", "--hidden", "32", "--blocks", "2",
-                               "--tokens", "64"], capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
-    assert "offload_ref_layerwise" in ok.stdout and "x bound" in ok.stdout
-    assert "do not overlap" in ok.stdout  # the simulated streams are not timed
-    assert "At equal device bytes" in ok.stdout and "head/depth" in ok.stdout
+def test_the_cli_refuses_an_unknown_model_and_prints_the_table(capsys) -> None:
+    from offload_ref.cli import main
+
+    assert main(["bench", "--model", "h100"]) == 2
+    assert "no model of that name" in capsys.readouterr().err
+    assert main(["bench", "--model", "h200", "--peers"]) == 2
+    assert "separate tables" in capsys.readouterr().err
+    small = ["bench", "--model", "rtx-4090", "--hidden", "32", "--blocks", "2", "--tokens", "64"]
+    assert main(small) == 0
+    out = capsys.readouterr().out
+    assert "offload_ref_layerwise" in out and "x bound" in out
+    assert "do not overlap" in out  # the simulated streams are not timed
+    assert "At equal device bytes" in out and "head/depth" in out
+    assert main([*small, "--no-residency", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert "residency" not in r and "offload_ref_layerwise" in r["rows"], sorted(r)
 
 
 @needs_sim
