@@ -161,11 +161,12 @@ def _rank_main(rank: int, world: int, setting: None, payload: bytes, store_path:
                        "LOCAL_WORLD_SIZE": str(world)})
     outcome: tuple = ("ok",)
     try:
-        fn, args = pickle.loads(payload)
         from offload_ref.platform import simulated
 
-        # before any process group: torch looks its accelerator hooks up once per process
+        # before any process group: torch looks its accelerator hooks up once per process (and
+        # before the arguments, which may hold its tensors)
         simulated.available()
+        fn, args = pickle.loads(payload)
         torch.set_num_threads(threads)
         store = dist.FileStore(store_path, world)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
@@ -215,7 +216,8 @@ def run_ranks(fn: Callable[..., Any], world: int = 2, *, args: tuple = (),
               workdir: str | os.PathLike | None = None,
               collective_timeout_s: float | None = None,
               start_method: str = "forkserver") -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` ranks, each a process of its own; their results, by rank.
+    """``fn(rank, world, *args)`` on ``world`` ranks, each a process of its own; their results,
+    by rank.
 
     Raises :class:`LaunchError` naming every rank that raised (with the first traceback), died
     without a result, or was still running ``timeout_s`` after the start (killed).  ``workdir``
