@@ -306,9 +306,8 @@ def test_run_checks_freezes_what_its_cases_leave_alive_and_unfreezes_at_the_end(
     result = pytester.run(sys.executable, "-c", _RUN_CHECKS_FREEZES_BETWEEN_CASES)
     assert result.ret == 0, result.outlines
     (line,) = [line for line in result.outlines if line.startswith("FREEZE-COUNTS")]
-    counts, after = re.fullmatch(r"FREEZE-COUNTS \[(\d+), (\d+)\] (\d+)", line).group(1, 2), \
-        int(line.rsplit(" ", 1)[1])
-    first, second = map(int, counts)
+    first, second, after = map(
+        int, re.fullmatch(r"FREEZE-COUNTS \[(\d+), (\d+)\] (\d+)", line).groups())
     assert first > 0 and second >= first + 20_000 and after == 0, line
 
 

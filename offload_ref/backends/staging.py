@@ -257,7 +257,7 @@ class StagingPool:
         """On the staging worker: wait for the copy that last read slot ``p``, copy the block's
         spans from the file pages into it (through ``work`` when given: it checks the files
         first), record the slot's ``filled``."""
-        platform = self.platform
+        platform, slot = self.platform, self.slots[p]
         try:
             with platform.stream(self._stream):
                 self._after_reader(p)
@@ -269,11 +269,10 @@ class StagingPool:
                                     writes=[dst for dst, _ in views])
                 else:  # an accelerator: a host copy runs now, on this thread
                     work()
-                self.slots[p].filled.record(self._stream)
+                slot.filled.record(self._stream)
             self.stats.staging_bytes += sum(v.numel() * v.element_size() for v, _ in views)
         except BaseException as exc:  # noqa: BLE001 - raised in the thread that waits
             self._failure = exc
-        slot = self.slots[p]
         with self._lock:
             slot.done = max(slot.done, ticket)
             self._pending -= 1
