@@ -20,6 +20,7 @@ pytest.importorskip("diffusers", reason="the real-model conformance tests need d
 pytest.importorskip("transformers", reason="the real-model conformance tests need transformers")
 
 from offload_ref.contracts import CATALOGUE, parametrize_with_checks  # noqa: E402
+from offload_ref.contracts.checks.lifecycle import REPEATED_ENABLE_CHECKS  # noqa: E402
 from real_models import SPECS  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
 
 _BY_NAME = {s.name: s for s in SPECS}
@@ -44,18 +45,13 @@ def test_real_model_offload(offload_ref_check):
 
 # The other shapes (SD3 with skip-layer guidance, Wan's RoPE buffers) without the three costly
 # lifecycle checks that inject a fault at every enable step or cycle enable/disable 100 times:
-# those depend on the tensor count, not on the architecture, and run on the two specs above.
-_COSTLY = {
-    "check_cycles_do_not_grow_memory",
-    "check_failed_enable_restores_the_pipeline",
-    "check_failed_enable_releases_memory_and_chains_the_cause",
-}
+# those depend on the tensor count, not on the architecture, and run on the specs above.
 
 
 @parametrize_with_checks(
     [_BY_NAME["real_sd3_slg"], _BY_NAME["real_wan"], _BY_NAME["real_sdxl_style"]],
     checks=sorted(c for c, info in CATALOGUE.items()
-                  if info.scope != "global" and c not in _COSTLY),
+                  if info.scope != "global" and c not in REPEATED_ENABLE_CHECKS),
     expected_failures=OFFLOAD_REF_EXPECTED_FAILURES,
 )
 def test_real_model_offload_shapes(check):

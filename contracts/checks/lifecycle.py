@@ -23,6 +23,16 @@ from ..facts import (
 #: some single-process checks run it too, with a world of one).
 SINGLE_PROCESS = ("model_level", "layer_wise")
 
+#: The checks that repeat a whole enable many times over: a fault at every mutation step of
+#: enable (the two checks share one sweep) and 100 enable/disable cycles.  What they judge
+#: depends on the count of tensors and steps, not on the defect at hand: the kit's own mutants
+#: run them only where a mutant claims one (``Mutant.checks``).
+REPEATED_ENABLE_CHECKS = frozenset({
+    "check_failed_enable_restores_the_pipeline",
+    "check_failed_enable_releases_memory_and_chains_the_cause",
+    "check_cycles_do_not_grow_memory",
+})
+
 
 class InjectedFault(RuntimeError):
     """The fault the kit injects at one mutation step of enable."""

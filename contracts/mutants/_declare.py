@@ -63,16 +63,27 @@ class Mutant:
         """The checks of :attr:`sections`.  A mutant of offload-ref's internals runs the checks
         judged from outside (checks/observable.py) only where they are among its kills: the
         protocol mutants prove those checks can fail, and each such check on every internal
-        mutant would double the suite's time."""
+        mutant would double the suite's time.  For the same reason a mutant runs the checks
+        that repeat a whole enable (``REPEATED_ENABLE_CHECKS``: a fault at every step, 100
+        cycles; a third of a mutant's time) only where it claims one of them, and then the
+        checks it shares work with too (one fault sweep judges two): the mutants that claim
+        them prove that they can fail, and the correct backends on every fixture that they
+        pass."""
+        from ..checks.lifecycle import REPEATED_ENABLE_CHECKS
         from ..checks.observable import OBSERVABLE_CHECKS
         from ..runner import load_catalogue
 
-        ids = [i.id for i in load_catalogue().values()
+        catalogue = load_catalogue()
+        ids = [i.id for i in catalogue.values()
                if i.scope == "spec" and i.section.startswith(self.sections)
                and (not self.only or i.id in self.only)]
+        claimed = self.kills | self.placement_kills
         if self.impl.capabilities.internals:
-            claimed = self.kills | self.placement_kills
             ids = [i for i in ids if i not in OBSERVABLE_CHECKS or i in claimed]
+        shared = {catalogue[i].shares for i in claimed & REPEATED_ENABLE_CHECKS
+                  if i in catalogue and catalogue[i].shares}
+        ids = [i for i in ids if i not in REPEATED_ENABLE_CHECKS or i in claimed
+               or (catalogue[i].shares and catalogue[i].shares in shared)]
         return sorted(ids)
 
     def run(self) -> set[str]:
