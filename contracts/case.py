@@ -263,6 +263,15 @@ class CheckCase:
             self._built.append(weakref.ref(pipeline))
         except TypeError:  # an object that takes no weak reference: its tensors go unnamed
             pass
+        if self._components is None and self.strategy is not None:
+            # What :meth:`config` selects, read off the first pipeline as built, before the
+            # check holds it: a fresh build of its own for it was one more build per case.
+            # Reading declarations changes nothing; a pipeline it cannot read is left to
+            # config, which raises where it always did.
+            try:
+                self._components = selectable_components(pipeline, self.strategy)
+            except Exception:  # noqa: BLE001 - config() reads a fresh build and raises there
+                pass
         return pipeline
 
     def built_pipelines(self) -> list[Any]:
