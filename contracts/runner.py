@@ -522,6 +522,15 @@ def run_checks(
                            sources or {}, progress, observer or RunObserver(), set(skip))
 
 
+# Note [Rank batches last]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# The first case of a pipeline's section H starts its two-rank batch (Note [One spawn per batch]
+# in checks/distributed.py), a second or more each, and "check_allgather_..." sorts before every
+# other check: run in plan order, a run of the 13 fixtures spent its first 16 s on them (a first
+# use, the 16 s after the build) with its progress at 0%.  They run after every other case, in
+# plan order among themselves (a stable sort), so the progress moves from the first seconds.
+
+
 def _run_checks(specs: Sequence[PipelineSpec], checks: Iterable[str] | None,
                 strategies: Iterable[str] | None, impl: Implementation,
                 expected_failures: Mapping[str, str] | None, include_global: bool,
@@ -545,12 +554,7 @@ def _run_checks(specs: Sequence[PipelineSpec], checks: Iterable[str] | None,
     ids = [CaseId(c.info.id, c.spec.name if c.spec else None, c.strategy,
                   sources.get(c.spec) if c.spec else None, offloader_ref(impl)) for c in planned]
     todo = [(c, cid) for c, cid in zip(planned, ids) if str(cid) not in skip]
-    # Note [Rank batches last]: the first case of a pipeline's section H starts its two-rank
-    # batch (Note [One spawn per batch] in checks/distributed.py), a second or more each, and
-    # "check_allgather_..." sorts first: run in plan order, a run of the 13 fixtures spent its
-    # first 16 s (and a first use the minute after the build) on them with the progress at 0%.
-    # They run last, in plan order among themselves (a stable sort), so progress moves at once.
-    todo.sort(key=lambda item: item[0].info.section.startswith("H"))
+    todo.sort(key=lambda item: item[0].info.section.startswith("H"))  # Note [Rank batches last]
     observer.planned([r.id for r in results] + [cid for _, cid in todo])
     for result in results:
         observer.result(result)

@@ -24,9 +24,9 @@ from ..facts import (
 SINGLE_PROCESS = ("model_level", "layer_wise")
 
 #: The checks that repeat a whole enable many times over: a fault at every mutation step of
-#: enable (the two checks share one sweep) and 100 enable/disable cycles.  What they judge
-#: depends on the count of tensors and steps, not on the defect at hand: the kit's own mutants
-#: run them only where a mutant claims one (``Mutant.checks``).
+#: enable (the two checks share one sweep) and 100 enable/disable cycles.  Their cost grows with
+#: the pipeline's tensors and enable steps; the kit's own mutants run them only where a mutant
+#: claims one (``Mutant.checks``).
 REPEATED_ENABLE_CHECKS = frozenset({
     "check_failed_enable_restores_the_pipeline",
     "check_failed_enable_releases_memory_and_chains_the_cause",

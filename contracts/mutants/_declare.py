@@ -65,7 +65,7 @@ class Mutant:
         protocol mutants prove those checks can fail, and each such check on every internal
         mutant would double the suite's time.  For the same reason a mutant runs the checks
         that repeat a whole enable (``REPEATED_ENABLE_CHECKS``: a fault at every step, 100
-        cycles; a third of a mutant's time) only where it claims one of them, and then the
+        cycles; a fifth of the mutants' time) only where it claims one of them, and then the
         checks it shares work with too (one fault sweep judges two): the mutants that claim
         them prove that they can fail, and the correct backends on every fixture that they
         pass."""
