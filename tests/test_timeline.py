@@ -147,9 +147,8 @@ def test_the_cli_refuses_an_unknown_model_and_prints_the_table(capsys, monkeypat
     from offload_ref import bench_model
     from offload_ref.cli import main
 
-    # the residency table's own sizes (8 blocks of 8 MiB) cost seconds; its figures are
-    # asserted on in test_at_equal_device_bytes_residency_beats_deeper_prefetch_when_copies_dominate,
-    # its wiring here
+    # the residency table's own sizes (8 blocks of 8 MiB) cost seconds: its wiring is tested
+    # here, its figures by the test of residency against deeper prefetch below
     monkeypatch.setattr(bench_model, "RESIDENCY_SIZES", {"hidden": 32, "blocks": 6, "tokens": 64})
     assert main(["bench", "--model", "h100"]) == 2
     assert "no model of that name" in capsys.readouterr().err
