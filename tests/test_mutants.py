@@ -36,6 +36,16 @@ def test_every_pipeline_check_is_killed_by_some_mutant() -> None:
     assert ids <= killed, f"checks no mutant fails (they cannot be shown to fail): {sorted(ids - killed)}"
 
 
+def test_the_repeated_enable_checks_are_catalogue_checks_some_mutant_claims() -> None:
+    """Mutant.checks and the whole-kit tests leave out REPEATED_ENABLE_CHECKS by name: a name
+    that is no check would leave out nothing, and one no mutant claims would never run here."""
+    from offload_ref.contracts.checks.lifecycle import REPEATED_ENABLE_CHECKS
+
+    assert REPEATED_ENABLE_CHECKS <= set(load_catalogue())
+    for check in REPEATED_ENABLE_CHECKS:
+        assert any(check in m.checks() for m in MUTANTS), check
+
+
 def test_mutant_names_are_unique_and_described() -> None:
     names = [m.name for m in MUTANTS]
     assert len(names) == len(set(names))
