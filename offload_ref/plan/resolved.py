@@ -275,8 +275,9 @@ class ResolvedOffloadPlan:
         if self.delegated:
             lines.append("delegated to the pipeline's enable_omni_model_cpu_offload")
         for c in self.components:
-            flags = [c.role if c.kind == c.role else f"{c.role} ({c.kind})",
-                     "offloaded" if c.selected else "resident"]
+            # One level of parentheses: "encoder, kind text_encoder", not "encoder (text_encoder)".
+            flags = [c.role] if c.kind == c.role else [c.role, f"kind {c.kind}"]
+            flags.append("offloaded" if c.selected else "resident")
             if c.on_demand:
                 flags.append("on-demand")
             if c.nested:
