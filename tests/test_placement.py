@@ -90,6 +90,29 @@ def test_execution_device_is_the_backends_device_while_offloaded(strategy: str) 
     assert execution_device(pipeline) == torch.device("cpu")
 
 
+@needs_sim
+@pytest.mark.parametrize("strategy", ["model_level", "layer_wise"])
+def test_a_stock_diffusers_execution_device_is_the_device_while_offloaded(strategy: str) -> None:
+    """docs/model-authors.md §8: diffusers' own ``_execution_device`` (no accelerate hook) gives
+    the backend's device, because a component stays there (the VAE under model level)."""
+    pytest.importorskip("diffusers")
+    from offload_ref.fixtures.diffusers_dit import build_sd3
+
+    pipeline = build_sd3()
+    assert pipeline._execution_device == torch.device("cpu")
+    platform = CpuPlatform(device="hpu:0")
+    backend = get_offload_backend(OffloadConfig(strategy=strategy), platform=platform)
+    backend.enable(pipeline)
+    try:
+        assert pipeline._execution_device == torch.device("hpu", 0)
+        parked = [n for n, m in pipeline.components.items() if isinstance(m, nn.Module)
+                  and next(m.parameters()).device.type == "cpu"]
+        assert parked == (["text_encoder", "transformer"] if strategy == "model_level" else [])
+    finally:
+        backend.disable()
+        platform.close()
+
+
 @pytest.mark.parametrize("strategy", ["model_level", "layer_wise"])
 def test_the_kit_names_a_module_attached_during_a_call(strategy: str) -> None:
     """Before: the views check crashed with KeyError on the new tensor (issue 22, class 4)."""
