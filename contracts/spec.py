@@ -19,6 +19,19 @@ def _seeded(ref: str | Callable[..., Any], seed: int) -> Any:
                        f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', ref)}")
 
 
+def _silence_progress_bars(pipeline: Any) -> None:
+    """A diffusers pipeline draws a tqdm bar on stderr for every generation unless told not to;
+    the kit runs hundreds of generations, and the bars would bury its report and progress line.
+    Only the bar changes (diffusers' ``set_progress_bar_config(disable=True)``); a pipeline
+    without that method, or whose setter fails, is left as built."""
+    setter = getattr(pipeline, "set_progress_bar_config", None)
+    if callable(setter):
+        try:
+            setter(disable=True)
+        except Exception:  # noqa: BLE001 - a cosmetic setting never fails a case
+            pass
+
+
 @dataclass(frozen=True)
 class PipelineSpec:
     """A pipeline under test.
@@ -46,7 +59,10 @@ class PipelineSpec:
         object.__setattr__(self, "strategies", strategies)
 
     def build(self) -> Any:
-        return _seeded(self.factory, self.seed)
+        """A fresh pipeline from ``factory``, its progress bars off (``_silence_progress_bars``)."""
+        pipeline = _seeded(self.factory, self.seed)
+        _silence_progress_bars(pipeline)
+        return pipeline
 
     def make_inputs(self) -> dict[str, Any]:
         return dict(_seeded(self.inputs, self.seed))
