@@ -249,16 +249,22 @@ def _run_child(config: dict[str, Any], journal: Any) -> int:
 class _Progress:
     """One progress line on stderr while the kit runs: rewritten in place on a terminal, a line
     per tenth of the run otherwise (CI logs), and at least one every ``every`` seconds there
-    (a run whose first cases are long still shows it moves)."""
+    (a run whose first cases are long still shows it moves).  For the first ``early_for``
+    seconds after its first line a log gets one every ``early`` seconds instead: on first use
+    the build of the simulated accelerator takes most of the first minute, and the log should
+    show the run moving past 0% right after it."""
 
-    def __init__(self, stream: Any, every: float = 15.0) -> None:
+    def __init__(self, stream: Any, every: float = 15.0, *, early: float = 2.0,
+                 early_for: float = 30.0) -> None:
         self.stream = stream
         self.tty = bool(getattr(stream, "isatty", lambda: False)())
         self.failed = 0
         self.shown = -1
         self.width = 0
         self.every = every
+        self.early, self.early_for = early, early_for
         self.last = time.monotonic()
+        self.first: float | None = None  # when the first line was written
 
     def __call__(self, done: int, total: int, result: Any) -> None:
         self.failed += not result.ok
@@ -269,12 +275,17 @@ class _Progress:
             self.width = max(self.width, len(line))
             self.stream.write("\r" + line.ljust(self.width))
             self.stream.flush()
-        elif (10 * done // max(total, 1) > self.shown
-              or time.monotonic() - self.last >= self.every):
-            self.shown = 10 * done // max(total, 1)
-            self.last = time.monotonic()
-            self.stream.write(line + "\n")
-            self.stream.flush()
+        else:
+            now = time.monotonic()
+            early = self.first is None or now - self.first < self.early_for
+            if (10 * done // max(total, 1) > self.shown
+                    or now - self.last >= (self.early if early else self.every)):
+                self.shown = 10 * done // max(total, 1)
+                self.last = now
+                if self.first is None:
+                    self.first = now
+                self.stream.write(line + "\n")
+                self.stream.flush()
 
     def close(self) -> None:
         if self.tty and self.width:

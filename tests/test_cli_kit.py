@@ -274,3 +274,26 @@ def test_progress_in_a_log_moves_at_least_every_few_seconds(monkeypatch) -> None
     progress(100, 1000, result)  # a new tenth
     lines = stream.getvalue().splitlines()
     assert [line.split("]")[0] for line in lines] == ["[   1/1000", "[   3/1000", "[ 100/1000"]
+
+
+def test_progress_in_a_log_is_denser_in_its_first_seconds(monkeypatch) -> None:
+    """The first ``early_for`` seconds after the first line get a line every ``early`` seconds
+    (the first use's build takes most of the first minute: the log must show 0% passed right
+    after it), then every ``every`` seconds as before."""
+    import io
+    from types import SimpleNamespace
+
+    from offload_ref import cli
+
+    clock = [100.0]
+    monkeypatch.setattr(cli.time, "monotonic", lambda: clock[0])
+    stream = io.StringIO()
+    progress = cli._Progress(stream, every=15.0, early=2.0, early_for=30.0)
+    result = SimpleNamespace(ok=True, id=SimpleNamespace(spec="flux2", strategy="layer_wise",
+                                                         check="check_x"))
+    for done in range(1, 61):  # a case a second, all in the first tenth of 1000
+        progress(done, 1000, result)
+        clock[0] += 1
+    shown = [int(line.split("/")[0].strip("[ ")) for line in stream.getvalue().splitlines()]
+    # the first line, then one every 2 s while under 30 s after it, then one every 15 s
+    assert shown == [*range(1, 30, 2), 44, 59]
