@@ -565,3 +565,40 @@ def test_cosmos3_delegated_model_offload_matches_reference() -> None:
         pipe.disable_omni_model_cpu_offload()
     assert not pipe.transformer._offload_groups.enabled
     assert torch.equal(_run(pipe, spec), reference)
+
+
+_BUILD_THEN_ASK = """
+import torch
+from offload_ref.fixtures import SPECS, heavy, many_blocks
+from offload_ref.fixtures._common import local_seed
+from offload_ref.platform import simulated
+
+for spec in SPECS:
+    spec.build(); spec.make_inputs()
+heavy.build_pipeline(0); many_blocks.build_pipeline(0, 4)
+state = torch.random.get_rng_state()
+with local_seed(7):
+    a = torch.randn(3)
+assert torch.equal(torch.random.get_rng_state(), state), "local_seed left the CPU RNG moved"
+with local_seed(7):
+    assert torch.equal(torch.randn(3), a), "local_seed is not reproducible"
+print("loadable" if simulated.available() else simulated.unavailable_reason())
+"""
+
+
+def test_building_a_fixture_leaves_the_simulated_accelerator_loadable(tmp_path) -> None:
+    """A fixture built before ``get_offload_backend(device="cpu")`` (the README's example) must not
+    make torch look up its accelerator hooks (``torch.random.fork_rng`` does): the simulated
+    accelerator could no longer register, and the run would turn single-device."""
+    import os
+    import subprocess
+    import sys
+
+    from offload_ref.platform import simulated
+
+    if not simulated.available():
+        pytest.skip(f"the simulated accelerator is not available: {simulated.unavailable_reason()}")
+    proc = subprocess.run([sys.executable, "-c", _BUILD_THEN_ASK], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={**os.environ, "OFFLOAD_REF_SIM": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "loadable", proc.stdout + proc.stderr[-2000:]
