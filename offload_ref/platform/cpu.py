@@ -59,6 +59,7 @@ import torch
 
 from offload_ref.platform import _hostmem
 from offload_ref.platform._stream_failures import StreamWorkError, stream_failure
+from offload_ref.platform._storage import storage_device
 from offload_ref.platform.base import StreamOrderError, aligned_empty, fill_on_stream
 
 __all__ = ["CpuPlatform", "StreamWorkError"]
@@ -482,7 +483,7 @@ class CpuPlatform:
         # weights) lives on the simulated accelerator when it is available, so a host tensor
         # meeting a device weight is torch's same-device error, as on a GPU; ``device="cpu"``
         # keeps the single-device mode (host and device both "cpu").
-        self.device = _storage_device(device)
+        self.device = storage_device(device)
         self._device_type = self.device.type
         self.race_amplifier = race_amplifier
         self.max_delay_s = max_delay_s
@@ -950,27 +951,6 @@ class CpuPlatform:
                 dst[start:stop].copy_(src[start:stop])
 
         return copy
-
-
-def _storage_device(device: str | torch.device | None) -> torch.device:
-    """Where a CPU platform keeps device storage: ``device`` when given (``"cpu"``, or a
-    simulated accelerator device ``"hpu:N"``), else the simulated accelerator's ``hpu:0`` when it
-    is available, else the CPU (Note [Device storage on the simulated accelerator])."""
-    if device is None:
-        from offload_ref.platform import simulated
-
-        return simulated.device(0) if simulated.available() else torch.device("cpu")
-    parsed = torch.device(device)
-    if parsed.type == "cpu":
-        return torch.device("cpu")
-    if parsed.type == "hpu":
-        from offload_ref.platform import simulated
-
-        simulated.load()  # raises, saying why, when it cannot be loaded
-        return torch.device("hpu", parsed.index or 0)
-    raise ValueError(
-        f"CpuPlatform: device must be 'cpu' or a simulated accelerator device 'hpu:N', got "
-        f"{str(device)!r}")
 
 
 def _plain_copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], None]:
