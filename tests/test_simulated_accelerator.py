@@ -83,8 +83,11 @@ def test_autograd_through_sdpa_and_layer_norm_is_bit_exact() -> None:
 
 def test_host_tensor_meeting_a_device_weight_is_torchs_same_device_error() -> None:
     lin = nn.Linear(8, 4).to(DEV)
-    with pytest.raises(RuntimeError, match=SAME_DEVICE):
+    with pytest.raises(RuntimeError, match=SAME_DEVICE) as raised:
         lin(torch.randn(2, 8))
+    # the error says what to do: inputs on the execution device, or a host-only run
+    assert "offload_ref.execution_device(pipeline)" in str(raised.value)
+    assert "CpuPlatform(device='cpu') or OFFLOAD_REF_SIM=0" in str(raised.value)
     with pytest.raises(RuntimeError, match=SAME_DEVICE):
         torch.cat([torch.ones(2, device=DEV), torch.ones(2)])
     # CUDA's rules: a 0-dim host tensor and host indices are allowed
@@ -181,6 +184,40 @@ def test_unavailable_accelerator_falls_back_to_cpu_and_says_why() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert out == ["False", "OFFLOAD_REF_SIM=0 turns it off", "cpu"]
+
+
+_LATE = """
+import warnings
+import torch
+warnings.simplefilter("always")
+torch.accelerator.current_accelerator()  # torch looks up its accelerator hooks first
+from offload_ref import OffloadConfig, get_offload_backend
+from offload_ref.platform import CpuPlatform
+CpuPlatform(device="cpu")  # single-device, asked for: no warning
+backend = get_offload_backend(OffloadConfig(strategy="layer_wise"), device="cpu")  # line 9
+print(backend.platform.device)
+CpuPlatform()  # said once per process
+"""
+
+
+@pytest.mark.parametrize("sim", ["1", "0"])
+def test_a_cpu_platform_that_falls_back_to_single_device_says_so_once(sim: str) -> None:
+    """``device="cpu"`` means device storage on the simulated accelerator; when it cannot load
+    (here: torch looked up its accelerator hooks first), the run is single-device and placement
+    goes unchecked: a warning says why, at the caller's line, once; not when OFFLOAD_REF_SIM=0
+    asked for it."""
+    out = subprocess.run([sys.executable, "-c", _LATE], env={**os.environ, "OFFLOAD_REF_SIM": sim},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["cpu"], out.stdout
+    warned = [line for line in out.stderr.splitlines() if "RuntimeWarning" in line]
+    if sim == "0":
+        assert warned == [], out.stderr
+    else:
+        assert len(warned) == 1, out.stderr
+        assert warned[0].startswith("<string>:9: RuntimeWarning: offload-ref: host and device are "
+                                    "both 'cpu'"), warned
+        assert "looked up its HPU hooks" in warned[0] and "CpuPlatform(device='cpu')" in warned[0]
 
 
 def test_a_build_killed_mid_way_never_leaves_the_next_load_waiting(tmp_path) -> None:

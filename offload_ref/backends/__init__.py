@@ -43,6 +43,12 @@ def get_offload_backend(
     that is not available (``"cuda"`` on a CPU-only torch) raises RuntimeError rather than
     silently running without offload.  ``options`` go to the backend's constructor (the
     distributed layerwise backend takes ``process_group`` and ``timeout_s``).
+
+    ``device="cpu"`` keeps device storage on offload-ref's simulated accelerator (``hpu:0``,
+    compiled on first use), so host and device differ as on a GPU: inputs go to
+    :func:`offload_ref.execution_device`.  Where it cannot load, the run is host-only and a
+    ``RuntimeWarning`` says why; ``platform=CpuPlatform(device="cpu")`` (or
+    ``OFFLOAD_REF_SIM=0``) asks for a host-only run.
     """
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")

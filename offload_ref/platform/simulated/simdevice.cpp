@@ -2103,7 +2103,10 @@ bool allows_host_tensors(const c10::OperatorName& name) {
       << show(first) << " and " << show(other) << "! (when checking argument '" << argument
       << "' of " << op.schema().name();
   if (!op.schema().overload_name().empty()) out << "." << op.schema().overload_name();
-  out << "; hpu is offload-ref's simulated accelerator)";
+  // What the user can do about it: inputs on the execution device, or a host-only run.
+  out << "; hpu is offload-ref's simulated accelerator: move inputs to "
+      << "offload_ref.execution_device(pipeline), or run host-only with "
+      << "CpuPlatform(device='cpu') or OFFLOAD_REF_SIM=0)";
   TORCH_CHECK(false, out.str());
 }
 
