@@ -459,11 +459,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="keep only the selected pipelines of this name")
         p.add_argument("--strategy", action="append", default=[],
                        choices=[s.value for s in OffloadStrategy.served()]
-                       + (["auto"] if auto else []))
+                       + (["auto"] if auto else []),
+                       help="only this strategy (repeatable; default: every strategy each "
+                            "pipeline claims)" + ("; auto needs --device-budget" if auto else ""))
 
     p_check = sub.add_parser("check", help="run the conformance kit")
     selection(p_check)
-    p_check.add_argument("--check", action="append", default=[], metavar="ID")
+    p_check.add_argument("--check", action="append", default=[], metavar="ID",
+                         help="only this check (repeatable): its id, as --list and a "
+                              "report's rerun lines print it")
     p_check.add_argument("--list", action="store_true", help="list the check catalogue")
     p_check.add_argument("--offloader", metavar="MODULE:ATTR",
                          help="judge another offloader than offload-ref's backends: a factory "
