@@ -509,7 +509,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="timed generations per variant (default 5, interleaved)")
     p_peers.add_argument("--markdown", metavar="PATH", type=output_path,
                          help="write the page to PATH (docs/peers.md) instead of stdout")
-    p_peers.add_argument("--torch-threads", type=count(1, MAX_THREADS), default=1, metavar="N")
+    p_peers.add_argument("--torch-threads", type=count(1, MAX_THREADS), default=1, metavar="N",
+                         help="torch intra-op threads while judging (default 1)")
     p_peers.set_defaults(func=_cmd_peers)
 
     from offload_ref.bench import add_bench_parser

@@ -207,7 +207,8 @@ def add_trace_parser(sub: Any, selection: Callable[[argparse.ArgumentParser], No
                    help="layerwise: trace a second generation with prefetch off (written next "
                         "to -o as NAME.no-prefetch.json); --png draws it below the first")
     p.add_argument("--device", default="cpu", type=device, help="cpu (default) or cuda[:N]")
-    p.add_argument("--torch-threads", type=count(1, MAX_THREADS), default=1, metavar="N")
+    p.add_argument("--torch-threads", type=count(1, MAX_THREADS), default=1, metavar="N",
+                   help="torch intra-op threads while tracing (default 1)")
     p.set_defaults(func=_cmd_trace)
 
 

@@ -41,3 +41,17 @@ def test_a_folder_given_as_an_output_file_is_refused(capsys, tmp_path) -> None:
         main(["check", "--json", str(tmp_path)])
     assert exited.value.code == 2
     assert f"{tmp_path} is a folder, not a file" in capsys.readouterr().err
+
+
+def test_every_option_of_every_command_has_help_text() -> None:
+    """``offload-ref X --help`` explains every option (issue 36: some printed a bare name)."""
+    import argparse
+
+    from offload_ref.cli import _parser
+
+    parser = _parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    bare = [f"{name} {'/'.join(action.option_strings) or action.dest}"
+            for name, command in sub.choices.items() for action in command._actions
+            if not isinstance(action, argparse._HelpAction) and not action.help]
+    assert bare == []
