@@ -6,7 +6,7 @@ bit-exactly.  A host tensor meeting one of its tensors raises torch's same-devic
 GPU, so placement bugs show on a CPU-only machine.  It takes torch's in-tree ``hpu`` device type:
 ``torch.device("hpu:0")`` is the simulated device 0.
 
-It is compiled on first use with ``torch.utils.cpp_extension.load`` (g++ and ninja; about 30-50 s
+It is compiled on first use with ``torch.utils.cpp_extension.load`` (g++ and ninja; about 30-60 s
 cold) into a cache keyed by the torch version and the source's hash, then loads in milliseconds.
 When it cannot be built or loaded (no compiler, a real HPU plugin owns the device type, or
 ``OFFLOAD_REF_SIM=0``), :func:`available` is False and :func:`unavailable_reason` says why; nothing
@@ -283,7 +283,7 @@ def _built_extension() -> ModuleType:
             from torch.utils import cpp_extension
 
             _say(f"compiling the simulated accelerator (once for this source and torch "
-                 f"version, about 40-60 s on 2 cores) into {folder} ...")
+                 f"version, about 30-60 s on 2 cores) into {folder} ...")
             start = time.monotonic()
             built = cpp_extension.load(
                 name=_NAME,
