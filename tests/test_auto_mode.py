@@ -256,3 +256,19 @@ def test_the_kit_auto_check_passes_a_pipeline_that_holds_nothing_before_its_firs
     results = run_checks([spec], checks=["check_auto_mode_measured_peak_never_exceeds_the_budget"],
                          include_global=False)
     assert results and all(r.ok for r in results), [(r.outcome, r.message[:300]) for r in results]
+
+
+def test_a_rejected_budget_suggests_declaring_blocks_only_where_layerwise_did_not_resolve(
+) -> None:
+    """sd3 declares its DiT's blocks; its layerwise plan predicts more than model level's, so
+    the fix is the budget, not a declaration it already has."""
+    def cand(name, predicted):
+        return AutoCandidate(name, OffloadConfig(), predicted, "" if predicted else "no")
+
+    with pytest.raises(OffloadTopologyError) as declared:
+        choose_auto([cand("none", 100), cand("model_level", 60), cand("layer_wise", 70)], 50)
+    assert "declare the DiT's blocks" not in str(declared.value)
+    assert "layerwise already streams the DiT's blocks and predicts 70 bytes" in str(declared.value)
+    with pytest.raises(OffloadTopologyError) as undeclared:
+        choose_auto([cand("none", 100), cand("model_level", 60), cand("layer_wise", None)], 50)
+    assert "declare the DiT's blocks" in str(undeclared.value)

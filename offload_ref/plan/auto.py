@@ -156,9 +156,14 @@ def choose_auto(candidates: Iterable[AutoCandidate], budget: int) -> AutoCandida
     best = min(feasible, key=lambda c: c.predicted)
     weighed = "; ".join(f"{c.name} {c.predicted}" if c.predicted is not None
                         else f"{c.name} not achievable" for c in candidates)
-    if best.name in ("none", "model_level"):
+    layerwise = next((c for c in candidates if c.name == "layer_wise"), None)
+    if best.name in ("none", "model_level") and (layerwise is None or layerwise.predicted is None):
         fix = ("raise the budget, or declare the DiT's blocks (_layerwise_offload_blocks_attrs "
                "or OffloadPlan.block_attrs) so layerwise can stream them")
+    elif best.name in ("none", "model_level"):  # layerwise resolves, and needs more here
+        fix = (f"raise the budget: layerwise already streams the DiT's blocks and predicts "
+               f"{layerwise.predicted} bytes, more than {best.name}'s {best.predicted} (its "
+               f"slots and the DiT's non-block state outweigh what {best.name} keeps)")
     elif best.name == "layer_wise":
         fix = ("raise the budget, or declare the encoders' blocks "
                "(OffloadPlan.encoder_block_attrs) so layerwise streams them too")
