@@ -30,7 +30,7 @@ Note [Per-block overhead]
     per-block overhead = (layerwise step - resident step) / blocks on a DiT of many tiny blocks
     (``offload_ref.fixtures.many_blocks``: 64 x ``nn.Linear(8, 8)``, batch 1), where compute is a
     few microseconds, so the difference is the offloader's host work per block.  Reported on the
-    inline-stream platform (``InlinePlatform``: the ring's own Python work, hooks, predictor,
+    inline platform (``InlinePlatform``: the ring's own Python work, hooks, predictor,
     rebinds, calls into streams and events, which is what also costs on CUDA) and on the CPU
     platform (plus its copy worker and stream-order checker; race amplifier off).  Each figure
     comes in wall time and in the calling thread's CPU time: on a loaded shared machine the
@@ -360,7 +360,7 @@ def format_table(results: dict[str, Any]) -> str:
           f"memory ({e['fresh_copy_s'] * 1e3:.1f} ms); the floor (Note [Enable floor]) is "
           f"{e['floor_s'] * 1e3:.1f} ms = {e['floor_ratio']:.2f} x one memcpy, and enable is "
           f"{e['over_floor']:.2f} x the floor" for name, e in results["enable"].items()),
-        f"per-block host overhead, 64 tiny blocks (Note [Per-block overhead]): inline-stream "
+        f"per-block host overhead, 64 tiny blocks (Note [Per-block overhead]): inline "
         f"platform {lw['per_block_overhead_us']:.1f} µs wall / "
         f"{lw['per_block_overhead_cpu_us']:.1f} µs thread CPU; CPU platform "
         f"{lw['per_block_overhead_cpu_platform_us']:.1f} µs wall / "
@@ -826,7 +826,7 @@ def _enable_layerwise(pipes: dict[str, Any], platforms: dict[str, Any], backends
 def per_block_overhead(*, blocks: int = 64, tensors_per_block: int = 1, repeats: int = 30,
                        ) -> dict[str, dict[str, float]]:
     """Layerwise host overhead per block on a DiT of many tiny blocks (Note [Per-block
-    overhead]): on the inline-stream platform (the ring's own Python work) and on the CPU
+    overhead]): on the inline platform (the ring's own Python work) and on the CPU
     platform (with its copy worker, stream-order checker on, race amplifier off)."""
     from offload_ref.fixtures.many_blocks import make_input
 

@@ -55,3 +55,15 @@ def test_every_option_of_every_command_has_help_text() -> None:
             for name, command in sub.choices.items() for action in command._actions
             if not isinstance(action, argparse._HelpAction) and not action.help]
     assert bare == []
+
+
+def test_trace_help_says_it_traces_one_pipeline_under_one_strategy() -> None:
+    import argparse
+
+    from offload_ref.cli import _parser
+
+    (sub,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    helps = {a.option_strings[0]: a.help for a in sub.choices["trace"]._actions
+             if a.option_strings}
+    assert "exactly one" in helps["--pipeline"] and "default: all" not in helps["--pipeline"]
+    assert "once" in helps["--strategy"] and "repeatable" not in helps["--strategy"]

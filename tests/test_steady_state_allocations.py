@@ -1,7 +1,7 @@
 """Layerwise steady state allocates nothing per block (issue 12): after warm-up, a forward of a
 many-block DiT under layerwise offload creates exactly as many new tensor storages as the same
 forward of the resident model (the model's own activations), on the CPU platform (copy worker)
-and on the inline-stream platform."""
+and on the inline platform."""
 
 from __future__ import annotations
 

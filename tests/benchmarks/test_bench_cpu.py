@@ -72,7 +72,7 @@ def many_blocks_reference() -> torch.Tensor:
 @pytest.mark.parametrize("variant", PEERS)
 def test_many_blocks_step_side_by_side(benchmark, variant: str,
                                        many_blocks_reference: torch.Tensor) -> None:
-    """One forward of a DiT of 64 tiny blocks: offload-ref layerwise (inline-stream and CPU
+    """One forward of a DiT of 64 tiny blocks: offload-ref layerwise (inline and CPU
     platform) against diffusers' block-level group offloading and accelerate's cpu_offload hooks,
     both onloading to the CPU (so their cost over ``resident`` is their host overhead).  Same
     model, weights and input; each variant's output is checked bitwise."""
