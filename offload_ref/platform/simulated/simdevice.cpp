@@ -2807,8 +2807,9 @@ std::string init(int64_t device_count) {
     // torch creates its HPU hooks once, on first use: something asked for them (a
     // torch.accelerator call, a process group) before this registration.
     return "torch had already looked up its HPU hooks in this process before the simulated "
-           "accelerator loaded (a torch.accelerator call or a process group came first); load it "
-           "first: offload_ref.platform.simulated.load() at the start of the process";
+           "accelerator loaded (a torch.accelerator call, a process group, "
+           "torch.random.fork_rng or importing diffusers came first); load it first: "
+           "offload_ref.platform.simulated.load() at the start of the process";
   }
   register_ops();
   install_crash_handler();
