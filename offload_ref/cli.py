@@ -3,14 +3,20 @@
     offload-ref check [MODULE:ATTR]... [--pipeline NAME]... [--spec MODULE:ATTR]...
                       [--inputs MODULE:ATTR] [--name NAME]... [--check ID]...
                       [--strategy S]... [--offloader MODULE:ATTR] [--list] [--json PATH]
+                      [--torch-threads N] [--single-device]
     offload-ref plan  [MODULE:ATTR]... [--pipeline NAME]... [--spec MODULE:ATTR]...
                       [--inputs MODULE:ATTR] [--name NAME]... [--strategy S]...
                       [--strategy auto --device-budget N]
     offload-ref bench [--hidden N] [--blocks N] [--tokens N] [--steps N] [--repeats N]
                       [--device D] [--peers] [--growth] [--spec MODULE:ATTR] [--json]
+                      [--model NAME|key=value,... [--no-residency] [--calibrate]]
     offload-ref trace [--pipeline NAME | --spec MODULE:ATTR] [--strategy S] -o TRACE.json
-                      [--no-prefetch] [--png TIMELINE.png]
+                      [--no-prefetch] [--png TIMELINE.png] [--compare-no-prefetch]
+                      [--stall-ms MS] [--device D] [--torch-threads N]
     offload-ref peers [--peer NAME]... [--pipeline NAME]... [--markdown docs/peers.md]
+                      [--perf-pipeline NAME] [--repeats N] [--torch-threads N]
+
+``offload-ref COMMAND --help`` explains every option of a command.
 
 Exit status: 0 when everything holds (check: every case passed, failed as expected or does not
 apply; plan: every selected plan resolves), 1 when something does not, 2 for a bad argument, 130

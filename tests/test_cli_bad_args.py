@@ -67,3 +67,19 @@ def test_trace_help_says_it_traces_one_pipeline_under_one_strategy() -> None:
              if a.option_strings}
     assert "exactly one" in helps["--pipeline"] and "default: all" not in helps["--pipeline"]
     assert "once" in helps["--strategy"] and "repeatable" not in helps["--strategy"]
+
+
+def test_the_top_level_synopsis_names_every_option() -> None:
+    """``offload-ref --help`` lists each command with its options; a new option must join it."""
+    import argparse
+    import re
+
+    from offload_ref import cli
+
+    (sub,) = [a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [f"{name} {action.option_strings}" for name, command in sub.choices.items()
+               for action in command._actions
+               if action.option_strings and not isinstance(action, argparse._HelpAction)
+               and not any(re.search(re.escape(o) + r"(?![\w-])", cli.__doc__)
+                           for o in action.option_strings)]
+    assert missing == []
