@@ -448,14 +448,19 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def selection(p: argparse.ArgumentParser, auto: bool = False) -> None:
+    def selection(p: argparse.ArgumentParser, auto: bool = False, one: str | None = None,
+                  also: str = "") -> None:
+        """The pipeline and strategy options; ``one``: the verb of a command that takes exactly
+        one pipeline and one strategy (trace), ``also`` what it adds to the fixtures."""
         p.add_argument("refs", nargs="*", default=[], metavar="MODULE:ATTR",
                        help="your own pipeline: a PipelineSpec, a list or tuple of them, or a "
                             "factory (a callable taking no arguments or seed=) whose pipeline "
                             "is called with the keyword arguments of --inputs; found in the "
                             "current folder or on sys.path")
         p.add_argument("--pipeline", action="append", default=[],
-                       help="a built-in fixture name (default: all, unless MODULE:ATTR is given)")
+                       help="a built-in fixture name (default: all, unless MODULE:ATTR is given)"
+                       if one is None else f"the built-in fixture to {one}{also}; name exactly "
+                                           "one pipeline, here or as MODULE:ATTR")
         p.add_argument("--spec", action="append", default=[], metavar="MODULE:ATTR",
                        help="the same as a positional MODULE:ATTR")
         p.add_argument("--inputs", metavar="MODULE:ATTR",
@@ -466,8 +471,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--strategy", action="append", default=[],
                        choices=[s.value for s in OffloadStrategy.served()]
                        + (["auto"] if auto else []),
-                       help="only this strategy (repeatable; default: every strategy each "
-                            "pipeline claims)" + ("; auto needs --device-budget" if auto else ""))
+                       help=("only this strategy (repeatable; default: every strategy each "
+                             "pipeline claims)" + ("; auto needs --device-budget" if auto else ""))
+                       if one is None else (f"the strategy to {one}, once (default: layer_wise "
+                                            "where the pipeline claims it, else its first)"))
 
     p_check = sub.add_parser("check", help="run the conformance kit")
     selection(p_check)

@@ -193,14 +193,7 @@ def add_trace_parser(sub: Any, selection: Callable[[argparse.ArgumentParser], No
                                      "(and --png, a timeline picture)")
     from ._cli_types import MAX_THREADS, count, device, output_path
 
-    selection(p)
-    for action in p._actions:  # trace runs one pipeline under one strategy
-        if "--pipeline" in action.option_strings:
-            action.help = (f"the built-in fixture to trace ({_HEAVY} included); name exactly one "
-                           "pipeline, here or as MODULE:ATTR")
-        elif "--strategy" in action.option_strings:
-            action.help = ("the strategy to trace, once (default: layer_wise where the pipeline "
-                           "claims it, else its first)")
+    selection(p, one="trace", also=f" ({_HEAVY} included)")  # one pipeline, one strategy
     p.add_argument("-o", "--output", required=True, metavar="TRACE.json", type=output_path,
                    help="where to write the Chrome trace (Perfetto, chrome://tracing)")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,

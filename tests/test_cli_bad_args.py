@@ -43,27 +43,29 @@ def test_a_folder_given_as_an_output_file_is_refused(capsys, tmp_path) -> None:
     assert f"{tmp_path} is a folder, not a file" in capsys.readouterr().err
 
 
-def test_every_option_of_every_command_has_help_text() -> None:
-    """``offload-ref X --help`` explains every option (issue 36: some printed a bare name)."""
-    import argparse
 
-    from offload_ref.cli import _parser
-
-    parser = _parser()
-    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    bare = [f"{name} {'/'.join(action.option_strings) or action.dest}"
-            for name, command in sub.choices.items() for action in command._actions
-            if not isinstance(action, argparse._HelpAction) and not action.help]
-    assert bare == []
-
-
-def test_trace_help_says_it_traces_one_pipeline_under_one_strategy() -> None:
+def _commands() -> dict:
+    """Each command's parser, by name (the help tests below read them)."""
     import argparse
 
     from offload_ref.cli import _parser
 
     (sub,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    helps = {a.option_strings[0]: a.help for a in sub.choices["trace"]._actions
+    return sub.choices
+
+
+def test_every_option_of_every_command_has_help_text() -> None:
+    """``offload-ref X --help`` explains every option (issue 36: some printed a bare name)."""
+    import argparse
+
+    bare = [f"{name} {'/'.join(action.option_strings) or action.dest}"
+            for name, command in _commands().items() for action in command._actions
+            if not isinstance(action, argparse._HelpAction) and not action.help]
+    assert bare == []
+
+
+def test_trace_help_says_it_traces_one_pipeline_under_one_strategy() -> None:
+    helps = {a.option_strings[0]: a.help for a in _commands()["trace"]._actions
              if a.option_strings}
     assert "exactly one" in helps["--pipeline"] and "default: all" not in helps["--pipeline"]
     assert "once" in helps["--strategy"] and "repeatable" not in helps["--strategy"]
@@ -76,8 +78,7 @@ def test_the_top_level_synopsis_names_every_option() -> None:
 
     from offload_ref import cli
 
-    (sub,) = [a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    missing = [f"{name} {action.option_strings}" for name, command in sub.choices.items()
+    missing = [f"{name} {action.option_strings}" for name, command in _commands().items()
                for action in command._actions
                if action.option_strings and not isinstance(action, argparse._HelpAction)
                and not any(re.search(re.escape(o) + r"(?![\w-])", cli.__doc__)

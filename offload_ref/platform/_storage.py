@@ -16,9 +16,9 @@ def storage_device(device: str | torch.device | None) -> torch.device:
     """Where a CPU platform keeps device storage: ``device`` when given (``"cpu"``, or a
     simulated accelerator device ``"hpu:N"``), else the simulated accelerator's ``hpu:0`` when it
     is available, else the CPU (Note [Device storage on the simulated accelerator])."""
-    if device is None:
-        from offload_ref.platform import simulated
+    from offload_ref.platform import simulated
 
+    if device is None:
         if simulated.available():
             return simulated.device(0)
         _warn_single_device(simulated.unavailable_reason() or "")
@@ -27,8 +27,6 @@ def storage_device(device: str | torch.device | None) -> torch.device:
     if parsed.type == "cpu":
         return torch.device("cpu")
     if parsed.type == "hpu":
-        from offload_ref.platform import simulated
-
         simulated.load()  # raises, saying why, when it cannot be loaded
         return torch.device("hpu", parsed.index or 0)
     raise ValueError(
