@@ -78,7 +78,7 @@ def _child(variant: str, forwards: int, device: str | None) -> None:
         backend = getattr(peers, variant)(torch.device(device), "layer_wise")
         backend.enable(pipe)
     elif variant == "layerwise":
-        platform = InlinePlatform() if device is None else get_platform(device)
+        platform = InlinePlatform(device="cpu") if device is None else get_platform(device)
         backend = LayerWiseOffloadBackend(OffloadConfig(strategy=OffloadStrategy.LAYER_WISE),
                                           platform)
         backend.enable(pipe)
