@@ -8,6 +8,9 @@ variant, and prints the instructions per block above the resident model:
 
 * ``hooks``: no-op forward pre- and post-hooks on every block and a no-op pre-hook on its
   ``nn.Linear`` (what torch's hook dispatch alone costs for the hooks layerwise installs);
+* ``floor``: those hooks doing only the work no layerwise offloader with offload-ref's guarantees
+  can skip (Note [Per-block floor] in ``offload_ref/bench_floor.py``: one copy, four rebinds,
+  the guarded parameter class); layerwise's count above it is its own bookkeeping;
 * ``layerwise``: offload-ref layerwise on the inline-stream platform (Note [Per-block overhead]
   in ``offload_ref/bench.py``), or with ``--device hpu:0`` on the accelerator platform over the
   simulated accelerator (the code a GPU runs; the resident model there too, stream checking
@@ -31,7 +34,7 @@ import sys
 import tempfile
 
 BLOCKS = 64
-VARIANTS = ("resident", "hooks", "layerwise")
+VARIANTS = ("resident", "hooks", "floor", "layerwise")
 PEERS = ("diffusers_group_offload_block", "accelerate_cpu_offload")
 
 
@@ -72,6 +75,10 @@ def _child(variant: str, forwards: int, device: str | None) -> None:
             block.register_forward_pre_hook(pre, with_kwargs=True)
             block.register_forward_hook(post, with_kwargs=True, always_call=True)
             block.fc.register_forward_pre_hook(pre, with_kwargs=True)
+    elif variant == "floor":
+        from offload_ref.bench_floor import floor_hooks
+
+        floor_hooks(list(pipe.transformer.blocks))
     elif variant in PEERS:
         from offload_ref import peers
 

@@ -38,7 +38,12 @@ Note [Per-block overhead]
     thread CPU time.  Variants are timed round-robin; each sample times five back-to-back
     forwards and then synchronizes the variant's own platform only (a CPU platform's
     synchronize wakes its worker thread, whose latency would otherwise enter every variant's
-    time as noise).  ``--peers`` (offload_ref/bench_peers.py, Note [Fair peers]) measures
+    time as noise).  The inline platform is timed beside the resident model and the floor
+    (Note [Per-block floor] in bench_floor.py: what any offloader with these guarantees pays
+    per block), the CPU platform in a round-robin of its own beside the resident model: its
+    forwards take twenty times longer, on two threads, and timed in the same round-robin they
+    left the caches cold for the variant after them (the inline figure came out 1.5-2 µs per
+    block higher on an Intel Xeon VM).  ``--peers`` (offload_ref/bench_peers.py, Note [Fair peers]) measures
     offload-ref beside diffusers' and accelerate's offloaders, every one copying to a device.
 
 Note [Bench device]
@@ -219,6 +224,8 @@ def run_bench(*, hidden: int = 512, blocks: int = 8, tokens: int = 256, steps: i
         overhead = per_block_overhead(repeats=max(repeats, 50))
         lw["per_block_overhead_us"] = overhead["inline"]["per_block_overhead_us"]
         lw["per_block_overhead_cpu_us"] = overhead["inline"]["per_block_overhead_cpu_us"]
+        lw["per_block_floor_us"] = overhead["floor"]["per_block_overhead_us"]
+        lw["per_block_floor_cpu_us"] = overhead["floor"]["per_block_overhead_cpu_us"]
         lw["per_block_overhead_cpu_platform_us"] = overhead["cpu"]["per_block_overhead_us"]
         lw["per_block_overhead_cpu_platform_cpu_us"] = \
             overhead["cpu"]["per_block_overhead_cpu_us"]
@@ -362,7 +369,8 @@ def format_table(results: dict[str, Any]) -> str:
           f"{e['over_floor']:.2f} x the floor" for name, e in results["enable"].items()),
         f"per-block host overhead, 64 tiny blocks (Note [Per-block overhead]): inline "
         f"platform {lw['per_block_overhead_us']:.1f} µs wall / "
-        f"{lw['per_block_overhead_cpu_us']:.1f} µs thread CPU; CPU platform "
+        f"{lw['per_block_overhead_cpu_us']:.1f} µs thread CPU (floor, Note [Per-block floor]: "
+        f"{lw['per_block_floor_us']:.1f} / {lw['per_block_floor_cpu_us']:.1f}); CPU platform "
         f"{lw['per_block_overhead_cpu_platform_us']:.1f} µs wall / "
         f"{lw['per_block_overhead_cpu_platform_cpu_us']:.1f} µs thread CPU",
         f"two-thread parallel speedup of this machine: "
@@ -826,15 +834,18 @@ def _enable_layerwise(pipes: dict[str, Any], platforms: dict[str, Any], backends
 def per_block_overhead(*, blocks: int = 64, tensors_per_block: int = 1, repeats: int = 30,
                        ) -> dict[str, dict[str, float]]:
     """Layerwise host overhead per block on a DiT of many tiny blocks (Note [Per-block
-    overhead]): on the inline platform (the ring's own Python work) and on the CPU
-    platform (with its copy worker, stream-order checker on, race amplifier off)."""
+    overhead]): on the inline platform (the ring's own Python work) beside the floor (Note
+    [Per-block floor] in bench_floor.py), and on the CPU platform (with its copy worker,
+    stream-order checker on, race amplifier off) in a run of its own."""
     from offload_ref.fixtures.many_blocks import make_input
 
+    from .bench_floor import floor_hooks
     from .platform.inline import InlinePlatform
 
     x = make_input(0)
     pipes = {name: _many_blocks(blocks, tensors_per_block)
-             for name in ("resident", "inline", "cpu")}
+             for name in ("resident", "floor", "inline", "cpu")}
+    floor_hooks(list(pipes["floor"].transformer.blocks))
     platforms = {"inline": InlinePlatform(device="cpu"), "cpu": _bench_platform()}
     backends: list[Any] = []
     try:
@@ -843,7 +854,12 @@ def per_block_overhead(*, blocks: int = 64, tensors_per_block: int = 1, repeats:
         syncs = {name: platform.synchronize for name, platform in platforms.items()}
         with torch.inference_mode():
             fns = {name: (lambda p=p: p.transformer(x)) for name, p in pipes.items()}
-            return _overhead_row(fns, blocks, repeats, syncs, calls=_CALLS_PER_SAMPLE)
+            out = _overhead_row({n: fns[n] for n in ("resident", "floor", "inline")}, blocks,
+                                repeats, syncs, calls=_CALLS_PER_SAMPLE)
+            cpu = _overhead_row({n: fns[n] for n in ("resident", "cpu")}, blocks, repeats, syncs,
+                                calls=_CALLS_PER_SAMPLE)
+        out["cpu"] = cpu["cpu"]
+        return out
     finally:
         for backend in backends:
             backend.disable()

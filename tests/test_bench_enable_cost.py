@@ -34,6 +34,7 @@ def test_table_prints_both_ratios() -> None:
                  "concurrent_bound_s": 0.01, "overlap_vs_concurrent": 1.0,
                  "serial_vs_concurrent": 1.0,
                  "per_block_overhead_us": 1.0, "per_block_overhead_cpu_us": 1.0,
+                 "per_block_floor_us": 0.5, "per_block_floor_cpu_us": 0.25,
                  "per_block_overhead_cpu_platform_us": 1.0,
                  "per_block_overhead_cpu_platform_cpu_us": 1.0}
     results = {
@@ -48,6 +49,7 @@ def test_table_prints_both_ratios() -> None:
         "enable": enable,
     }
     table = format_table(results)
+    assert "1.0 µs thread CPU (floor, Note [Per-block floor]: 0.5 / 0.2)" in table
     assert "do not overlap" not in table
     results["machine"]["streams_overlap"] = False
     assert "streams do not overlap" in format_table(results)
