@@ -1,0 +1,88 @@
+"""J.6 judges an offloader that serves a second thread against the pipeline serving the same two
+calls with no offloader (found by an outside engine author: an offloader with no hooks at all
+failed J.6 on the SD3 pipeline of real diffusers classes, whose scheduler keeps its step index
+on itself, so two concurrent generations fail without any offloader too)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from offload_ref.contracts.offloader import offloader_implementation
+from offload_ref.contracts.runner import run_checks
+from offload_ref.fixtures import get_spec
+
+THREADS = "check_second_thread_gets_a_clear_error_or_exact_output"
+
+
+def _modules(pipeline: Any) -> list[nn.Module]:
+    if isinstance(pipeline, nn.Module):
+        return [pipeline]
+    return [v for v in vars(pipeline).values() if isinstance(v, nn.Module)]
+
+
+class _Resident:
+    """Moves every parameter and buffer to the device at enable and back at disable, with no
+    hooks: it serves any number of threads, as the pipeline alone does."""
+
+    def __init__(self, device: torch.device, strategy: str) -> None:
+        self.device = torch.device(device)
+        self.saved: list[tuple[Any, str, torch.Tensor, bool]] | None = None
+
+    def enable(self, pipeline: Any) -> None:
+        if self.saved is not None:
+            return
+        saved, seen = [], set()
+        for root in _modules(pipeline):
+            for module in root.modules():
+                for table, is_param in ((module._parameters, True), (module._buffers, False)):
+                    for key, t in table.items():
+                        if t is None or (id(table), key) in seen:
+                            continue
+                        seen.add((id(table), key))
+                        saved.append((table, key, t.data if is_param else t, is_param))
+        for table, key, t, is_param in saved:
+            if is_param:
+                table[key].data = t.to(self.device)
+            else:
+                table[key] = t.to(self.device)
+        self.saved = saved
+
+    def disable(self) -> None:
+        for table, key, t, is_param in self.saved or ():
+            if is_param:
+                table[key].data = t
+            else:
+                table[key] = t
+        self.saved = None
+
+    def is_enabled(self) -> bool:
+        return self.saved is not None
+
+
+def _results(spec: Any) -> list[Any]:
+    impl = offloader_implementation(lambda d, s: _Resident(d, s), name="tests:resident",
+                                    validate=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_checks([spec], checks=[THREADS], strategies=("model_level",),
+                          include_global=False, impl=impl)
+
+
+def test_a_pipeline_that_cannot_serve_two_threads_itself_is_not_blamed_on_the_offloader():
+    pytest.importorskip("diffusers")
+    from offload_ref.fixtures.diffusers_dit import SD3_SPEC
+
+    (result,) = _results(SD3_SPEC)
+    assert result.outcome == "not_applicable", (result.outcome, result.message)
+    assert "the pipeline cannot serve two concurrent generations itself" in result.message
+    assert "IndexError" in result.message  # what went wrong with no offloader
+
+
+def test_an_offloader_serving_two_threads_on_a_pipeline_that_can_passes():
+    (result,) = _results(get_spec("flux2"))
+    assert result.outcome == "passed", (result.outcome, result.message)
