@@ -25,6 +25,7 @@ __all__ = [
     "Identities",
     "Snapshot",
     "count_forward_calls",
+    "declare_no_dit",
     "expect_error",
     "first_dit",
     "hook_residue",
@@ -371,6 +372,23 @@ def expect_error(
              f"{type(exc).__name__}: {exc}", severity="error")
     fail(f"{what}: expected {[t.__name__ for t in types]}, nothing was raised")
     raise AssertionError  # unreachable
+
+
+def declare_no_dit(pipeline: Any) -> None:
+    """Make this pipeline instance one without a DiT, for the checks of such a topology: its
+    ``_dit_modules`` emptied, and the resident head its ``OffloadPlan`` may declare dropped (a
+    pipeline without a DiT could not declare one: the resolver refuses a head naming no DiT,
+    which would blame the author for the kit's own edit).  The class keeps its declarations."""
+    import dataclasses
+
+    from offload_ref.plan import OffloadPlan
+
+    pipeline.__dict__["_dit_modules"] = []
+    plan = getattr(pipeline, "_offload_plan", None)
+    if isinstance(plan, OffloadPlan) and (plan.layerwise_resident_layers
+                                          or plan.layerwise_resident_policy):
+        pipeline.__dict__["_offload_plan"] = dataclasses.replace(
+            plan, layerwise_resident_layers={}, layerwise_resident_policy={})
 
 
 def first_dit(pipeline: nn.Module) -> tuple[str, nn.Module]:

@@ -35,8 +35,8 @@ from ..case import DEFAULT_IMPLEMENTATION, CheckCase, move_to_device
 from ..registry import check, fail, not_applicable
 from ..spec import load_object
 from ..observe import compare_outputs, observe
-from ..facts import (named_module_tensors, module_tensors, module_view, resident, tensors_equal,
-                    values_equal)
+from ..facts import (declare_no_dit, named_module_tensors, module_tensors, module_view, resident,
+                    tensors_equal, values_equal)
 
 WORLD = 2
 #: The rendezvous timeout of the rank-failure scenario; a prompt failure takes milliseconds.
@@ -543,7 +543,7 @@ def _skipped_rank(case: CheckCase, rank: int, world: int, tmp: Path) -> dict[str
     pipeline = case.build()
     config = dataclasses.replace(_config(case, "rank-local", world), explicit=False)
     if rank == world - 1:
-        pipeline.__dict__["_dit_modules"] = []
+        declare_no_dit(pipeline)
     platform = case.platform()
     backend = case.backend(config, platform)
     backend.timeout_s = FAIL_TIMEOUT_S

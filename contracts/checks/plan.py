@@ -16,6 +16,7 @@ from offload_ref.plan import OffloadPlan, resolve_offload_plan
 from ..registry import CheckNotApplicable, check, fail
 from ..facts import (
     count_forward_calls,
+    declare_no_dit,
     dit_blocks,
     dit_containers,
     expect_error,
@@ -221,7 +222,7 @@ def check_dotted_paths_resolve_nested_components(case) -> None:
 def check_model_level_without_dit_is_rejected(case) -> None:
     """An explicit model-level selection on a pipeline with no DiT fails before mutation."""
     pipeline = case.build()
-    pipeline.__dict__["_dit_modules"] = []
+    declare_no_dit(pipeline)
     _resolve_and_expect_rejection(case, pipeline, case.config(), "model-level without a DiT",
                                   ("_dit_modules",))
 
@@ -339,7 +340,7 @@ def check_resident_layers_leaving_one_streaming_block_are_rejected(case) -> None
 def check_legacy_topology_without_dit_is_a_recorded_noop(case) -> None:
     """Legacy flags on a pipeline without a DiT: skip_reason recorded, nothing placed."""
     pipeline = case.build()
-    pipeline.__dict__["_dit_modules"] = []
+    declare_no_dit(pipeline)
     flag = {"model_level": "enable_cpu_offload", "layer_wise": "enable_layerwise_offload"}
     od_config = type("KitOdConfig", (), {flag[case.strategy.value]: True})()
     config = case.impl.config_from_od_config(od_config)
