@@ -158,13 +158,14 @@ def compare_outputs(what: str, got: Any, want: Any, *, case: Any = None,
     diff and the first differing elements by index.  With ``case`` (a :class:`CheckCase` whose
     :meth:`~CheckCase.run` produced both outputs), a mismatch also gets the case's diagnosis
     (:mod:`offload_ref.contracts.diagnosis`); nothing of it runs when the outputs are equal.
-    ``reference`` is what the message calls ``want``."""
+    ``reference`` is what the message calls ``want``.  A mismatch is ``wrong output`` in any
+    check (:mod:`.severity`)."""
     message = _mismatch(what, got, want, reference)
     if message is None:
         return
     if case is not None:
         message += case.diagnose(got, want)
-    fail(message)
+    fail(message, severity="wrong output")  # whatever the check's default (a trace, say)
 
 
 def _mismatch(what: str, got: Any, want: Any,

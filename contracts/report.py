@@ -223,13 +223,14 @@ def render(rows: Sequence[Row], head: Mapping[str, Any] | None = None, *,
     # A parity failure whose diagnosis names its cause (the module that diverged, a tensor
     # read outside its block) groups by that diagnosis: the same bug fails every check that
     # generates, each with its own first line.
-    groups: dict[tuple[str, Any, str | None], list[Row]] = {}
+    # A group shares one severity too: its header states it for every case folded under it.
+    groups: dict[tuple[str, Any, str | None, Any], list[Row]] = {}
     for r in bad:
         lines = r.message.strip().splitlines() or [""]
         causes = tuple(line.strip() for line in lines if line.strip().startswith("diagnosis:")
                        and "not run" not in line and "did not reproduce" not in line)
-        groups.setdefault((r.outcome, causes or lines[0], r.pipeline), []).append(r)
-    for (_, cause, _), group in groups.items():
+        groups.setdefault((r.outcome, causes or lines[0], r.pipeline, r.level), []).append(r)
+    for (_, cause, _, _), group in groups.items():
         r = group[0]
         w(f"\n{r.outcome.upper()} {_case_id(r)}\n  pipeline {r.pipeline or '-'} · strategy "
           f"{r.strategy or '-'} · {_area_text(r)} · {r.doc}\n")

@@ -148,6 +148,20 @@ def test_one_diagnosed_cause_behind_many_parity_failures_is_printed_once() -> No
     assert "another cause" in text
 
 
+def test_cases_of_different_severities_are_never_folded_under_one_header() -> None:
+    """An outside review: two cases with one first line, one a wrong output and one a trace,
+    were printed under one "severity: wrong output" header while the footer counted a trace."""
+    rows = [Row("check_x", "C.1", "p", "layer_wise", "failed", "same first line",
+                severity="wrong output"),
+            Row("check_y", "C.2", "p", "layer_wise", "failed", "same first line",
+                severity="trace")]
+    out = io.StringIO()
+    render(rows, out=out)
+    text = out.getvalue()
+    assert "the same failed in" not in text, text
+    assert "severity: wrong output" in text and "severity: trace" in text, text
+
+
 def test_matrix_columns_stay_aligned_for_names_of_any_length() -> None:
     for name in ("p", "a_pipeline_name_far_longer_than_any_column_header_of_the_matrix"):
         out = io.StringIO()

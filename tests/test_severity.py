@@ -180,3 +180,19 @@ def test_an_exception_out_of_the_users_call_caught_by_an_output_check_is_an_erro
     assert judge("check_cycles_do_not_grow_memory", "failed",
                  "after cycle 2: (device, pinned, host) bytes (8, 0, 0) != baseline (0, 0, 0)") \
         is Severity.MEMORY
+
+
+def test_a_differing_output_is_a_wrong_output_in_a_check_whose_default_is_a_trace() -> None:
+    """An outside review: an offloader that rounds a weight in place failed two checks whose
+    default is ``trace`` (a retried enable, a second enable) with "output differs", reported
+    as a trace: a differing generation is a wrong output whatever the check asserts."""
+    import torch
+
+    from offload_ref.contracts.observe import compare_outputs
+
+    assert DEFAULTS["check_second_enable_changes_nothing_observable"] is Severity.TRACE
+    with pytest.raises(CheckFailure) as failure:
+        compare_outputs("after a second enable()", torch.ones(2), torch.zeros(2))
+    assert failure.value.severity is Severity.WRONG_OUTPUT
+    assert judge("check_second_enable_changes_nothing_observable", "failed",
+                 str(failure.value), failure.value.severity) is Severity.WRONG_OUTPUT
