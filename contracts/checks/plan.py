@@ -601,8 +601,9 @@ def check_auto_mode_fills_the_budget_with_a_resident_head(case) -> None:
     budgets = sorted(b for b in budgets if b >= layer.predicted and (limit is None or b < limit))
     if not any(b >= h.predicted for b in budgets for h in heads[1:]):
         raise CheckNotApplicable(
-            f"no budget picks layerwise with a resident head: one head block already needs "
-            f"{heads[1].predicted} bytes, and {limit} bytes pick a coarser strategy")
+            f"no budget picks layerwise with a resident head: with a head of one block "
+            f"layerwise would need {heads[1].predicted} bytes of device memory (its predicted "
+            f"peak), and from {limit} bytes on auto picks a coarser strategy")
     base = resolve_offload_plan(case.build(), layer.config, resident_heads={})
     rings = {s.owner_path: s.block_paths for s in base.rings
              if s.owner_path in dict(heads[-1].heads)}
