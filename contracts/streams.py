@@ -461,14 +461,14 @@ def race_report(races: Sequence[Any], case: Any, offloader: str,
     for r in races:  # one missing ordering, many tensors (a block's weights)
         groups.setdefault(_signature(r), []).append(r)
     first, *others = groups.values()
-    if len(first) > 1:
-        lines.append(f"  the same race between these two streams on {len(first) - 1} more "
-                     "tensor(s): "
-                     + _names(first[1:]))
+    more = _other_tensors(first)
+    if more:
+        lines.append(f"  the same race between these two streams on {len(more)} more "
+                     f"tensor(s): {_names(more)}")
     for group in others[:_SHOWN - 1]:
-        more = f" (and on {len(group) - 1} more tensor(s): {_names(group[1:])})" \
-            if len(group) > 1 else ""
-        lines.append(f"  also: {_headline(group[0])}{more}")
+        more = _other_tensors(group)
+        tail = f" (and on {len(more)} more tensor(s): {_names(more)})" if more else ""
+        lines.append(f"  also: {_headline(group[0])}{tail}")
     rest = [r for group in others[_SHOWN - 1:] for r in group]
     if rest:
         lines.append(f"  and {len(rest)} more race(s): "
@@ -483,8 +483,14 @@ def _signature(race: Any) -> tuple[Any, ...]:
     return (race.kind, race.current.stream_name, race.previous.stream_name)
 
 
-def _names(races: Sequence[Any]) -> str:
-    names = [r.tensor for r in races]
+def _other_tensors(group: Sequence[Any]) -> list[str]:
+    """The tensors of a group of races other than its first race's, each named once (one
+    tensor races once per access: a weight read by two ops, or in two generations)."""
+    shown = group[0].tensor
+    return list(dict.fromkeys(r.tensor for r in group[1:] if r.tensor != shown))
+
+
+def _names(names: Sequence[str]) -> str:
     return ", ".join(names[:_LISTED]) + (" ..." if len(names) > _LISTED else "")
 
 

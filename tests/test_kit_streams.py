@@ -516,7 +516,10 @@ def test_the_report_names_the_tensor_both_accesses_the_ordering_and_the_party(mo
                  (), "")
     refill = _Race("write-after-read", 0, "transformer.transformer_blocks.0.ff.weight", _COPY,
                    _READ, (), "")
-    text = kit_streams.race_report([race, same, refill], None, "my_engine.offload:factory")
+    again = _Race("read-after-write", 0, "transformer.transformer_blocks.1.ff.bias", _READ, _COPY,
+                  (), "")  # the same tensor read again: named and counted once
+    text = kit_streams.race_report([race, same, again, race, refill], None,
+                                   "my_engine.offload:factory")
     lines = text.splitlines()
     assert lines[0] == (
         "stream race (read-after-write) on transformer.transformer_blocks.1.ff.weight (hpu:0): "
