@@ -189,11 +189,20 @@ def _made_edited(case: Any, how: str) -> Any:
     return reference
 
 
+def _refusal_words(refusals: tuple[type[BaseException], ...]) -> str:
+    """How the implementation under test may refuse a misuse, for advice: offload-ref's own
+    class, or any exception for an offloader judged through the protocol."""
+    if any(r is Exception or r is BaseException for r in refusals):
+        return "with an exception that says why"
+    return "with " + " or ".join(r.__name__ for r in refusals)
+
+
 @check("J.3", strategies=SINGLE_PROCESS)
 def check_reads_through_data_are_true_or_refused(case) -> None:
     """Between generations, reading a parameter through ``.data`` (as diffusers'
     ``fuse_qkv_projections`` and peft's merge do before they build on it) gives its true value
-    or is refused with ``OffloadWeightEditError``: never a placeholder or a slot still filling.
+    or is refused (offload-ref: ``OffloadWeightEditError``; an offloader judged through the
+    protocol: any exception): never a placeholder or a slot still filling.
     Pure reads change nothing: the next generation is exact."""
     refusals = case.impl.capabilities.refusals
     reference = module_view(case.build())
@@ -222,7 +231,8 @@ def check_reads_through_data_are_true_or_refused(case) -> None:
             fail(f"{len(bad)} weight(s) read through .data between generations gave other values "
                  f"than the true weights (e.g. {bad[:3]}; {refused} reads were refused): code "
                  "that builds on .data (fused projections, LoRA merges) would be silently wrong; "
-                 "refuse such reads with OffloadWeightEditError")
+                 "between generations keep each weight bound to its true value (a parked copy "
+                 f"on the host), or refuse such reads {_refusal_words(refusals)}")
         case.compare("after reads through .data", case.run(pipeline), case.reference())
     finally:
         backend.disable()
