@@ -86,3 +86,20 @@ def test_a_pipeline_that_cannot_serve_two_threads_itself_is_not_blamed_on_the_of
 def test_an_offloader_serving_two_threads_on_a_pipeline_that_can_passes():
     (result,) = _results(get_spec("flux2"))
     assert result.outcome == "passed", (result.outcome, result.message)
+
+
+def test_an_offloader_that_breaks_the_first_thread_is_named_at_fault():
+    """The pipeline alone serves the two calls exactly, so a failure is the offloader's, and the
+    verdict says so (an outside engine author's layerwise offloader unbound the first thread's
+    block from the second thread: the diagnosis could not reproduce it with one thread and
+    named no party)."""
+    from offload_ref.contracts.mutants import MUTANTS
+
+    mutant = next(m for m in MUTANTS if m.name == "concurrent_calls_unguarded")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (result,) = run_checks([get_spec("flux2")], checks=[THREADS], strategies=("layer_wise",),
+                               include_global=False, impl=mutant.impl)
+    assert result.outcome in ("failed", "error"), (result.outcome, result.message)
+    assert (f"at fault: the offloader {mutant.impl.name}: the pipeline alone, with no "
+            "offloader, served the same two calls exactly") in result.message, result.message

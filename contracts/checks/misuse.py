@@ -852,12 +852,16 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
         fail(f"the first thread never reached {path}")
     try:
         _judge_two_calls(case, got, reference, threaded_reference, pipeline)
-    except CheckFailure:
-        if _refused(got.get("second_error")):
-            raise  # refused: the pipeline's own concurrency never came into play
-        own = _without_offloading(case, path, reference, threaded_reference)
-        if own is None:
-            raise
+    except CheckFailure as failure:
+        if _refused(got.get("second_error")):  # the pipeline's concurrency never came into play
+            why = "it refused the second call, so no second generation ran on the pipeline"
+        else:
+            own = _without_offloading(case, path, reference, threaded_reference)
+            why = ("the pipeline alone, with no offloader, served the same two calls exactly"
+                   if own is None else None)
+        if why is not None:
+            raise CheckFailure(f"{failure}\n  at fault: the offloader {case.impl.name}: {why}",
+                               failure.severity) from None
         backend.disable()
         not_applicable(
             f"the pipeline cannot serve two concurrent generations itself: with no offloader, "
