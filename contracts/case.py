@@ -253,6 +253,9 @@ class CheckCase:
     #: weak references to the pipelines :meth:`build` made (the stream sanitizer names racing
     #: memory by their tensors' module paths: contracts/streams.py)
     _built: list[Any] = field(default_factory=list)
+    #: The config of the latest backend :meth:`backend` made (None: the case's own): what the
+    #: check was enabling when it failed, for a diagnosis that reruns it.
+    last_config: OffloadConfig | None = None
 
     # -- pipelines ------------------------------------------------------------------------------
 
@@ -416,6 +419,7 @@ class CheckCase:
 
     def backend(self, config: OffloadConfig | None = None, platform: Any = None) -> Any:
         platform = platform if platform is not None else self.platform()
+        self.last_config = config
         backend = self.impl.make_backend(config or self.config(), platform)
         if backend is None:
             raise AssertionError(f"no backend for {config or self.config()}")

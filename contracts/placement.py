@@ -73,13 +73,18 @@ def is_device_error(message: str) -> bool:
 
 def named_tensors(pipeline: Any) -> dict[int, str]:
     """id(parameter or buffer) -> its first dotted path in ``pipeline``."""
-    out: dict[int, str] = {}
+    return {id(t): name for name, t in _named_tensor_values(pipeline)}
+
+
+def _named_tensor_values(pipeline: Any) -> list[tuple[str, torch.Tensor]]:
+    """``(first dotted path, tensor)`` of every parameter and buffer of ``pipeline``."""
+    out: dict[int, tuple[str, torch.Tensor]] = {}
     for path, module in named_modules(pipeline):
         for registry in ("_parameters", "_buffers"):
             for name, t in module.__dict__.get(registry, {}).items():
                 if t is not None:
-                    out.setdefault(id(t), f"{path}.{name}" if path else name)
-    return out
+                    out.setdefault(id(t), (f"{path}.{name}" if path else name, t))
+    return list(out.values())
 
 
 def _within(path: str, owner: str) -> bool:
@@ -462,6 +467,9 @@ class PlacementWatch(TorchFunctionMode):
         #: what the offloader's enable() did, seen from outside (hooks added, tensors moved);
         #: None: not observed (the parity diagnosis)
         self.installed: Installed | None = None
+        #: path -> the device of each parameter and buffer as the pipeline was built, before
+        #: any enable() (its placement without offload); None: not recorded
+        self.built_on: dict[str, torch.device] | None = None
 
     # -- the mode ---------------------------------------------------------------------------------
 
@@ -833,6 +841,20 @@ class PlacementWatch(TorchFunctionMode):
                         "(a cache on the pipeline, a module or a module-level object) from "
                         "while offload was enabled. Fix: key such caches by device, or clear "
                         "them when the placement changes")
+        if disabled and self.built_on is not None:
+            # offload disabled: every tensor should be back where the pipeline was built with
+            # it; one that is not was left by the offloader (in this operation, or where the
+            # pipeline took a device from)
+            left = [(name, t.device) for name, t in _named_tensor_values(self.pipeline)
+                    if self.built_on.get(name, t.device) != t.device]
+            if left:
+                name, where = left[0]
+                more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+                return (f"after disable() {name}{more} is on {where}, but the pipeline was "
+                        f"built with it on {self.built_on[name]} (its placement without "
+                        f"offload): disable() did not put it back, and this operation met it "
+                        f"or a tensor the pipeline placed by it. At fault: the offloader. "
+                        "Fix: disable() restores every tensor it moved to where it found it")
         host = [t for t in others if dev is not None and t.device != dev]
         if host and all(t.device == dev for t in weights):
             made = [self.origin(t) for t in host]
@@ -869,16 +891,18 @@ _SCENARIO = (("generate", "enabled"), ("generate", "enabled, again"), ("disable"
 
 def diagnose_device_error(case: Any) -> str:
     """Diagnosis lines for a case that raised a device-mismatch error: a fresh pipeline of the
-    case's spec, enabled with the case's config, is driven through the steps of
+    case's spec, enabled with the config the check last built a backend with (the case's own
+    unless the check chose one: ``CheckCase.last_config``), is driven through the steps of
     ``_SCENARIO`` under a :class:`PlacementWatch` until the error reproduces."""
     from offload_ref.backends.base import backend_of
 
     from .facts import resident as on_platform
 
+    config = getattr(case, "last_config", None)  # what the check enabled (auto, say)
     try:
         pipeline = case.build()
         platform = case.platform()
-        backend = case.backend(platform=platform)
+        backend = case.backend(config, platform=platform)
     except Exception as exc:  # noqa: BLE001 - the failure itself is already established
         return f"\n  diagnosis: not run: building the pipeline raised {type(exc).__name__}: {exc}"
     done: list[str] = []
@@ -893,6 +917,7 @@ def diagnose_device_error(case: Any) -> str:
         return observe_enable(pipeline, lambda: backend.enable(pipeline), name=name,
                               is_enabled=enabled, device=device, ignore=ignore)
 
+    built_on = {name: t.device for name, t in _named_tensor_values(pipeline)}
     try:
         installed = observed()
         inner = backend_of(pipeline)  # offload-ref's own backend, also behind the protocol
@@ -911,6 +936,7 @@ def diagnose_device_error(case: Any) -> str:
             watch = PlacementWatch(pipeline, windows, resident, owners, device)
             watch.enabled = enabled
             watch.installed = installed
+            watch.built_on = built_on
             kit_hooks = frozenset(h.id for h in windows._handles)  # not the offloader's
             for step, label in _SCENARIO:
                 if step == "enable":
@@ -932,8 +958,9 @@ def diagnose_device_error(case: Any) -> str:
                         return _render(watch.failure, label, done)
                 done.append(f"{step} ({label})" if label else step)
         return ("\n  diagnosis: not reproduced: a fresh pipeline went through "
-                f"{', '.join(done)} without a device error, so the error depends on what this "
-                "check did (rerun the check alone)")
+                f"{', '.join(done)} without a device error, so the error comes from what "
+                "this check does beyond those steps (its contract line says what: a second "
+                "thread, an interrupt, an edit); the check's own failure line names the party")
     except Exception as exc:  # noqa: BLE001
         return (f"\n  diagnosis: not run: {', '.join(done + ['...'])} raised "
                 f"{type(exc).__name__}: {exc}")

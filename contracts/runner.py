@@ -347,19 +347,22 @@ def _run_watched(info: CheckInfo, case: CheckCase, spec: PipelineSpec | None,
             info.func(case)
         except Exception as exc:
             if spec is not None and strategy is not None and is_device_error(str(exc)):
-                # Once per (spec, strategy, implementation): the same cause fails many checks.
-                key = (spec, strategy, impl)
+                # Once per (spec, strategy, implementation, config the check enabled with):
+                # the same cause fails many checks.
+                key = (spec, strategy, impl, repr(case.last_config))
                 if key not in _PLACEMENT_DIAGNOSES:
-                    _PLACEMENT_DIAGNOSES[key] = diagnose_device_error(
-                        CheckCase(spec, OffloadStrategy(strategy), impl))
+                    fresh = CheckCase(spec, OffloadStrategy(strategy), impl)
+                    fresh.last_config = case.last_config  # an auto budget, say
+                    _PLACEMENT_DIAGNOSES[key] = diagnose_device_error(fresh)
                 exc.add_note(_PLACEMENT_DIAGNOSES[key].lstrip("\n"))
             raise
         finally:
             case.close()
 
 
-#: (spec, strategy, implementation) -> the placement diagnosis of its device errors.
-_PLACEMENT_DIAGNOSES: dict[tuple[Any, str, Any], str] = {}
+#: (spec, strategy, implementation, the check's config) -> the placement diagnosis of its
+#: device errors.
+_PLACEMENT_DIAGNOSES: dict[tuple[Any, str, Any, str], str] = {}
 
 
 def offloader_ref(impl: Implementation) -> str | None:
