@@ -97,10 +97,28 @@ def _generate(case: Any, pipeline: Any) -> None:
         pipeline(**case.inputs())
 
 
-def _held(held: int, left: int, device: torch.device) -> str:
-    return (f"{held} bytes are still allocated on {device}"
+def _held(held: int, left: int, device: torch.device, pipeline: Any = None) -> str:
+    text = (f"{held} bytes are still allocated on {device}"
             + (f" ({left} of them the pipeline's own, as an un-offloaded generation leaves)"
                if left else ""))
+    if pipeline is None:
+        return text
+    on = _tensors_on(pipeline, device)
+    if on:
+        return text + f"; the pipeline's tensors there: {_some(on)}"
+    return (text + "; none of the pipeline's tensors is there: the offloader holds those bytes "
+            "itself (a device copy, a cache or a buffer it kept a reference to)")
+
+
+def _tensors_on(pipeline: Any, device: torch.device) -> list[str]:
+    """The paths of the pipeline's parameters and buffers whose storage is on ``device``."""
+    return [name for name, t in named_module_tensors(module_view(pipeline))
+            if t.device == device]
+
+
+def _some(names: list[str], shown: int = 4) -> str:
+    return ", ".join(names[:shown]) + (f" (and {len(names) - shown} more)"
+                                       if len(names) > shown else "")
 
 
 def _diff_tensors(before: Any, after: Any) -> list[str]:
@@ -150,7 +168,7 @@ def check_every_disable_restores_tensors_and_frees_the_device(case) -> None:
             problems.append(f"storage sharing {groups} -> {storage_groups(pipeline)}")
         held = _allocated(device) - base
         if held > left:
-            problems.append(_held(held, left, device))
+            problems.append(_held(held, left, device, pipeline))
         if backend.is_enabled():
             problems.append("is_enabled() is True")
         if problems:
@@ -197,7 +215,7 @@ def check_second_enable_changes_nothing_observable(case) -> None:
                                                if p.startswith("module ")]
     held = _allocated(device) - base
     if held > left:
-        problems.append(_held(held, left, device))
+        problems.append(_held(held, left, device, pipeline))
     if problems:
         fail(f"after two enable() calls, one disable() did not restore the pipeline: "
              f"{problems[:6]}")
@@ -473,13 +491,41 @@ def check_peak_device_bytes_stay_within_the_plan_bound(case) -> None:
         _generate(case, pipeline)
         peaks.append(torch.accelerator.max_memory_allocated(device) - base)
     peak = peaks[-1]
+    kept = _kept_between_generations(case, plan, pipeline, device)
     backend.disable()
     if peak > bound + activations + slack:
         first = next(g for g, p in enumerate(peaks, 1) if p > bound + activations + slack)
         fail(f"peak device bytes {peak} from enable() through {_GENERATIONS} generations exceed "
              f"the {case.strategy.value} bound {bound} (the plan's) + {activations} (activations "
              f"of an un-offloaded run) + {slack} (slack), from generation {first} on (peaks "
-             f"{peaks}): weights that should be off the device are on it")
+             f"{peaks}): weights that should be off the device are on it; {kept}")
+
+
+def _kept_between_generations(case: Any, plan: Any, pipeline: Any, device: torch.device) -> str:
+    """What of the offloaded weights is on the device after the last generation, by unit (a
+    streamed block, a swapped component), for a peak over the bound."""
+    if case.strategy.value == "layer_wise":
+        units = [(path, block) for s in plan.rings if len(s.streamed_blocks) >= 2
+                 for path, block in zip(s.streamed_paths, s.streamed_blocks)]
+        what, allowed = "streamed blocks", "a layerwise offloader keeps about one per ring"
+    else:
+        units = [(c.path, c.module) for c in plan.components
+                 if c.selected and c.role in ("dit", "encoder") and not c.on_demand]
+        what, allowed = "swapped components", "a model-level offloader keeps one at a time"
+    found = module_view(pipeline)
+    on = []
+    for path, _ in units:
+        try:
+            module = found.get_submodule(path)
+        except AttributeError:
+            continue
+        if any(t.device == device for _, t in named_module_tensors(module)):
+            on.append(path)
+    if on:
+        return (f"after the last generation {len(on)} of the {len(units)} {what} have tensors "
+                f"on the device ({allowed}): {_some(on)}")
+    return ("after the last generation none of the pipeline's offloaded tensors is on the "
+            "device: the offloader holds those bytes itself (device copies it keeps, a cache)")
 
 
 # -- §F: model-level residency, seen from outside -------------------------------------------
@@ -690,7 +736,7 @@ def check_generation_after_an_interrupt_is_exact(case) -> None:
     case.forget_runs()
     held = _allocated(device) - base
     if held > left:
-        fail(f"after interrupts and disable(), {_held(held, left, device)}")
+        fail(f"after interrupts and disable(), {_held(held, left, device, pipeline)}")
 
 
 @check("J.3", strategies=SINGLE_PROCESS)
