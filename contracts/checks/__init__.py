@@ -10,3 +10,4 @@ from . import plan  # noqa: F401
 from . import residency  # noqa: F401
 from . import split  # noqa: F401
 from . import streams  # noqa: F401
+from . import threads  # noqa: F401
