@@ -19,6 +19,7 @@ __all__ = [
     "CopySpy",
     "compare_outputs",
     "observe",
+    "output_mismatch",
     "resident_fraction",
     "tensors_of",
 ]
@@ -160,7 +161,7 @@ def compare_outputs(what: str, got: Any, want: Any, *, case: Any = None,
     (:mod:`offload_ref.contracts.diagnosis`); nothing of it runs when the outputs are equal.
     ``reference`` is what the message calls ``want``.  A mismatch is ``wrong output`` in any
     check (:mod:`.severity`)."""
-    message = _mismatch(what, got, want, reference)
+    message = output_mismatch(what, got, want, reference)
     if message is None:
         return
     if case is not None:
@@ -168,8 +169,10 @@ def compare_outputs(what: str, got: Any, want: Any, *, case: Any = None,
     fail(message, severity="wrong output")  # whatever the check's default (a trace, say)
 
 
-def _mismatch(what: str, got: Any, want: Any,
-              reference: str = "the un-offloaded reference") -> str | None:
+def output_mismatch(what: str, got: Any, want: Any,
+                    reference: str = "the un-offloaded reference") -> str | None:
+    """The message :func:`compare_outputs` fails with (the first line and the differing
+    elements, no diagnosis), or None when ``got`` equals ``want`` bitwise."""
     want_leaves, got_leaves = leaves(want), leaves(got)
     want_paths = [p for p, _ in want_leaves]
     got_paths = [p for p, _ in got_leaves]

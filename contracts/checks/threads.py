@@ -14,7 +14,7 @@ from torch import nn
 from offload_ref.discovery import get_submodule_path
 
 from ..facts import first_dit
-from ..observe import observe
+from ..observe import observe, output_mismatch
 from ..registry import check, fail, not_applicable
 from .lifecycle import SINGLE_PROCESS
 
@@ -159,8 +159,6 @@ def _without_offloading(case: Any, path: str, reference: Any, threaded_reference
                         ) -> str | None:
     """What goes wrong when the pipeline itself, with no offloader, serves the same two calls
     (None: both come out exact)."""
-    from ..observe import _mismatch
-
     resident = case.build_resident()
     got = _two_calls(case, resident, path, get_submodule_path(resident, path))
     case.forget_runs()
@@ -173,7 +171,7 @@ def _without_offloading(case: Any, path: str, reference: Any, threaded_reference
         if error is not None:
             return f"the {who} thread's generation failed: {type(error).__name__}: {error}"
     for who, want in (("second", reference), ("first", threaded_reference)):
-        mismatch = _mismatch(f"{who} thread", got[who], want)
+        mismatch = output_mismatch(f"{who} thread", got[who], want)
         if mismatch is not None:
             return mismatch.splitlines()[0]
     return None
