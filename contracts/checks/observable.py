@@ -503,23 +503,25 @@ def check_peak_device_bytes_stay_within_the_plan_bound(case) -> None:
 
 def _kept_between_generations(case: Any, plan: Any, pipeline: Any, device: torch.device) -> str:
     """What of the offloaded weights is on the device after the last generation, by unit (a
-    streamed block, a swapped component), for a peak over the bound."""
+    streamed block, without the tensors its ring keeps resident because they are shared; a
+    swapped component), for a peak over the bound."""
     if case.strategy.value == "layer_wise":
-        units = [(path, block) for s in plan.rings if len(s.streamed_blocks) >= 2
-                 for path, block in zip(s.streamed_paths, s.streamed_blocks)]
+        units = [(path, set(s.shared)) for s in plan.rings if len(s.streamed_blocks) >= 2
+                 for path in s.streamed_paths]
         what, allowed = "streamed blocks", "a layerwise offloader keeps about one per ring"
     else:
-        units = [(c.path, c.module) for c in plan.components
+        units = [(c.path, set()) for c in plan.components
                  if c.selected and c.role in ("dit", "encoder") and not c.on_demand]
         what, allowed = "swapped components", "a model-level offloader keeps one at a time"
-    found = module_view(pipeline)
+    view = module_view(pipeline)
     on = []
-    for path, _ in units:
+    for path, shared in units:
         try:
-            module = found.get_submodule(path)
+            module = view.get_submodule(path)
         except AttributeError:
             continue
-        if any(t.device == device for _, t in named_module_tensors(module)):
+        if any(t.device == device and name not in shared
+               for name, t in module_tensors(module, prefix=path, remove_duplicate=False)):
             on.append(path)
     if on:
         return (f"after the last generation {len(on)} of the {len(units)} {what} have tensors "
