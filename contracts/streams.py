@@ -485,9 +485,19 @@ def _signature(race: Any) -> tuple[Any, ...]:
 
 def _other_tensors(group: Sequence[Any]) -> list[str]:
     """The tensors of a group of races other than its first race's, each named once (one
-    tensor races once per access: a weight read by two ops, or in two generations)."""
-    shown = group[0].tensor
-    return list(dict.fromkeys(r.tensor for r in group[1:] if r.tensor != shown))
+    tensor races once per access: a weight read by two ops, or in two generations; and a
+    memory-history label differs from access to access: :func:`_tensor_key`)."""
+    shown = _tensor_key(group[0].tensor)
+    return list(dict.fromkeys(k for k in map(_tensor_key, (r.tensor for r in group[1:]))
+                              if k != shown))
+
+
+def _tensor_key(label: str) -> str:
+    """A race's tensor by its module path alone (``x.weight (the tensor a module last computed
+    with in that memory, which held ...)`` -> ``x.weight``); an unnamed tensor (memory freed
+    earlier, a tensor of some shape) by its whole label."""
+    name = label.split(" (", 1)[0]
+    return name if name and " " not in name else label
 
 
 def _names(names: Sequence[str]) -> str:

@@ -516,9 +516,13 @@ def test_the_report_names_the_tensor_both_accesses_the_ordering_and_the_party(mo
                  (), "")
     refill = _Race("write-after-read", 0, "transformer.transformer_blocks.0.ff.weight", _COPY,
                    _READ, (), "")
-    again = _Race("read-after-write", 0, "transformer.transformer_blocks.1.ff.bias", _READ, _COPY,
-                  (), "")  # the same tensor read again: named and counted once
-    text = kit_streams.race_report([race, same, again, race, refill], None,
+    again = _Race("read-after-write", 0, "transformer.transformer_blocks.1.ff.bias (the tensor "
+                  "a module last computed with in that memory, which held 3 tensors in turn)",
+                  _READ, _COPY, (), "")  # the same tensor again, another memory history
+    headline_again = _Race("read-after-write", 0, "transformer.transformer_blocks.1.ff.weight "
+                           "(the tensor a module last computed with in that memory)", _READ,
+                           _COPY, (), "")
+    text = kit_streams.race_report([race, same, again, headline_again, refill], None,
                                    "my_engine.offload:factory")
     lines = text.splitlines()
     assert lines[0] == (
