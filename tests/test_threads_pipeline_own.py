@@ -64,8 +64,41 @@ class _Resident:
         return self.saved is not None
 
 
-def _results(spec: Any) -> list[Any]:
-    impl = offloader_implementation(lambda d, s: _Resident(d, s), name="tests:resident",
+class _UnclearRefusal(_Resident):
+    """Refuses a call while another thread is inside a component, with a message that does not
+    say why ("slot 0 busy"): wrong on any pipeline, thread-safe or not."""
+
+    def enable(self, pipeline: Any) -> None:
+        super().enable(pipeline)
+        self.inside: dict[int, int] = {}
+        self.handles = []
+        for module in _modules(pipeline) if not isinstance(pipeline, nn.Module) else \
+                list(pipeline.children()):
+            self.handles.append(module.register_forward_pre_hook(self._pre))
+            self.handles.append(module.register_forward_hook(self._post))
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        import threading
+
+        me = threading.get_ident()
+        if any(n for t, n in self.inside.items() if t != me):
+            raise RuntimeError("slot 0 busy")
+        self.inside[me] = self.inside.get(me, 0) + 1
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        import threading
+
+        self.inside[threading.get_ident()] -= 1
+
+    def disable(self) -> None:
+        for handle in getattr(self, "handles", []):
+            handle.remove()
+        self.handles = []
+        super().disable()
+
+
+def _results(spec: Any, cls: type = _Resident) -> list[Any]:
+    impl = offloader_implementation(lambda d, s: cls(d, s), name=f"tests:{cls.__name__}",
                                     validate=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -103,3 +136,17 @@ def test_an_offloader_that_breaks_the_first_thread_is_named_at_fault():
     assert result.outcome in ("failed", "error"), (result.outcome, result.message)
     assert (f"at fault: the offloader {mutant.impl.name}: the pipeline alone, with no "
             "offloader, served the same two calls exactly") in result.message, result.message
+
+
+def test_an_offloaders_own_failure_on_a_pipeline_that_cannot_serve_two_threads_is_not_excused():
+    """An outside re-review: the first version excused any failure once the pipeline alone
+    failed too; an offloader answering the second call with "slot 0 busy" went wrong another
+    way than the pipeline does (its first thread's IndexError) and is at fault."""
+    pytest.importorskip("diffusers")
+    from offload_ref.fixtures.diffusers_dit import SD3_SPEC
+
+    (result,) = _results(SD3_SPEC, _UnclearRefusal)
+    assert result.outcome == "failed", (result.outcome, result.message)
+    assert "does not say it is a concurrent call: RuntimeError: slot 0 busy" in result.message
+    assert "at fault: the offloader tests:_UnclearRefusal: the pipeline alone, with no " \
+           "offloader, goes wrong another way" in result.message, result.message

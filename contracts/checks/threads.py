@@ -155,26 +155,35 @@ def _judge_two_calls(case: Any, got: dict[str, Any], reference: Any, threaded_re
     case.compare("afterwards, one thread", case.run(pipeline), reference)
 
 
+def _went_wrong(got: dict[str, Any], reference: Any, threaded_reference: Any
+                ) -> tuple[tuple[str, ...], str] | None:
+    """How a two-call run went wrong, first thing first: ``(kind, what)``, the kind comparable
+    between runs (which thread, error or mismatch, the exception's type) and the words for it;
+    None when both calls came out exact."""
+    if got["alive"]:
+        return ("alive",), "the first thread did not finish"
+    for who in ("second", "first"):
+        error = got.get(f"{who}_error")
+        if error is not None:
+            return ((who, "error", type(error).__name__),
+                    f"the {who} thread's generation failed: {type(error).__name__}: {error}")
+    for who, want in (("second", reference), ("first", threaded_reference)):
+        mismatch = output_mismatch(f"{who} thread", got[who], want)
+        if mismatch is not None:
+            return (who, "mismatch"), mismatch.splitlines()[0]
+    return None
+
+
 def _without_offloading(case: Any, path: str, reference: Any, threaded_reference: Any
-                        ) -> str | None:
-    """What goes wrong when the pipeline itself, with no offloader, serves the same two calls
-    (None: both come out exact)."""
+                        ) -> tuple[tuple[str, ...], str] | None:
+    """How the pipeline itself, with no offloader, goes wrong serving the same two calls
+    (:func:`_went_wrong`; None: both come out exact, or the first never got there)."""
     resident = case.build_resident()
     got = _two_calls(case, resident, path, get_submodule_path(resident, path))
     case.forget_runs()
     if not got["entered"]:
         return None  # it never got there: nothing to compare the offloaded run with
-    if got["alive"]:
-        return "the first thread did not finish"
-    for who in ("second", "first"):
-        error = got.get(f"{who}_error")
-        if error is not None:
-            return f"the {who} thread's generation failed: {type(error).__name__}: {error}"
-    for who, want in (("second", reference), ("first", threaded_reference)):
-        mismatch = output_mismatch(f"{who} thread", got[who], want)
-        if mismatch is not None:
-            return mismatch.splitlines()[0]
-    return None
+    return _went_wrong(got, reference, threaded_reference)
 
 
 @check("J.6", strategies=SINGLE_PROCESS)
@@ -183,10 +192,11 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
     modules gets a clear error (or an exact output), and the first thread's generation stays
     exact; afterwards a single-threaded generation is exact again, and ``disable()`` leaves no
     device bytes allocated (a split model delegating model level to its component groups
-    too).  An offloader that serves the second call is judged against the pipeline itself
-    serving the same two calls with no offloader: where that goes wrong too (a pipeline whose
-    scheduler keeps per-call state on itself), the pipeline cannot be called from two threads
-    at once and the check does not apply."""
+    too).  A run that goes wrong is judged against the pipeline itself serving the same two
+    calls with no offloader: where that goes wrong the same way (the same thread, the same
+    exception type or a mismatch; a pipeline whose scheduler keeps per-call state on itself),
+    the pipeline cannot be called from two threads at once and the check does not apply;
+    otherwise the offloader is at fault."""
     from ..registry import CheckFailure
 
     reference = case.reference()
@@ -208,17 +218,21 @@ def check_second_thread_gets_a_clear_error_or_exact_output(case) -> None:
             why = "it refused the second call, so no second generation ran on the pipeline"
         else:
             own = _without_offloading(case, path, reference, threaded_reference)
-            why = ("the pipeline alone, with no offloader, served the same two calls exactly"
-                   if own is None else None)
-        if why is not None:
-            raise CheckFailure(f"{failure}\n  at fault: the offloader {case.impl.name}: {why}",
-                               failure.severity) from None
-        backend.disable()
-        not_applicable(
-            f"the pipeline cannot serve two concurrent generations itself: with no offloader, "
-            f"a second generation while a first one was inside {path} went wrong ({own}); the "
-            f"offloader served the second call as the pipeline alone does, so this check "
-            f"cannot judge it")
+            mine = _went_wrong(got, reference, threaded_reference)
+            if own is None:
+                why = "the pipeline alone, with no offloader, served the same two calls exactly"
+            elif mine is None or mine[0] != own[0]:
+                why = (f"the pipeline alone, with no offloader, goes wrong another way serving "
+                       f"the same two calls ({own[1]}), and this run did not go wrong that way")
+            else:  # went wrong exactly as the pipeline alone does: the pipeline's own
+                backend.disable()
+                not_applicable(
+                    f"the pipeline cannot serve two concurrent generations itself: with no "
+                    f"offloader, a second generation while a first one was inside {path} went "
+                    f"wrong ({own[1]}); the offloader served the second call and went wrong the "
+                    f"same way, so this check cannot judge it")
+        raise CheckFailure(f"{failure}\n  at fault: the offloader {case.impl.name}: {why}",
+                           failure.severity) from None
     backend.disable()
     if case.impl.capabilities.internals and platform.memory_allocated():
         fail(f"after two threads and disable(), {platform.memory_allocated()} device bytes stay "
