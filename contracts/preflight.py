@@ -21,6 +21,7 @@ from torch import nn
 
 from .outputs import OutputStructureError, leaves
 from .refs import RefError, takes_seed
+from .registry import one_line
 from .spec import PipelineSpec, _seeded, load_object
 
 __all__ = ["failed_preflight", "kit_plan", "preflight", "unresolved_strategies"]
@@ -36,12 +37,6 @@ def _name(obj: Any) -> str:
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None) or type(obj).__qualname__
     return f"{module}:{qualname}" if module else qualname
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    text = text if len(text) <= 200 else text[:197] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def preflight(spec: PipelineSpec) -> list[str]:
@@ -65,7 +60,7 @@ def _problems(spec: PipelineSpec) -> list[str]:
         try:
             func = load_object(ref)
         except Exception as exc:  # noqa: BLE001 - an unimportable reference
-            problems.append(f"{where}: {role} {ref!r} cannot be loaded ({_one_line(exc)}); "
+            problems.append(f"{where}: {role} {ref!r} cannot be loaded ({one_line(exc)}); "
                             f"name {fix} as 'package.module:attr'")
             continue
         if not callable(func):
@@ -88,7 +83,7 @@ def _problems(spec: PipelineSpec) -> list[str]:
             pipeline = spec.build()
         except Exception as exc:  # noqa: BLE001 - the author's factory failed
             return [f"{where}: building the pipeline with factory {_name(spec.factory)} raised "
-                    f"{_one_line(exc)}; fix the factory (it must build a pipeline for seed="
+                    f"{one_line(exc)}; fix the factory (it must build a pipeline for seed="
                     f"{spec.seed})"]
         if run == 1:
             kind = _pipeline_kind_problem(where, pipeline)
@@ -97,7 +92,7 @@ def _problems(spec: PipelineSpec) -> list[str]:
         try:
             inputs = _seeded(spec.inputs, spec.seed)
         except Exception as exc:  # noqa: BLE001 - the author's inputs failed
-            return [f"{where}: inputs {_name(spec.inputs)} raised {_one_line(exc)}; fix it (it "
+            return [f"{where}: inputs {_name(spec.inputs)} raised {one_line(exc)}; fix it (it "
                     f"must return the keyword arguments of one generation for seed={spec.seed})"]
         if not isinstance(inputs, Mapping):
             return [f"{where}: inputs {_name(spec.inputs)} returned a {type(inputs).__name__}, "
@@ -109,7 +104,7 @@ def _problems(spec: PipelineSpec) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - the author's pipeline failed
             return [f"{where}: calling the pipeline of {_name(spec.factory)} "
                     f"({type(pipeline).__qualname__}) with the inputs of {_name(spec.inputs)} "
-                    f"raised {_one_line(exc)}; fix the pipeline or its inputs"]
+                    f"raised {one_line(exc)}; fix the pipeline or its inputs"]
         try:
             leaves(output)
         except OutputStructureError as exc:
@@ -123,7 +118,7 @@ def _problems(spec: PipelineSpec) -> list[str]:
         compare_outputs("second run", outputs[1], outputs[0], reference="the first run")
     except CheckFailure as exc:
         return [f"{where}: two fresh builds and runs of seed={spec.seed} differ "
-                f"({_one_line(exc).removeprefix('CheckFailure: ')}); the kit compares offloaded "
+                f"({one_line(exc).removeprefix('CheckFailure: ')}); the kit compares offloaded "
                 f"outputs bitwise against a reference, so seed every random draw (weights in "
                 f"the factory, noise from a generator seeded by the inputs)"]
     return []
@@ -220,7 +215,7 @@ def _pipeline_kind_problem(where: str, pipeline: Any) -> str | None:
             warnings.simplefilter("ignore")  # a declaration-less pipeline: a check reports it
             found = discover_components(pipeline)
     except Exception as exc:  # noqa: BLE001 - a malformed declaration
-        return (f"{where}: the components of {cls} cannot be discovered ({_one_line(exc)}); "
+        return (f"{where}: the components of {cls} cannot be discovered ({one_line(exc)}); "
                 f"fix its _dit_modules / _encoder_modules / _vae_modules declarations")
     if not (found.dits or found.encoders or found.vaes or found.residents):
         return (f"{where}: the pipeline, a {cls}, is neither an nn.Module nor an object with "

@@ -17,7 +17,7 @@ from . import traits as _traits
 
 __all__ = ["ALL_STRATEGIES", "AREAS", "CATALOGUE", "DOCS", "CheckFailure", "CheckInfo",
            "CheckNotApplicable", "NotApplicable", "applicability", "check", "closest", "doc_for",
-           "fail", "not_applicable", "strategy_names"]
+           "fail", "not_applicable", "one_line", "strategy_names"]
 
 
 class CheckFailure(AssertionError):
@@ -34,6 +34,14 @@ def fail(message: str, severity: Any = None) -> None:
     """Raise :class:`CheckFailure`; ``severity`` overrides the check's default level
     (``"wrong output"``, ``"error"``, ``"memory"``, ``"trace"``: :mod:`.severity`)."""
     raise CheckFailure(message, severity)
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` of an exception on one line (whitespace collapsed, at most 200
+    characters of message), for reports that quote it."""
+    text = " ".join(str(exc).split())
+    text = text if len(text) <= 200 else text[:197] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class CheckNotApplicable(Exception):
