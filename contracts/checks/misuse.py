@@ -12,7 +12,7 @@ from torch import nn
 
 from offload_ref.discovery import get_submodule_path
 
-from ..registry import check, fail, not_applicable
+from ..registry import check, fail, not_applicable, one_line
 from ..facts import (Identities, same_values, first_dit, leaves_of, module_view, scalable,
                     tensors_equal, values_equal)
 from .lifecycle import SINGLE_PROCESS
@@ -368,7 +368,7 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
         try:
             _backward(module, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - the model's own: that path is not judged
-            unjudged.append(f"{path} with weights requiring grad: {_first_line(exc)}")
+            unjudged.append(f"{path} with weights requiring grad: {one_line(exc)}")
             continue
         want[path] = _grads(module)
     pipeline = case.build()
@@ -423,7 +423,7 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
         try:
             want_inputs = _input_grads(get_submodule_path(reference, path), args, kwargs)
         except Exception as exc:  # noqa: BLE001 - the model's own: that path is not judged
-            unjudged.append(f"{path} with an input requiring grad: {_first_line(exc)}")
+            unjudged.append(f"{path} with an input requiring grad: {one_line(exc)}")
             continue
         judged += 1
         try:
@@ -447,11 +447,6 @@ def check_backward_is_exact_or_refused_at_forward(case) -> None:
                        + (f" (and {len(unjudged) - 1} more)" if len(unjudged) > 1 else ""))
     case.compare("the next generation", case.run(pipeline), case.reference())
     backend.disable()
-
-
-def _first_line(exc: BaseException, limit: int = 240) -> str:
-    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class _GraphWatch:
