@@ -18,11 +18,24 @@ from .registry import fail
 __all__ = [
     "CopySpy",
     "compare_outputs",
+    "calls_in_a_fresh_generation",
     "observe",
     "output_mismatch",
     "resident_fraction",
     "tensors_of",
 ]
+
+
+def calls_in_a_fresh_generation(
+        case: Any, select: Callable[[Any], Sequence[tuple[str, nn.Module]]]) -> list[str]:
+    """The calls, in order, of the modules ``select(pipeline)`` names (``(path, module)``) in a
+    fresh pipeline of ``case`` during one generation, not offloaded (on the host); the run is
+    forgotten (it is no output a diagnosis reruns)."""
+    fresh = case.build()
+    with observe(select(fresh)) as calls:
+        case.run(fresh)
+    case.forget_runs()
+    return calls
 
 
 def tensors_of(module: Any) -> list[torch.Tensor]:

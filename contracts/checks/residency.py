@@ -16,6 +16,7 @@ from ..case import move_to_device
 from ..registry import check, fail
 from ..observe import (
     CopySpy,
+    calls_in_a_fresh_generation,
     tensor_bytes,
     is_offloaded,
     is_resident,
@@ -313,12 +314,9 @@ def _repeated_pass_start(case: Any, rings: list[Any]) -> list[int | None]:
     """Per ring: the block each pass calls first when a generation of a fresh, un-offloaded
     pipeline calls the ring's blocks as one pass repeated exactly, twice or more; None when it
     does not (one pass, skipped or reordered blocks in some passes)."""
-    fresh = case.build()
-    watched = [(path, get_submodule_path(fresh, path))
-               for stack in rings for path in stack.streamed_paths]
-    with observe(watched) as calls:
-        case.run(fresh)
-    case.forget_runs()
+    calls = calls_in_a_fresh_generation(case, lambda fresh: [
+        (path, get_submodule_path(fresh, path))
+        for stack in rings for path in stack.streamed_paths])
     out: list[int | None] = []
     for stack in rings:
         mine = [stack.streamed_paths.index(p) for p in calls if p in stack.streamed_paths]

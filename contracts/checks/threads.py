@@ -14,7 +14,7 @@ from torch import nn
 from offload_ref.discovery import get_submodule_path
 
 from ..facts import first_dit
-from ..observe import observe, output_mismatch
+from ..observe import calls_in_a_fresh_generation, observe, output_mismatch
 from ..registry import check, fail, not_applicable
 from .lifecycle import SINGLE_PROCESS
 
@@ -49,12 +49,9 @@ def _first_called_inside(case: Any, pipeline: Any, path: str, dit: nn.Module
     out.  (The DiT's own forward hook fires before any context is entered, and a thread waiting
     in the last phase resumes on weights the second generation swapped back.)  Found on a fresh
     pipeline run on the host; the DiT itself when none of its submodules owns tensors."""
-    fresh = case.build()
-    owners = [(name, sub) for name, sub in get_submodule_path(fresh, path).named_modules()
-              if name and any(True for _ in sub.parameters(recurse=False))]
-    with observe(owners) as calls:
-        case.run(fresh)
-    case.forget_runs()
+    calls = calls_in_a_fresh_generation(case, lambda fresh: [
+        (name, sub) for name, sub in get_submodule_path(fresh, path).named_modules()
+        if name and any(True for _ in sub.parameters(recurse=False))])
     if not calls:
         return path, dit
     return f"{path}.{calls[0]}", dit.get_submodule(calls[0])
